@@ -1,0 +1,325 @@
+"""One generic builder: a schedule description plus a scenario in, a networkx DAG out.
+
+The run is cut into *segments* of launch order: segment 0 is the prefill (and the decode
+prologue), segment ``d >= 1`` is the decode body of step ``d``. Tasks keep their true identity
+``(step, kind, layer, index)`` even when a segment launches them early (CGOPipe launches the next
+step's first PreAttn during this step's last layer). A segment's graph holds its own tasks plus,
+marked ``external``, the tasks of the previous segment it depends on; that is all the simulator
+and executor need, since every later segment has the same shape.
+
+Dependencies are derived here for every schedule alike (SPEC 3.6):
+
+* data (read after write): what each kind reads, see :func:`_data_deps`;
+* buffer reuse (write after read), as rings of slots: a weight page may land in its half of the
+  double buffer only after the last task reading the page two layers back; a pinned staging slot
+  is refilled only after the D3 that emptied it; a GPU KV prefetch slot only after the attention
+  that read it.
+
+Every dependency must point to a task launched earlier: on real streams an event that is not yet
+recorded cannot be waited on. A description that breaks this gets a :class:`ScheduleError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Iterator, NamedTuple, NoReturn
+
+import networkx as nx
+
+from taskgraph.errors import ScheduleError
+from taskgraph.schedules import SCHEDULES, STREAM_RESOURCE, Loop, Op, Schedule
+from taskgraph.specs import Scenario
+from taskgraph.work import PAGED, WEIGHT_SECTIONS, TaskWork, WeightLayout
+
+
+class TaskKey(NamedTuple):
+    step: int       # 0 = prefill, 1..G = decode steps
+    kind: str
+    layer: int      # 0-based
+    index: int      # micro-batch, or page for paged kinds
+
+    @property
+    def name(self) -> str:
+        tag = "p" if self.kind in PAGED else "m"
+        return f"{self.kind}[s{self.step},L{self.layer},{tag}{self.index}]"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A scenario bound to a schedule, checked to be runnable (policy and schedule agree)."""
+
+    scenario: Scenario
+    schedule: Schedule
+
+    @property
+    def L(self) -> int:
+        return self.scenario.model.L
+
+    @property
+    def G(self) -> int:
+        return self.scenario.decode_steps
+
+    @property
+    def n(self) -> int:
+        return self.scenario.policy.n_micro
+
+    @cached_property
+    def layout(self) -> WeightLayout:
+        streamed = self.scenario.policy.r_w < 1.0
+        pages = (self.n if self.schedule.paged else 1) if streamed else 0
+        return WeightLayout(self.scenario.model, self.scenario.policy.r_w, pages)
+
+    @cached_property
+    def work(self) -> TaskWork:
+        s = self.scenario
+        return TaskWork(s.model, s.policy, s.workload, self.layout)
+
+    def items(self, kind: str) -> int:
+        return self.layout.n_pages if kind in PAGED else self.n
+
+
+def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Plan:
+    """Bind a schedule (the scenario's own by default) and check it can run the policy."""
+    if schedule is None:
+        schedule = scenario.schedule
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ScheduleError(
+                f"Unknown schedule '{schedule}'; known schedules: {', '.join(SCHEDULES)}."
+            )
+        schedule = SCHEDULES[schedule]
+    p, s = scenario.policy, schedule
+    want_ag = 1 if s.attention == "gpu" else 0
+    if p.A_g != want_ag:
+        where = "GPU" if want_ag else "CPU"
+        others = [n for n, o in SCHEDULES.items() if (o.attention == "gpu") == bool(p.A_g)]
+        raise ScheduleError(
+            f"Schedule {s.name} ({s.title}) runs attention on the {where}, but policy.A_g = "
+            f"{p.A_g}; set policy.A_g={want_ag} or pick a schedule that matches "
+            f"({', '.join(others)})."
+        )
+    if p.F_g != 1:
+        raise ScheduleError(
+            f"policy.F_g = {p.F_g} puts the MoE FFN on the CPU, which none of the schedules "
+            f"{', '.join(SCHEDULES)} does; set policy.F_g=1."
+        )
+    if s.attention == "cpu" and p.r_c > 0:
+        raise ScheduleError(
+            f"policy.r_c = {p.r_c} keeps part of the KV cache on the GPU, but schedule {s.name} "
+            "runs attention on the CPU over a CPU KV cache; set policy.r_c=0 or use S4."
+        )
+    if p.n_micro < s.min_micro_batches:
+        raise ScheduleError(
+            f"Schedule {s.name} ({s.title}) needs at least {s.min_micro_batches} micro-batches, "
+            f"but policy.N / policy.mu = {p.N} / {p.mu} = {p.n_micro}; lower policy.mu or raise "
+            "policy.N."
+        )
+    return Plan(scenario, schedule)
+
+
+# --- launch order ----------------------------------------------------------------------------
+
+def segment_count(plan: Plan) -> int:
+    return plan.G + 1
+
+
+def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
+    """Tasks of segment `d` in launch order (segment 0: prefill and decode prologue)."""
+    if d < 0 or d > plan.G:
+        return []
+    sched = plan.schedule
+    if d == 0:
+        loops = [(0, lp) for lp in sched.prefill] + [(1, lp) for lp in sched.decode_prologue]
+    else:
+        loops = [(d, Loop("layers", sched.decode))]
+    return [key for step, loop in loops for key in _expand(plan, step, loop)
+            if key.step <= plan.G]
+
+
+def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
+    if loop.over == "once":
+        positions = [(0, 0)]
+    elif loop.over == "items":
+        positions = [(0, j) for j in range(plan.layout.n_pages)]
+    else:
+        positions = [(i, j) for i in range(plan.L) for j in range(plan.n)]
+    for i, j in positions:
+        for op in loop.ops:
+            if (op.when == "first" and j) or (op.when == "last_layer" and i != plan.L - 1):
+                continue
+            if plan.items(op.kind) == 0:   # nothing streamed: no weight tasks at all
+                continue
+            yield _place(plan, step, i, j, op)
+
+
+def _place(plan: Plan, step: int, i: int, j: int, op: Op) -> TaskKey:
+    items = plan.items(op.kind)
+    idx = j + op.ahead
+    layer = i + op.layer + idx // items
+    return TaskKey(step + layer // plan.L, op.kind, layer % plan.L, idx % items)
+
+
+# --- dependencies ----------------------------------------------------------------------------
+
+def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
+    """Read-after-write dependencies of a task: what it reads and which task wrote it."""
+    s, kind, l, j = t
+    L, sched = plan.L, plan.schedule
+    K = TaskKey
+    if kind == "Prefill":
+        deps = [K(0, "Prefill", l - 1, j)] if l else []
+    elif kind == "KVOut":
+        deps = [K(0, "Prefill", l, j)] if s == 0 else [K(s, "PreAttn", l, j)]
+    elif kind == "LMHead":
+        deps = [K(0, "Prefill", L - 1, j)] if s == 0 else [K(s, "PostAttn", L - 1, j)]
+    elif kind == "PreAttn":
+        deps = [K(s, "PostAttn", l - 1, j)] if l else [K(s - 1, "LMHead", L - 1, j)]
+    elif kind == "D1":
+        deps = [K(s, "PreAttn", l, j)]
+    elif kind == "CPUAttn":
+        # The KV cache it reads: appended by the previous step's attention, or by prefill.
+        kv = K(s - 1, "CPUAttn", l, j) if s > 1 else K(0, "KVOut", l, j)
+        deps = [K(s, "D1", l, j), kv]
+    elif kind == "D2":
+        deps = [K(s, "CPUAttn", l, j)]
+    elif kind == "D4":
+        deps = [K(s - 1, "KVOut", l, j)]
+    elif kind == "GPUAttn":
+        deps = [K(s, "PreAttn", l, j), K(s, "D4", l, j)]
+    elif kind == "PostAttn":
+        attn = "D2" if sched.attention == "cpu" else "GPUAttn"
+        deps = [K(s, attn, l, j)]
+    elif kind == "D3":
+        deps = [K(s, "W_CtoPin", l, j)] if sched.staging else []
+    elif kind == "W_CtoPin":
+        deps = []
+    else:
+        raise ScheduleError(f"Schedule {sched.name} launches unknown task kind '{kind}'.")
+    section = WEIGHT_SECTIONS.get(kind)
+    if section is not None:
+        deps += [K(s, "D3", l, p) for p in plan.layout.pages_for(section)]
+    return deps
+
+
+class _Ring:
+    """A buffer of slots reused in a fixed cycle: the producer of item g overwrites the slot of
+    item g - back, so it must wait for the last consumer of that item."""
+
+    def __init__(self, name: str, producer: str, back: int, items_per_layer: int, L: int,
+                 first_step: int = 0):
+        self.name, self.producer, self.back = name, producer, back
+        self.per_layer, self.L, self.first_step = items_per_layer, L, first_step
+
+    def item(self, step: int, layer: int, index: int) -> int:
+        """Position in the ring's use order; negative before its first step (slots empty)."""
+        return ((step - self.first_step) * self.L + layer) * self.per_layer + index
+
+
+def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callable]]]]:
+    """The rings of this plan and, per consumer kind, the items of each ring it reads."""
+    L, sched, n_pages = plan.L, plan.schedule, plan.layout.n_pages
+    rings: list[_Ring] = []
+    readers: dict[str, list] = {}
+    if n_pages:
+        w = _Ring("weights", "D3", 2 * n_pages, n_pages, L)   # double buffer: two layers
+        rings.append(w)
+        for kind, section in WEIGHT_SECTIONS.items():
+            pages = plan.layout.pages_for(section)
+            readers.setdefault(kind, []).append(
+                (w, lambda t, w=w, pages=pages: [w.item(t.step, t.layer, p) for p in pages]))
+        if sched.staging:
+            pin = _Ring("pinned", "W_CtoPin", sched.pin_slots, n_pages, L)
+            rings.append(pin)
+            readers.setdefault("D3", []).append(
+                (pin, lambda t, r=pin: [r.item(t.step, t.layer, t.index)]))
+    if sched.attention == "gpu":
+        kv = _Ring("kv", "D4", sched.kv_slots, plan.n, L, first_step=1)  # decode only
+        rings.append(kv)
+        readers.setdefault("GPUAttn", []).append(
+            (kv, lambda t, r=kv: [r.item(t.step, t.layer, t.index)]))
+    return rings, readers
+
+
+# --- the graph -------------------------------------------------------------------------------
+
+def build_segment(plan: Plan, d: int) -> nx.DiGraph:
+    """The DAG of segment `d`: its tasks (attribute ``order`` = launch position) and, marked
+    ``external``, the previous segment's tasks they depend on. Edges carry ``why``: ``data`` or
+    ``reuse:<ring>``."""
+    prev, cur = launch_sequence(plan, d - 1), launch_sequence(plan, d)
+    rings, ring_readers = _rings(plan)
+    producer_of = {r.producer: r for r in rings}
+    launched: dict[TaskKey, tuple[int, int]] = {}       # key -> (segment offset, position)
+    last_reader: dict[tuple[str, int], tuple[int, int]] = {}
+    overwritten: dict[tuple[str, int], TaskKey] = {}
+    later: set[TaskKey] | None = None
+    g = nx.DiGraph(schedule=plan.schedule.name, segment=d, prev_len=len(prev))
+
+    for seg, seq in ((-1, prev), (0, cur)):
+        for pos, key in enumerate(seq):
+            if seg == 0:
+                _add_node(g, plan, key, pos, external=False)
+                for dep in _data_deps(plan, key):
+                    where = launched.get(dep)
+                    if where is None:
+                        if later is None:
+                            later = set(cur[pos:]) | set(launch_sequence(plan, d + 1))
+                        _missing(plan, key, dep, dep in later)
+                    _add_edge(g, plan, dep, where, prev, key, "data")
+                ring = producer_of.get(key.kind)
+                if ring is not None:
+                    old = ring.item(key.step, key.layer, key.index) - ring.back
+                    if old >= 0:
+                        where = last_reader.get((ring.name, old))
+                        if where is None:
+                            raise ScheduleError(
+                                f"Schedule {plan.schedule.name} launches {key.name}, which "
+                                f"reuses a {ring.name} buffer slot whose readers are not in "
+                                "this segment or the one before.")
+                        src = prev[where[1]] if where[0] < 0 else cur[where[1]]
+                        _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
+            launched[key] = (seg, pos)
+            ring = producer_of.get(key.kind)
+            if ring is not None:
+                old = ring.item(key.step, key.layer, key.index) - ring.back
+                overwritten[(ring.name, old)] = key
+            for r, items_of in ring_readers.get(key.kind, ()):
+                for item in items_of(key):
+                    if (r.name, item) in overwritten and seg == 0:
+                        raise ScheduleError(
+                            f"Schedule {plan.schedule.name} launches {key.name} after "
+                            f"{overwritten[(r.name, item)].name}, which overwrites the "
+                            f"{r.name} buffer slot it reads."
+                        )
+                    last_reader[(r.name, item)] = (seg, pos)
+    return g
+
+
+def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool) -> None:
+    stream = plan.schedule.streams[key.kind]
+    work = plan.work.of(key.kind, prefill=key.step == 0)
+    g.add_node(key.name, kind=key.kind, step=key.step, layer=key.layer, index=key.index,
+               stream=stream, resource=STREAM_RESOURCE[stream], order=pos, external=external,
+               flops=work.flops, flops_per_ctx=work.flops_per_ctx, bytes=work.bytes,
+               bytes_per_ctx=work.bytes_per_ctx)
+
+
+def _add_edge(g: nx.DiGraph, plan: Plan, dep: TaskKey, where: tuple[int, int],
+              prev: list[TaskKey], key: TaskKey, why: str) -> None:
+    if dep.name not in g:
+        _add_node(g, plan, dep, where[1], external=True)
+    g.add_edge(dep.name, key.name, why=why)
+
+
+def _missing(plan: Plan, key: TaskKey, dep: TaskKey, launched_later: bool) -> NoReturn:
+    name = f"Schedule {plan.schedule.name} ({plan.schedule.title})"
+    if launched_later:
+        raise ScheduleError(
+            f"{name} launches {key.name} before {dep.name}, which it needs; on real streams it "
+            "would wait on an event not yet recorded. Reorder the schedule's ops."
+        )
+    raise ScheduleError(
+        f"{name} launches {key.name}, which needs {dep.name}, but that task is not launched in "
+        "this segment or the one before; the schedule description is incomplete."
+    )

@@ -1,0 +1,164 @@
+"""The compact form of a plan's task graph, which the simulator (and executor) iterate over.
+
+Unrolling every step into networkx nodes is too slow for real runs (~0.5 M tasks for the T4
+scenario), but every decode step has the same shape: only the context length grows. A
+:class:`Program` therefore keeps a few compiled *templates* (prefill, first decode step, middle
+step, last step), each a set of flat arrays built once from its networkx segment graph, and a list
+saying which template each segment uses and where its tasks start in the global numbering.
+
+Global task id = segment base + position in the segment's launch order. A dependency is stored as
+a negative offset from the task's own id, so it holds whichever segment the template is placed at.
+Dependencies between tasks of one stream are dropped, and of several dependencies on one other
+stream only the last launched is kept: stream order implies the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import networkx as nx
+import numpy as np
+
+from taskgraph.builder import Plan, build_segment
+from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
+from taskgraph.work import KINDS
+
+STREAM_ORDER: tuple[str, ...] = ("gpu", "cpu", "h2d", "h2d_kv", "d2h", "pin")
+KIND_NAMES: tuple[str, ...] = tuple(KINDS)
+
+
+@dataclass
+class Template:
+    """One compiled segment shape."""
+
+    graph: nx.DiGraph
+    kind: np.ndarray          # index into KIND_NAMES
+    stream: np.ndarray        # index into Program.streams
+    resource: np.ndarray      # index into RESOURCES
+    step_rel: np.ndarray      # task step minus the segment number
+    layer: np.ndarray
+    index: np.ndarray
+    flops: np.ndarray
+    flops_per_ctx: np.ndarray
+    nbytes: np.ndarray
+    bytes_per_ctx: np.ndarray
+    deps: list[tuple[int, ...]]                # cross-stream deps, negative id offsets
+    by_stream: list[list[tuple[int, tuple[int, ...]]]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.kind)
+
+
+@dataclass
+class Program:
+    plan: Plan
+    streams: tuple[str, ...]
+    templates: list[Template]
+    seg_template: np.ndarray   # per segment: template index
+    seg_base: np.ndarray       # per segment: global id of its first task
+    total: int
+
+    @property
+    def stream_resource(self) -> list[int]:
+        return [RESOURCES.index(STREAM_RESOURCE[s]) for s in self.streams]
+
+    def context(self, step: np.ndarray | int) -> np.ndarray | int:
+        """KV tokens per sequence when a task of `step` runs (prompt + tokens so far)."""
+        return self.plan.scenario.workload.context_prompt + step
+
+    def column(self, name: str) -> np.ndarray:
+        """A per-task attribute over the whole run, in global id order."""
+        parts = []
+        for d, t in enumerate(self.seg_template):
+            arr = getattr(self.templates[t], name)
+            parts.append(arr + d if name == "step_rel" else arr)
+        return np.concatenate(parts)
+
+    @cached_property
+    def step(self) -> np.ndarray:
+        return self.column("step_rel")
+
+    def durations(self, cost) -> np.ndarray:
+        """Seconds each task takes under a cost model, in global id order."""
+        out = np.empty(self.total)
+        for d, (t, base) in enumerate(zip(self.seg_template, self.seg_base)):
+            tpl = self.templates[t]
+            s = self.context(tpl.step_rel + d)
+            out[base:base + tpl.size] = cost.times(
+                tpl.resource, tpl.flops + tpl.flops_per_ctx * s,
+                tpl.nbytes + tpl.bytes_per_ctx * s)
+        return out
+
+    def segment_of(self, gid: int) -> int:
+        return int(np.searchsorted(self.seg_base, gid, side="right") - 1)
+
+    def task(self, gid: int) -> tuple[int, str, int, int]:
+        """(step, kind, layer, index) of a global task id."""
+        d = self.segment_of(gid)
+        tpl = self.templates[self.seg_template[d]]
+        i = gid - self.seg_base[d]
+        return (int(tpl.step_rel[i]) + d, KIND_NAMES[tpl.kind[i]], int(tpl.layer[i]),
+                int(tpl.index[i]))
+
+
+def compile_plan(plan: Plan) -> Program:
+    """Build the segment graphs a run needs (at most four) and compile them."""
+    G = plan.G
+    keys: list[tuple[bool, bool, bool]] = []
+    templates: list[Template] = []
+    seen: dict[tuple[bool, bool, bool], int] = {}
+    streams = tuple(s for s in STREAM_ORDER if s in set(plan.schedule.streams.values()))
+    seg_template = np.empty(G + 1, dtype=np.int64)
+    for d in range(G + 1):
+        key = (d == 0, d == 1, d == G)
+        if key not in seen:
+            seen[key] = len(templates)
+            keys.append(key)
+            templates.append(_compile(build_segment(plan, d), d, streams))
+        seg_template[d] = seen[key]
+    sizes = np.array([templates[t].size for t in seg_template])
+    seg_base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return Program(plan, streams, templates, seg_template, seg_base, int(sizes.sum()))
+
+
+def _compile(g: nx.DiGraph, d: int, streams: tuple[str, ...]) -> Template:
+    prev_len = g.graph["prev_len"]
+    own = sorted((data["order"], name) for name, data in g.nodes(data=True)
+                 if not data["external"])
+    n = len(own)
+    stream_ix = {s: i for i, s in enumerate(streams)}
+    cols: dict[str, list] = {c: [] for c in (
+        "kind", "stream", "resource", "step_rel", "layer", "index", "flops", "flops_per_ctx",
+        "nbytes", "bytes_per_ctx")}
+    deps: list[tuple[int, ...]] = []
+    by_stream: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in streams]
+    for pos, (order, name) in enumerate(own):
+        assert order == pos, "launch positions must be dense"
+        a = g.nodes[name]
+        sid = stream_ix[a["stream"]]
+        cols["kind"].append(KIND_NAMES.index(a["kind"]))
+        cols["stream"].append(sid)
+        cols["resource"].append(RESOURCES.index(a["resource"]))
+        cols["step_rel"].append(a["step"] - d)
+        cols["layer"].append(a["layer"])
+        cols["index"].append(a["index"])
+        cols["flops"].append(a["flops"])
+        cols["flops_per_ctx"].append(a["flops_per_ctx"])
+        cols["nbytes"].append(a["bytes"])
+        cols["bytes_per_ctx"].append(a["bytes_per_ctx"])
+        latest: dict[str, int] = {}   # other stream -> offset of its last-launched dependency
+        for p in g.predecessors(name):
+            pa = g.nodes[p]
+            if pa["stream"] == a["stream"]:
+                continue
+            offset = (pa["order"] - prev_len if pa["external"] else pa["order"]) - pos
+            latest[pa["stream"]] = max(offset, latest.get(pa["stream"], offset))
+        rel = tuple(sorted(latest.values()))
+        deps.append(rel)
+        by_stream[sid].append((pos, rel))
+    ints = ("kind", "stream", "resource", "step_rel", "layer", "index")
+    arrays = {c: np.array(v, dtype=np.int64 if c in ints else np.float64)
+              for c, v in cols.items()}
+    return Template(graph=g, deps=deps, by_stream=by_stream, **arrays)

@@ -1,0 +1,60 @@
+"""The one cost model: task work -> time on a hardware profile (SPEC 3.4).
+
+A compute task at a level takes its roofline time, ``max(F / P, B / BW)`` with achieved (peak x
+efficiency) FLOP rate and memory bandwidth, plus a fixed per-task overhead (kernel launches,
+thread hand-off). A transfer takes ``bytes / (link bandwidth x efficiency)`` plus the link's
+latency. The pinned staging copy is bound by host memcpy bandwidth. A multi-GPU machine is modelled
+as tensor-parallel: GPU compute, GPU memory and the per-GPU links add up.
+
+The HRM bound of a decode layer (Eq. 12-14) is ``max(comm_CPU->GPU, T_cpu, T_gpu)``: each term the
+time the layer's tasks need on that resource, which no overlap can beat. It is computed from the
+same per-task times the simulator uses, so ``simulated >= bound`` is a theorem, not a hope.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from taskgraph.schedules import RESOURCES
+from taskgraph.specs import HardwareSpec
+
+
+class CostModel:
+    """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
+
+    def __init__(self, hw: HardwareSpec):
+        g, c, k = hw.gpu, hw.cpu, hw.link
+        n = g.count
+        rates = {
+            # resource: (FLOP/s, bytes/s, fixed seconds per task)
+            "gpu": (g.tflops * 1e12 * g.flops_eff * n, g.mem_gbps * 1e9 * g.mem_eff * n,
+                    g.task_overhead_us * 1e-6),
+            "cpu": (c.tflops * 1e12 * c.flops_eff, c.mem_gbps * 1e9 * c.mem_eff,
+                    c.task_overhead_us * 1e-6),
+            "h2d": (math.inf, k.h2d_gbps * 1e9 * k.h2d_eff * n, k.latency_us * 1e-6),
+            "d2h": (math.inf, k.d2h_gbps * 1e9 * k.d2h_eff * n, k.latency_us * 1e-6),
+            "pin": (math.inf, c.memcpy_gbps * 1e9, c.task_overhead_us * 1e-6),
+        }
+        self.hardware = hw
+        self.flops_rate = np.array([rates[r][0] for r in RESOURCES])
+        self.byte_rate = np.array([rates[r][1] for r in RESOURCES])
+        self.overhead = np.array([rates[r][2] for r in RESOURCES])
+
+    def time(self, resource: str, flops: float, nbytes: float) -> float:
+        """Seconds one task takes on `resource`."""
+        i = RESOURCES.index(resource)
+        return max(flops / self.flops_rate[i], nbytes / self.byte_rate[i]) + self.overhead[i]
+
+    def times(self, resource: np.ndarray, flops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`time` over arrays of resource indexes and work."""
+        return (np.maximum(flops / self.flops_rate[resource], nbytes / self.byte_rate[resource])
+                + self.overhead[resource])
+
+
+def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:
+    """Per-layer HRM lower bound in seconds, and the resource that sets it, from the total time
+    each resource must spend on decode work over `layers` layer executions."""
+    binding = max(decode_busy_s, key=decode_busy_s.__getitem__)
+    return decode_busy_s[binding] / layers, binding

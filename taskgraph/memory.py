@@ -1,0 +1,99 @@
+"""The one memory model (SPEC 3.5): what a plan keeps in GPU and CPU memory at its peak.
+
+Buffers in these schedules are allocated once and reused (double-buffered weights, pinned staging
+slots, KV prefetch slots), so the peak is the sum of the allocations, not a time-varying curve.
+Used to reject policies that do not fit and to report peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from taskgraph.errors import MemoryFitError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per item in GPU memory (all GPUs together) and CPU memory, and usable capacity."""
+
+    gpu: dict[str, float]
+    cpu: dict[str, float]
+    gpu_capacity: float
+    cpu_capacity: float
+    gpu_count: int
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def cpu_total(self) -> float:
+        return sum(self.cpu.values())
+
+    @property
+    def gpu_peak_gb(self) -> float:
+        """Per GPU: tensor parallelism splits every item evenly."""
+        return self.gpu_total / self.gpu_count / GB
+
+    @property
+    def cpu_peak_gb(self) -> float:
+        return self.cpu_total / GB
+
+
+def memory_footprint(plan) -> MemoryReport:
+    """Peak GPU and CPU memory of a plan (a :class:`taskgraph.builder.Plan`)."""
+    sc, sched, layout = plan.scenario, plan.schedule, plan.layout
+    m, p, w, hw = sc.model, sc.policy, sc.workload, sc.hardware
+    b = m.dtype_bytes
+    prompt = w.context_prompt
+    context = prompt + sc.decode_steps
+    kv_all = p.N * m.L * context * m.kv_bytes_per_token
+
+    decode_act = b * p.mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
+    prefill_tokens = p.mu * prompt
+    prefill_act = b * (prefill_tokens * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
+                       + p.mu * m.n_q * prompt * prompt)  # attention scores, not fused
+    gpu = {
+        "resident weights (r_w)": p.r_w * m.L * m.layer_bytes,
+        "embedding + LM head": float(m.embed_bytes),
+        "weight double buffer": 2 * layout.streamed_bytes,
+        "activations (one micro-batch)": float(max(decode_act, prefill_act)),
+        "hidden states (N sequences)": float(2 * b * p.N * m.h),
+    }
+    if sched.attention == "gpu":
+        gpu["KV cache on GPU (r_c)"] = p.r_c * kv_all
+        gpu["KV prefetch buffers"] = float(sched.kv_slots * p.mu * context * m.kv_bytes_per_token)
+    cpu = {
+        "weights (1 - r_w)": (1 - p.r_w) * m.L * m.layer_bytes,
+        "KV cache (1 - r_c)": (1 - p.r_c) * kv_all,
+        "hidden-state buffers": float(2 * b * p.N * (2 * m.h + 2 * m.h_kv)),
+    }
+    if sched.staging:
+        cpu["pinned staging"] = sched.pin_slots * layout.page_bytes
+    return MemoryReport(
+        gpu=gpu, cpu=cpu,
+        gpu_capacity=hw.gpu.memory_gb * GB * hw.gpu.usable_fraction * hw.gpu.count,
+        cpu_capacity=hw.cpu.memory_gb * GB * hw.cpu.usable_fraction,
+        gpu_count=hw.gpu.count,
+    )
+
+
+def check_fits(report: MemoryReport, schedule: str) -> None:
+    """Raise :class:`MemoryFitError` naming the binding constraint and by how much it is over."""
+    for where, items, cap, spec, knobs in (
+        ("GPU", report.gpu, report.gpu_capacity, "hardware.gpu", "policy.r_w, policy.mu or policy.r_c"),
+        ("CPU", report.cpu, report.cpu_capacity, "hardware.cpu",
+         "policy.N, workload.gen_len or policy.r_w"),
+    ):
+        need = sum(items.values())
+        if need > cap:
+            top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
+            listing = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in top)
+            raise MemoryFitError(
+                f"The policy does not fit in {where} memory with schedule {schedule}: it needs "
+                f"{need / GB:.2f} GB but {cap / GB:.2f} GB is usable ({spec}.memory_gb x "
+                f"{spec}.usable_fraction), {(need - cap) / GB:.2f} GB over. Largest items: "
+                f"{listing}. Lower {knobs}, or use a machine with more {where} memory."
+            )

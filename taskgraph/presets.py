@@ -1,0 +1,83 @@
+"""Named models and machines, as plain mappings that a scenario can start from and override.
+
+Model shapes are from the models' public config.json. GPU peaks are datasheet figures (SPEC 3.2);
+efficiencies are starting points, not measurements: pinned PCIe copies reach about 80% of the
+theoretical rate, and host figures follow the MoE-Lightning artifact's optimizer profiles (T4 host
+0.8 TFLOPS achieved, L4 host 1.6, host memory ~100 GiB/s, L4 CPU->GPU ~16 GiB/s). `tg calibrate`
+replaces them with measured ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODELS: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": dict(h=4096, h_i=14336, L=32, n_q=32, n_kv=8, E=8, k=2, V=32000),
+    "mixtral-8x22b": dict(h=6144, h_i=16384, L=56, n_q=48, n_kv=8, E=8, k=2, V=32768),
+    "dbrx": dict(h=6144, h_i=10752, L=40, n_q=48, n_kv=8, E=16, k=4, V=100352),
+    # Small enough for tests and the CPU executor.
+    "tiny": dict(h=256, h_i=512, L=4, n_q=8, n_kv=2, E=8, k=2, V=1024),
+}
+
+_GPUS: dict[str, dict[str, Any]] = {
+    "T4": dict(memory_gb=16, mem_gbps=320, tflops=65, flops_eff=0.6, mem_eff=0.85),
+    "L4": dict(memory_gb=24, mem_gbps=300, tflops=121, flops_eff=0.6, mem_eff=0.85),
+    "A100-80G": dict(memory_gb=80, mem_gbps=2039, tflops=312, flops_eff=0.7, mem_eff=0.85),
+    "H100-SXM": dict(memory_gb=80, mem_gbps=3350, tflops=989, flops_eff=0.6, mem_eff=0.85),
+    "H200": dict(memory_gb=141, mem_gbps=4800, tflops=989, flops_eff=0.6, mem_eff=0.85),
+}
+
+_LINKS: dict[str, dict[str, Any]] = {
+    "pcie3": dict(h2d_gbps=15.75, d2h_gbps=15.75, h2d_eff=0.8, d2h_eff=0.8, latency_us=10),
+    # The L4 machines of the paper reach ~16 GiB/s host->device, about 55% of PCIe 4.0 x16.
+    "pcie4-l4": dict(h2d_gbps=31.5, d2h_gbps=31.5, h2d_eff=0.55, d2h_eff=0.55, latency_us=10),
+    "pcie4": dict(h2d_gbps=31.5, d2h_gbps=31.5, h2d_eff=0.8, d2h_eff=0.8, latency_us=10),
+    "pcie5": dict(h2d_gbps=63.0, d2h_gbps=63.0, h2d_eff=0.8, d2h_eff=0.8, latency_us=8),
+}
+
+_HOSTS: dict[str, dict[str, Any]] = {
+    # The paper's 1xT4 / 1xL4 host: 24-core Xeon @2.2-2.3 GHz, 192 GB.
+    "xeon-24c": dict(name="Xeon 24-core 2.3 GHz", cores=24, memory_gb=192, mem_gbps=140,
+                     tflops=1.6, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20),
+    "xeon-24c-l4": dict(name="Xeon 24-core 2.2 GHz", cores=24, memory_gb=192, mem_gbps=140,
+                        tflops=1.8, flops_eff=0.9, mem_eff=0.75, memcpy_gbps=20),
+    # The paper's 2x/4xT4 host: 32 cores, 416 GB.
+    "xeon-32c": dict(name="Xeon 32-core 2.3 GHz", cores=32, memory_gb=416, mem_gbps=140,
+                     tflops=2.4, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20),
+    "epyc-64c": dict(name="EPYC 64-core", cores=64, memory_gb=1024, mem_gbps=300,
+                     tflops=4.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=40),
+    "xeon-112c": dict(name="2x Xeon 56-core", cores=112, memory_gb=2048, mem_gbps=600,
+                      tflops=8.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=50),
+    # An H100 cloud slice with few host cores: the "weak CPU" case the reviewers asked about.
+    "weak-16c": dict(name="16 vCPU", cores=16, memory_gb=256, mem_gbps=100,
+                     tflops=0.8, flops_eff=0.5, mem_eff=0.7, memcpy_gbps=15),
+}
+
+
+def _machine(name: str, gpu: str, count: int, link: str, host: str) -> dict[str, Any]:
+    return dict(
+        name=name,
+        gpu=dict(name=gpu, count=count, **_GPUS[gpu]),
+        cpu=dict(_HOSTS[host]),
+        link=dict(_LINKS[link]),
+    )
+
+
+HARDWARE: dict[str, dict[str, Any]] = {
+    "t4": _machine("1xT4", "T4", 1, "pcie3", "xeon-24c"),
+    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c"),
+    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c"),
+    "l4": _machine("1xL4", "L4", 1, "pcie4-l4", "xeon-24c-l4"),
+    "a100-80g": _machine("1xA100-80G", "A100-80G", 1, "pcie4", "epyc-64c"),
+    "2xa100-80g": _machine("2xA100-80G", "A100-80G", 2, "pcie4", "epyc-64c"),
+    "h100": _machine("1xH100", "H100-SXM", 1, "pcie5", "xeon-112c"),
+    "h100-weak-host": _machine("1xH100, weak host", "H100-SXM", 1, "pcie5", "weak-16c"),
+    "h200": _machine("1xH200", "H200", 1, "pcie5", "xeon-112c"),
+}
+
+# Workload shapes from the paper (SPEC 6).
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mtbench": dict(prompt_len=77, max_prompt_len=418, gen_len=128),
+    "helm-reasoning": dict(prompt_len=242, max_prompt_len=256, gen_len=50),
+    "helm-summarization": dict(prompt_len=1693, max_prompt_len=1984, gen_len=64),
+}

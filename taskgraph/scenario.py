@@ -1,0 +1,289 @@
+"""Scenario files: YAML in, a validated :class:`Scenario` out, or one clear paragraph of error.
+
+A scenario has sections ``model``, ``hardware``, ``workload``, ``policy``, ``schedule`` and an
+optional ``expect``. ``model``, ``hardware`` and ``workload`` may each be a preset name, a file
+(``*.json``: a Hugging Face config.json for the model; ``*.yaml``: a hardware profile), or a
+mapping that starts from ``preset:`` (or ``hf_config:`` / ``file:``) and overrides fields.
+``--set a.b=value`` overrides are applied to the raw document before validation, so they are
+checked exactly like the file.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from taskgraph import presets
+from taskgraph.errors import TgError
+from taskgraph.specs import Scenario
+
+_SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "expect", "name")
+
+
+def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Read, override and validate a scenario file."""
+    path = Path(path)
+    doc = _read_yaml(path, what="scenario file")
+    if not isinstance(doc, dict):
+        raise TgError(
+            f"Scenario file '{path}' must be a YAML mapping with sections "
+            f"{', '.join(_SECTIONS[:5])}; it holds a {type(doc).__name__}."
+        )
+    for item in overrides:
+        _apply_override(doc, item)
+    return scenario_from_dict(doc, source=str(path), base_dir=path.parent,
+                              default_name=path.stem)
+
+
+def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
+                       base_dir: Path = Path("."), default_name: str = "scenario") -> Scenario:
+    """Validate a scenario given as a plain mapping (the YAML document)."""
+    unknown = [k for k in doc if k not in _SECTIONS]
+    if unknown:
+        raise TgError(
+            f"Invalid scenario {source}: unknown section '{unknown[0]}'; "
+            f"a scenario has sections {', '.join(_SECTIONS)}."
+        )
+    raw = dict(doc)
+    raw.setdefault("name", default_name)
+    if raw.get("policy") == "auto":
+        raise TgError(
+            f"Invalid scenario {source}: policy: auto asks for a policy search, which this "
+            "version of tg does not have yet; give the policy as a mapping of N, mu, A_g, F_g, "
+            "r_w and r_c."
+        )
+    for key, resolve in (("model", _resolve_model), ("hardware", _resolve_hardware),
+                         ("workload", _resolve_workload)):
+        if key in raw:
+            raw[key] = resolve(raw[key], source, base_dir)
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as err:
+        raise TgError(_explain(err, source)) from None
+    _check_schedule_names(scenario, source)
+    return scenario
+
+
+def model_from_hf_config(path: str | Path) -> dict[str, Any]:
+    """Model fields from a Hugging Face ``config.json`` (Mixtral or DBRX field names)."""
+    path = Path(path)
+    cfg = _read_json(path)
+    try:
+        if "d_model" in cfg:  # DBRX
+            ffn, attn = cfg.get("ffn_config", {}), cfg.get("attn_config", {})
+            return dict(name=cfg.get("_name_or_path", path.stem) or path.stem,
+                        h=cfg["d_model"], h_i=ffn["ffn_hidden_size"], L=cfg["n_layers"],
+                        n_q=cfg["n_heads"], n_kv=attn["kv_n_heads"], E=ffn["moe_num_experts"],
+                        k=ffn["moe_top_k"], V=cfg["vocab_size"])
+        return dict(name=cfg.get("_name_or_path", path.stem) or path.stem,
+                    h=cfg["hidden_size"], h_i=cfg["intermediate_size"],
+                    L=cfg["num_hidden_layers"], n_q=cfg["num_attention_heads"],
+                    n_kv=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                    E=cfg["num_local_experts"], k=cfg["num_experts_per_tok"],
+                    V=cfg["vocab_size"])
+    except KeyError as missing:
+        raise TgError(
+            f"Model config '{path}' lacks the field {missing}; tg reads Mixtral-style "
+            "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
+            "num_key_value_heads, num_local_experts, num_experts_per_tok, vocab_size) and "
+            "DBRX-style config.json files."
+        ) from None
+
+
+# --- overrides -------------------------------------------------------------------------------
+
+def _apply_override(doc: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise TgError(f"Override '{item}' must look like key.path=value, "
+                      "e.g. --set policy.mu=36.")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    parts = key.strip().split(".")
+    node = doc
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif isinstance(child, str) and depth == 0 and part in ("model", "hardware", "workload"):
+            child = node[part] = {"preset": child} if not _is_file(child) else {"file": child}
+        elif not isinstance(child, dict):
+            raise TgError(
+                f"Override '{item}': '{'.'.join(parts[:depth + 1])}' is {child!r}, not a "
+                "mapping, so it has no field to set."
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+# --- sections --------------------------------------------------------------------------------
+
+def _resolve_model(value: Any, source: str, base_dir: Path) -> Any:
+    if isinstance(value, str):
+        value = {"file": value} if _is_file(value) else {"preset": value}
+    if not isinstance(value, dict):
+        return value
+    value = dict(value)
+    base: dict[str, Any] = {}
+    if "preset" in value:
+        name = value.pop("preset")
+        if name not in presets.MODELS:
+            raise TgError(
+                f"Invalid scenario {source}: model '{name}' is not a preset; known models: "
+                f"{', '.join(presets.MODELS)} (or give a Hugging Face config.json path)."
+            )
+        base = dict(presets.MODELS[name], name=name)
+    for key in ("file", "hf_config"):
+        if key in value:
+            base = model_from_hf_config(_resolve_path(value.pop(key), base_dir))
+    return _merge(base, value)
+
+
+def _resolve_hardware(value: Any, source: str, base_dir: Path) -> Any:
+    if isinstance(value, str):
+        value = {"file": value} if _is_file(value) else {"preset": value}
+    if not isinstance(value, dict):
+        return value
+    value = dict(value)
+    base: dict[str, Any] = {}
+    if "preset" in value:
+        name = value.pop("preset")
+        if name not in presets.HARDWARE:
+            raise TgError(
+                f"Invalid scenario {source}: hardware '{name}' is not a preset; known machines: "
+                f"{', '.join(presets.HARDWARE)} (or give a hardware profile .yaml)."
+            )
+        base = presets.HARDWARE[name]
+    if "file" in value:
+        path = _resolve_path(value.pop("file"), base_dir)
+        profile = _read_yaml(path, what="hardware profile")
+        if not isinstance(profile, dict):
+            raise TgError(f"Hardware profile '{path}' must be a YAML mapping.")
+        base = _resolve_hardware(profile, str(path), path.parent)
+    return _merge(base, value)
+
+
+def _resolve_workload(value: Any, source: str, base_dir: Path) -> Any:
+    if isinstance(value, str):
+        value = {"preset": value}
+    if not isinstance(value, dict) or "preset" not in value:
+        return value
+    value = dict(value)
+    name = value.pop("preset")
+    if name not in presets.WORKLOADS:
+        raise TgError(
+            f"Invalid scenario {source}: workload '{name}' is not a preset; known workloads: "
+            f"{', '.join(presets.WORKLOADS)}."
+        )
+    return _merge(presets.WORKLOADS[name], value)
+
+
+def _check_schedule_names(scenario: Scenario, source: str) -> None:
+    from taskgraph.schedules import SCHEDULES
+
+    names = [("schedule", scenario.schedule)]
+    if scenario.expect is not None:
+        names += [("expect", n) for n in scenario.expect.schedules()]
+    for field, name in names:
+        if name not in SCHEDULES:
+            raise TgError(
+                f"Invalid scenario {source}: {field} names schedule '{name}', which tg does not "
+                f"know; known schedules: {', '.join(SCHEDULES)}."
+            )
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _is_file(text: str) -> bool:
+    return text.endswith((".json", ".yaml", ".yml"))
+
+
+def _resolve_path(text: str, base_dir: Path) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = base_dir / path
+    return path
+
+
+def _read_yaml(path: Path, *, what: str) -> Any:
+    if not path.is_file():
+        raise TgError(f"The {what} '{path}' does not exist (or is not a file).")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise TgError(f"The {what} '{path}' is not valid YAML{where}: {problem}.") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise TgError(f"The model config '{path}' does not exist (or is not a file).")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TgError(f"The model config '{path}' is not valid JSON: {err}.") from None
+    if not isinstance(data, dict):
+        raise TgError(f"The model config '{path}' must hold a JSON object.")
+    return data
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(e["loc"][:-1])
+            msg = "unknown key" + (f" (known keys: {', '.join(allowed)})" if allowed else "")
+        elif kind == "missing":
+            msg = "required but missing"
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            if "input" in e and not isinstance(e["input"], dict):
+                msg += f" (got {e['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return f"Invalid scenario {source}: " + "; ".join(parts) + "."
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names of the model at `loc` inside Scenario, for 'unknown key' hints."""
+    cls: Any = Scenario
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        cls = _model_class(field.annotation)
+        if cls is None:
+            return []
+    return list(cls.model_fields)
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_class(arg)
+            if found is not None:
+                return found
+    return None

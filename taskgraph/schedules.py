@@ -1,0 +1,134 @@
+"""The schedules of SPEC 3.6, written as data.
+
+A schedule says which tasks to launch, in which order, on which stream. It says nothing about
+dependencies: those follow from what each task reads and writes, and the one generic builder
+(:mod:`taskgraph.builder`) derives them for every schedule alike.
+
+Launch order is given by loops of :class:`Op`. In the decode body an op is launched for every
+layer ``i`` and micro-batch ``j``; ``ahead`` and ``layer`` shift the task it launches forward
+(``PreAttn`` two micro-batches ahead, page ``j`` of the *next* layer's weights), and a position
+past the last micro-batch (or page) wraps into the following layer and, past the last layer, into
+the next decode step. Ops on weight kinds count pages instead of micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+#: Stream -> the resource it occupies. Streams are in-order queues; a resource runs one task at a
+#: time. Two streams on one resource (S4's weight and KV loads) take turns on it.
+STREAM_RESOURCE: dict[str, str] = {
+    "gpu": "gpu", "cpu": "cpu", "h2d": "h2d", "h2d_kv": "h2d", "d2h": "d2h", "pin": "pin",
+}
+RESOURCES: tuple[str, ...] = ("gpu", "cpu", "h2d", "d2h", "pin")
+
+
+@dataclass(frozen=True)
+class Op:
+    """Launch one task of `kind` at the loop position, shifted `ahead` items and `layer` layers."""
+
+    kind: str
+    ahead: int = 0
+    layer: int = 0
+    when: Literal["each", "first", "last_layer"] = "each"
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Ops launched once (``once``), for every page of the first layer (``items``), or for every
+    layer and micro-batch (``layers``)."""
+
+    over: Literal["once", "items", "layers"]
+    ops: tuple[Op, ...]
+
+
+_STREAMS = {
+    "Prefill": "gpu", "PreAttn": "gpu", "GPUAttn": "gpu", "PostAttn": "gpu", "LMHead": "gpu",
+    "CPUAttn": "cpu", "D1": "d2h", "KVOut": "d2h", "D2": "h2d", "D3": "h2d", "D4": "h2d",
+    "W_CtoPin": "pin",
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    title: str
+    summary: str
+    attention: Literal["cpu", "gpu"]
+    paged: bool                 # weights cross in one page per micro-batch, else one per layer
+    staging: bool               # weights pass through pinned staging buffers (W_CtoPin)
+    prefill: tuple[Loop, ...]
+    decode_prologue: tuple[Loop, ...]
+    decode: tuple[Op, ...]
+    streams: dict[str, str] = field(default_factory=lambda: dict(_STREAMS))
+    min_micro_batches: int = 1
+    pin_slots: int = 2          # pinned staging pages
+    kv_slots: int = 2           # GPU KV prefetch buffers
+
+
+_LMHEAD = Op("LMHead", when="last_layer")
+
+_PREFILL_WHOLE = (
+    Loop("once", (Op("D3"),)),
+    Loop("layers", (Op("D3", layer=1, when="first"), Op("Prefill"), Op("KVOut"), _LMHEAD)),
+)
+
+_PREFILL_PAGED = (
+    Loop("once", (Op("W_CtoPin"), Op("W_CtoPin", ahead=1))),
+    Loop("items", (Op("D3"), Op("W_CtoPin", ahead=2))),
+    Loop("layers", (Op("D3", layer=1), Op("Prefill"), Op("KVOut"),
+                    Op("W_CtoPin", layer=1, ahead=2), _LMHEAD)),
+)
+
+# PreAttn, D1 and CPUAttn of micro-batches 1 and 2 before the first layer (Algorithm 1).
+_CPU_PROLOGUE = (Loop("once", (Op("PreAttn"), Op("D1"), Op("CPUAttn"),
+                               Op("PreAttn", ahead=1), Op("D1", ahead=1),
+                               Op("CPUAttn", ahead=1))),)
+
+S1 = Schedule(
+    name="S1", title="CGOPipe",
+    summary="CPU attention two micro-batches ahead; next layer's weights in pages "
+            "interleaved with hidden-state transfers",
+    attention="cpu", paged=True, staging=True, min_micro_batches=2,
+    prefill=_PREFILL_PAGED,
+    decode_prologue=_CPU_PROLOGUE,
+    decode=(Op("D2"), Op("D3", layer=1), Op("PostAttn"), _LMHEAD,
+            Op("PreAttn", ahead=2), Op("D1", ahead=2), Op("CPUAttn", ahead=2),
+            Op("W_CtoPin", layer=1, ahead=2)),
+)
+
+S2 = Schedule(
+    name="S2", title="FastDecode-like",
+    summary="CPU attention overlapped as in CGOPipe, but the next layer's weights cross whole",
+    attention="cpu", paged=False, staging=False, min_micro_batches=2,
+    prefill=_PREFILL_WHOLE,
+    decode_prologue=_CPU_PROLOGUE,
+    decode=(Op("D2"), Op("D3", layer=1, when="first"), Op("PostAttn"), _LMHEAD,
+            Op("PreAttn", ahead=2), Op("D1", ahead=2), Op("CPUAttn", ahead=2)),
+)
+
+S3 = Schedule(
+    name="S3", title="FlexGen (CPU attention)",
+    summary="each micro-batch strictly PreAttn, D1, CPUAttn, D2, PostAttn; only the whole-layer "
+            "weight prefetch overlaps",
+    attention="cpu", paged=False, staging=False,
+    prefill=_PREFILL_WHOLE,
+    decode_prologue=(),
+    decode=(Op("D3", layer=1, when="first"), Op("PreAttn"), Op("D1"), Op("CPUAttn"),
+            Op("D2"), Op("PostAttn"), _LMHEAD),
+)
+
+S4 = Schedule(
+    name="S4", title="FlexGen (GPU attention)",
+    summary="attention on the GPU; the next micro-batch's KV cache is prefetched on its own "
+            "stream and competes with the whole-layer weight prefetch for the CPU->GPU link",
+    attention="gpu", paged=False, staging=False,
+    prefill=_PREFILL_WHOLE,
+    decode_prologue=(Loop("once", (Op("D4"),)),),
+    decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn"), Op("GPUAttn"),
+            Op("KVOut"), Op("PostAttn"), _LMHEAD),
+    streams=dict(_STREAMS, D4="h2d_kv"),
+)
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4)}

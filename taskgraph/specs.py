@@ -1,0 +1,239 @@
+"""Validated descriptions of what is simulated: model, hardware, workload, policy, scenario.
+
+Units: sizes in bytes unless a field name says ``_gb`` (10^9 bytes); bandwidths in GB/s
+(10^9 bytes per second); compute in TFLOPS (10^12 FLOP/s); times in seconds unless ``_us``/``_ms``.
+Every hardware figure is a datasheet peak plus an achieved-efficiency factor, so a profile says
+both what the part is sold as and what it delivers (`tg calibrate` measures the latter).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+Positive = Field(gt=0)
+Fraction = Field(ge=0.0, le=1.0)
+Efficiency = Field(gt=0.0, le=1.0)
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only MoE transformer (SPEC 3.1)."""
+
+    model_config = _STRICT
+
+    name: str = "custom"
+    h: int = Positive
+    h_i: int = Positive
+    L: int = Positive
+    n_q: int = Positive
+    n_kv: int = Positive
+    E: int = Positive
+    k: int = Positive
+    V: int = Positive
+    dtype_bytes: int = Field(default=2, gt=0)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelSpec":
+        if self.h % self.n_q:
+            raise ValueError(f"h = {self.h} is not a multiple of n_q = {self.n_q}")
+        if self.n_q % self.n_kv:
+            raise ValueError(f"n_q = {self.n_q} is not a multiple of n_kv = {self.n_kv}")
+        if self.k > self.E:
+            raise ValueError(f"k = {self.k} experts per token exceeds E = {self.E} experts")
+        return self
+
+    @property
+    def d(self) -> int:
+        """Head dimension."""
+        return self.h // self.n_q
+
+    @property
+    def h_kv(self) -> int:
+        """Width of K (and of V): n_kv heads of d."""
+        return self.n_kv * self.d
+
+    # Per-layer weight sections, in the order they lie in a layer's weight buffer. Only the
+    # streamed tail of a layer is paged, so the order decides which tasks wait for which pages.
+    @property
+    def qkv_bytes(self) -> int:
+        return self.dtype_bytes * self.h * (self.h + 2 * self.h_kv)
+
+    @property
+    def o_bytes(self) -> int:
+        return self.dtype_bytes * self.h * self.h
+
+    @property
+    def router_bytes(self) -> int:
+        return self.dtype_bytes * self.h * self.E
+
+    @property
+    def expert_bytes(self) -> int:
+        """One SwiGLU expert: w1, w3 (up) and w2 (down)."""
+        return self.dtype_bytes * 3 * self.h * self.h_i
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.qkv_bytes + self.o_bytes + self.router_bytes + self.E * self.expert_bytes
+
+    @property
+    def embed_bytes(self) -> int:
+        """Token embedding plus LM head (untied), kept on the GPU."""
+        return 2 * self.dtype_bytes * self.V * self.h
+
+    @property
+    def model_bytes(self) -> int:
+        return self.L * self.layer_bytes + self.embed_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.dtype_bytes * self.h_kv
+
+    def experts_hit(self, tokens: float) -> float:
+        """Expected number of distinct experts that `tokens` tokens route to: E(1 - (1 - k/E)^t)."""
+        return self.E * (1.0 - (1.0 - self.k / self.E) ** tokens)
+
+
+class GPUSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    count: int = Field(default=1, gt=0)
+    memory_gb: float = Positive
+    usable_fraction: float = Field(default=0.86, gt=0.0, le=1.0)
+    mem_gbps: float = Positive
+    tflops: float = Positive
+    flops_eff: float = Efficiency
+    mem_eff: float = Efficiency
+    task_overhead_us: float = Field(default=10.0, ge=0.0)
+
+
+class CPUSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    cores: int = Positive
+    memory_gb: float = Positive
+    usable_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
+    mem_gbps: float = Positive
+    tflops: float = Positive
+    flops_eff: float = Efficiency
+    mem_eff: float = Efficiency
+    memcpy_gbps: float = Positive
+    task_overhead_us: float = Field(default=20.0, ge=0.0)
+
+
+class LinkSpec(BaseModel):
+    """The CPU-GPU link of one GPU. The two directions run in parallel; transfers in one
+    direction share it and run one after another."""
+
+    model_config = _STRICT
+
+    h2d_gbps: float = Positive
+    d2h_gbps: float = Positive
+    h2d_eff: float = Efficiency
+    d2h_eff: float = Efficiency
+    latency_us: float = Field(default=10.0, ge=0.0)
+
+
+class HardwareSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str = "custom"
+    gpu: GPUSpec
+    cpu: CPUSpec
+    link: LinkSpec
+
+
+class WorkloadSpec(BaseModel):
+    """Offline batch decoding. With ``padded`` every prompt counts as ``max_prompt_len`` tokens
+    (FlexGen's padding); otherwise prompts count at their mean length, as variable-length batching
+    packs them."""
+
+    model_config = _STRICT
+
+    prompt_len: int = Positive
+    max_prompt_len: int | None = Field(default=None, gt=0)
+    gen_len: int = Positive
+    padded: bool = False
+
+    @model_validator(mode="after")
+    def _max(self) -> "WorkloadSpec":
+        if self.max_prompt_len is not None and self.max_prompt_len < self.prompt_len:
+            raise ValueError(
+                f"max_prompt_len = {self.max_prompt_len} is below prompt_len = {self.prompt_len}"
+            )
+        return self
+
+    @property
+    def context_prompt(self) -> int:
+        """Prompt tokens each sequence holds in the KV cache."""
+        if self.padded:
+            return self.max_prompt_len or self.prompt_len
+        return self.prompt_len
+
+
+class PolicySpec(BaseModel):
+    """(N, mu, A_g, F_g, r_w, r_c) of SPEC 3.5."""
+
+    model_config = _STRICT
+
+    N: int = Positive
+    mu: int = Positive
+    A_g: Literal[0, 1] = 0
+    F_g: Literal[0, 1] = 1
+    r_w: float = Fraction
+    r_c: float = Fraction
+
+    @field_validator("mu")
+    @classmethod
+    def _mu_divides_n(cls, mu: int, info) -> int:
+        n = info.data.get("N")
+        if n is not None:
+            if mu > n:
+                raise ValueError(f"mu = {mu} exceeds N = {n}: a micro-batch cannot exceed the batch")
+            if n % mu:
+                raise ValueError(f"N = {n} is not a multiple of mu = {mu}")
+        return mu
+
+    @property
+    def n_micro(self) -> int:
+        return self.N // self.mu
+
+
+class Expect(BaseModel):
+    """What `tg compare --check` enforces (a CI gate on simulated performance)."""
+
+    model_config = _STRICT
+
+    beats: dict[str, list[str]] = Field(default_factory=dict)
+    min_efficiency: dict[str, float] = Field(default_factory=dict)
+    max_decode_layer_ms: dict[str, float] = Field(default_factory=dict)
+    min_throughput_tok_s: dict[str, float] = Field(default_factory=dict)
+
+    def schedules(self) -> list[str]:
+        names: list[str] = []
+        for winner, losers in self.beats.items():
+            names += [winner, *losers]
+        for table in (self.min_efficiency, self.max_decode_layer_ms, self.min_throughput_tok_s):
+            names += list(table)
+        return list(dict.fromkeys(names))
+
+
+class Scenario(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    model: ModelSpec
+    hardware: HardwareSpec
+    workload: WorkloadSpec
+    policy: PolicySpec
+    schedule: str = "S1"
+    expect: Expect | None = None
+
+    @property
+    def decode_steps(self) -> int:
+        return self.workload.gen_len

@@ -1,0 +1,159 @@
+"""What each task kind does: FLOPs and bytes (SPEC 3.3), and where a layer's weights lie.
+
+Work is affine in the context length ``s`` (tokens in a sequence's KV cache when the task runs),
+``flops + flops_per_ctx * s``, so one compiled step serves every decode step. Bytes are those the
+task moves through the memory of the device it runs on, or over the link for transfers, or through
+host memory for the pinned staging copy. Durations are not here: the cost model turns work into
+time for a hardware profile, and the executor measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from taskgraph.specs import ModelSpec, PolicySpec, WorkloadSpec
+
+# Every task kind, with a one-line meaning. Schedules place them on streams.
+KINDS: dict[str, str] = {
+    "Prefill": "one layer of the prompt on the GPU: attention and MoE FFN over mu*p tokens",
+    "KVOut": "new K,V of a micro-batch, GPU -> CPU (the whole prompt's in prefill, one token's in decode)",
+    "PreAttn": "RMSNorm + QKV projection on the GPU",
+    "D1": "Q, K, V of a micro-batch, GPU -> CPU",
+    "CPUAttn": "grouped-query decode attention over the CPU KV cache; appends the new K,V",
+    "D2": "attention output (hidden state) of a micro-batch, CPU -> GPU",
+    "D4": "KV cache of a micro-batch, CPU -> GPU (GPU-attention schedules)",
+    "GPUAttn": "decode attention on the GPU over the prefetched KV",
+    "PostAttn": "O projection + residual + RMSNorm + router + top-k SwiGLU experts",
+    "D3": "a page of a layer's streamed weights, CPU -> GPU",
+    "W_CtoPin": "a page of weights, pageable CPU memory -> pinned staging buffer",
+    "LMHead": "final norm + LM head + sampling of one micro-batch",
+}
+
+#: Kinds whose work lies on the link and is counted as bytes moved.
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4"})
+#: Kinds that read the streamed weights of their layer, and which section they read.
+WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post"}
+#: Kinds indexed by weight page rather than by micro-batch.
+PAGED = frozenset({"D3", "W_CtoPin"})
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs and bytes of one task, affine in the context length s."""
+
+    flops: float = 0.0
+    flops_per_ctx: float = 0.0
+    bytes: float = 0.0
+    bytes_per_ctx: float = 0.0
+
+    def at(self, s: float) -> tuple[float, float]:
+        return self.flops + self.flops_per_ctx * s, self.bytes + self.bytes_per_ctx * s
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """One layer's weights: sections qkv | o | router | experts in that order. The first
+    ``r_w`` of the bytes stay on the GPU; the rest streams in ``n_pages`` equal pages."""
+
+    model: ModelSpec
+    r_w: float
+    n_pages: int
+
+    @property
+    def resident_bytes(self) -> float:
+        return self.r_w * self.model.layer_bytes
+
+    @property
+    def streamed_bytes(self) -> float:
+        return self.model.layer_bytes - self.resident_bytes
+
+    @property
+    def page_bytes(self) -> float:
+        return self.streamed_bytes / self.n_pages if self.n_pages else 0.0
+
+    def pages_for(self, section: str) -> range:
+        """Pages that hold any byte of a section ('qkv', 'post' or 'all')."""
+        if not self.n_pages:
+            return range(0)
+        m = self.model
+        lo, hi = {"qkv": (0, m.qkv_bytes), "post": (m.qkv_bytes, m.layer_bytes),
+                  "all": (0, m.layer_bytes)}[section]
+        lo = max(lo, self.resident_bytes)
+        if hi <= lo:
+            return range(0)
+        first = int((lo - self.resident_bytes) // self.page_bytes)
+        last = int(-(-(hi - self.resident_bytes) // self.page_bytes))  # ceil
+        return range(first, min(last, self.n_pages))
+
+
+class TaskWork:
+    """Work of every task kind for one model, policy and workload (SPEC 3.3)."""
+
+    def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
+                 layout: WeightLayout):
+        self.m, self.p, self.w, self.layout = model, policy, workload, layout
+
+    def of(self, kind: str, *, prefill: bool = False) -> Work:
+        if kind == "KVOut":
+            # Prefill writes the prompt's K,V to the CPU; decode (GPU attention) one token's.
+            tokens = self.w.context_prompt if prefill else 1
+            return Work(bytes=(1 - self.p.r_c) * self.p.mu * tokens * self.m.kv_bytes_per_token)
+        return getattr(self, "_" + kind)()
+
+    # Decode, one micro-batch of mu sequences, one layer.
+    def _PreAttn(self) -> Work:
+        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        return Work(flops=2 * mu * m.h * (m.h + 2 * m.h_kv),
+                    bytes=m.qkv_bytes + b * mu * (2 * m.h + 2 * m.h_kv))
+
+    def _D1(self) -> Work:
+        m = self.m
+        return Work(bytes=m.dtype_bytes * self.p.mu * (m.h + 2 * m.h_kv))
+
+    def _CPUAttn(self) -> Work:
+        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        return Work(flops_per_ctx=4 * mu * m.h, bytes_per_ctx=2 * b * mu * m.h_kv,
+                    bytes=b * mu * (2 * m.h + 2 * m.h_kv))
+
+    def _GPUAttn(self) -> Work:
+        return self._CPUAttn()
+
+    def _D2(self) -> Work:
+        return Work(bytes=self.m.dtype_bytes * self.p.mu * self.m.h)
+
+    def _D4(self) -> Work:
+        # The part of the micro-batch's KV cache that is not kept on the GPU.
+        m = self.m
+        return Work(bytes_per_ctx=(1 - self.p.r_c) * self.p.mu * m.kv_bytes_per_token)
+
+    def _PostAttn(self) -> Work:
+        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        tokens = mu
+        return Work(
+            flops=2 * tokens * m.h * m.h + 2 * tokens * m.h * m.E
+            + 6 * tokens * m.k * m.h * m.h_i,
+            bytes=m.o_bytes + m.router_bytes + m.experts_hit(tokens) * m.expert_bytes
+            + b * tokens * (4 * m.h + 2 * m.k * m.h_i),
+        )
+
+    def _LMHead(self) -> Work:
+        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        return Work(flops=2 * mu * m.h * m.V, bytes=b * m.V * m.h + b * mu * (m.h + m.V))
+
+    # Weights.
+    def _D3(self) -> Work:
+        return Work(bytes=self.layout.page_bytes)
+
+    def _W_CtoPin(self) -> Work:
+        return Work(bytes=self.layout.page_bytes)
+
+    # Prefill: the whole prompt of a micro-batch through one layer on the GPU.
+    def _Prefill(self) -> Work:
+        m, mu, b, p = self.m, self.p.mu, self.m.dtype_bytes, self.w.context_prompt
+        t = mu * p
+        flops = (2 * t * m.h * (m.h + 2 * m.h_kv) + 2 * t * m.h * m.h + 2 * t * m.h * m.E
+                 + 6 * t * m.k * m.h * m.h_i
+                 + 2 * mu * p * p * m.h)  # causal attention: half of 4*mu*p^2*h
+        return Work(flops=flops,
+                    bytes=m.layer_bytes - (m.E - m.experts_hit(t)) * m.expert_bytes
+                    + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))
