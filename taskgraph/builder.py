@@ -203,17 +203,17 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
 
 
 class _Ring:
-    """A buffer of slots reused in a fixed cycle: the producer of item g overwrites the slot of
+    """A buffer of slots reused in a fixed cycle: a producer of item g overwrites the slot of
     item g - back, so it must wait for the last consumer of that item."""
 
-    def __init__(self, name: str, producer: str, back: int, items_per_layer: int, L: int,
-                 first_step: int = 0):
-        self.name, self.producer, self.back = name, producer, back
-        self.per_layer, self.L, self.first_step = items_per_layer, L, first_step
+    def __init__(self, name: str, producers: tuple[str, ...], back: int, items_per_layer: int,
+                 L: int):
+        self.name, self.producers, self.back = name, producers, back
+        self.per_layer, self.L = items_per_layer, L
 
     def item(self, step: int, layer: int, index: int) -> int:
-        """Position in the ring's use order; negative before its first step (slots empty)."""
-        return ((step - self.first_step) * self.L + layer) * self.per_layer + index
+        """Position in the ring's use order (negative items are empty slots)."""
+        return (step * self.L + layer) * self.per_layer + index
 
 
 def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callable]]]]:
@@ -221,23 +221,29 @@ def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callabl
     L, sched, n_pages = plan.L, plan.schedule, plan.layout.n_pages
     rings: list[_Ring] = []
     readers: dict[str, list] = {}
+
+    def same_item(r: _Ring) -> Callable:
+        return lambda t: [r.item(t.step, t.layer, t.index)]
+
     if n_pages:
-        w = _Ring("weights", "D3", 2 * n_pages, n_pages, L)   # double buffer: two layers
+        w = _Ring("weights", ("D3",), 2 * n_pages, n_pages, L)   # double buffer: two layers
         rings.append(w)
         for kind, section in WEIGHT_SECTIONS.items():
             pages = plan.layout.pages_for(section)
             readers.setdefault(kind, []).append(
                 (w, lambda t, w=w, pages=pages: [w.item(t.step, t.layer, p) for p in pages]))
         if sched.staging:
-            pin = _Ring("pinned", "W_CtoPin", sched.pin_slots, n_pages, L)
+            pin = _Ring("pinned", ("W_CtoPin",), sched.pin_slots, n_pages, L)
             rings.append(pin)
-            readers.setdefault("D3", []).append(
-                (pin, lambda t, r=pin: [r.item(t.step, t.layer, t.index)]))
+            readers.setdefault("D3", []).append((pin, same_item(pin)))
     if sched.attention == "gpu":
-        kv = _Ring("kv", "D4", sched.kv_slots, plan.n, L, first_step=1)  # decode only
+        # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; decode
+        # prefetches the KV cache into them (D4) for GPUAttn, which appends the new K,V that
+        # KVOut copies back.
+        kv = _Ring("kv", ("Prefill", "D4"), sched.kv_slots, plan.n, L)
         rings.append(kv)
-        readers.setdefault("GPUAttn", []).append(
-            (kv, lambda t, r=kv: [r.item(t.step, t.layer, t.index)]))
+        for kind in ("GPUAttn", "KVOut"):
+            readers.setdefault(kind, []).append((kv, same_item(kv)))
     return rings, readers
 
 
@@ -249,7 +255,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
     ``reuse:<ring>``."""
     prev, cur = launch_sequence(plan, d - 1), launch_sequence(plan, d)
     rings, ring_readers = _rings(plan)
-    producer_of = {r.producer: r for r in rings}
+    producer_of = {kind: r for r in rings for kind in r.producers}
     launched: dict[TaskKey, tuple[int, int]] = {}       # key -> (segment offset, position)
     last_reader: dict[tuple[str, int], tuple[int, int]] = {}
     overwritten: dict[tuple[str, int], TaskKey] = {}

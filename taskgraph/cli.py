@@ -1,0 +1,238 @@
+"""The `tg` command line (SPEC 5). Human output goes to stderr, `--json` output to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from taskgraph import __version__
+from taskgraph.errors import CheckFailed, TgError
+from taskgraph.schedules import SCHEDULES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args) or 0
+    except TgError as err:
+        print(f"tg {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"tg {args.command}: interrupted.", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tg", description="One task graph for offloaded MoE inference: simulate schedules "
+        "on modelled hardware and write Perfetto traces.")
+    p.add_argument("--version", action="version", version=f"tg {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help)
+        c.add_argument("scenario", help="scenario YAML file (e.g. scenarios/t4.yaml)")
+        c.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a scenario field, e.g. policy.mu=36 "
+                       "or hardware.link.h2d_gbps=25 (repeatable)")
+        c.set_defaults(func=func)
+        return c
+
+    c = command("simulate", _simulate, "simulate one schedule of a scenario")
+    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+    _trace_args(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    c = command("compare", _compare, "simulate several schedules side by side")
+    c.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma-separated schedules (default: %(default)s)")
+    c.add_argument("--check", action="store_true",
+                   help="enforce the scenario's `expect` section; exit 1 if any check fails")
+    _trace_args(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    c = command("graph", _graph, "export one step's task graph (node-link JSON or Graphviz DOT)")
+    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+    c.add_argument("--step", type=int, default=None,
+                   help="segment to export: 0 is prefill, d >= 1 decode step d (default: a "
+                        "middle decode step)")
+    c.add_argument("--out", required=True, help="output file: .json or .dot")
+    return p
+
+
+def _trace_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--trace", metavar="PATH",
+                   help="write a Perfetto trace (.json or .json.gz) to PATH")
+    c.add_argument("--trace-steps", default="2", metavar="N|all",
+                   help="decode steps the trace covers after prefill (default 2; 'all' for the "
+                        "whole run)")
+
+
+# --- commands --------------------------------------------------------------------------------
+
+def _simulate(args: argparse.Namespace) -> int:
+    from taskgraph.scenario import load_scenario
+    from taskgraph.simulation import simulate_scenario
+
+    scenario = load_scenario(args.scenario, args.overrides)
+    with _progress(not args.json, "simulating") as tick:
+        sim = simulate_scenario(scenario, args.schedule, progress=tick)
+    if args.trace:
+        _write_trace(args, [sim.trace_run()], sim.summary)
+    _emit(args, sim.summary, lambda: _console().print(_tables().simulate_table(sim.summary)))
+    return _interrupted(sim.summary)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from taskgraph.expect import evaluate
+    from taskgraph.scenario import load_scenario
+    from taskgraph.simulation import for_schedule, simulate_scenario
+
+    scenario = load_scenario(args.scenario, args.overrides)
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
+                      f"schedules: {', '.join(SCHEDULES)}.")
+    if args.check:
+        if scenario.expect is None:
+            raise TgError(f"--check needs an `expect` section in {args.scenario}; see the "
+                          "README for its fields (beats, min_efficiency, max_decode_layer_ms, "
+                          "min_throughput_tok_s).")
+        names += [n for n in scenario.expect.schedules() if n not in names]
+    sims, notes = {}, {}
+    with _progress(not args.json, "simulating") as tick:
+        for name in names:
+            adapted, note = for_schedule(scenario, name)
+            if note:
+                notes[name] = note
+            sims[name] = simulate_scenario(adapted, name, progress=tick)
+            if sims[name].summary["interrupted"]:
+                break
+    results = [s.summary for s in sims.values()]
+    if args.trace:
+        _write_trace(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()],
+                     {"scenario": scenario.name})
+    out: dict[str, Any] = {"results": results}
+    checks = evaluate(scenario.expect, {n: s.summary for n, s in sims.items()}) if args.check else []
+    if args.check:
+        out["checks"] = [c.__dict__ for c in checks]
+        out["checks_ok"] = all(c.ok for c in checks)
+
+    def human() -> None:
+        console = _console()
+        console.print(_tables().compare_table(results, notes))
+        if args.check:
+            console.print(_tables().check_table(checks))
+
+    _emit(args, out, human)
+    if any(r["interrupted"] for r in results):
+        return _interrupted(results[-1])
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        raise CheckFailed(
+            f"{len(failed)} of {len(checks)} expectations in {args.scenario} failed: "
+            + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got {c.actual}"
+                        for c in failed) + "."
+        )
+    return 0
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from taskgraph.builder import build_segment, make_plan
+    from taskgraph.export import write_graph
+    from taskgraph.scenario import load_scenario
+
+    plan = make_plan(load_scenario(args.scenario, args.overrides), args.schedule)
+    step = args.step if args.step is not None else min(2, plan.G)
+    if not 0 <= step <= plan.G:
+        raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
+                      "(workload.gen_len decode steps).")
+    g = build_segment(plan, step)
+    write_graph(g, args.out)
+    own = sum(1 for _, a in g.nodes(data=True) if not a["external"])
+    _console().print(f"wrote {args.out}: segment {step} of {plan.schedule.name}, {own} tasks, "
+                     f"{g.number_of_edges()} dependencies "
+                     f"({g.number_of_nodes() - own} tasks of the previous segment)")
+    return 0
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _tables():
+    from taskgraph import report
+    return report
+
+
+def _console():
+    from taskgraph.report import stderr_console
+    return stderr_console()
+
+
+def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], None]) -> None:
+    if args.json:
+        json.dump(obj, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        human()
+
+
+def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> None:
+    from taskgraph.trace import Window, write_trace
+
+    text = args.trace_steps
+    if text == "all":
+        window = Window(None)
+    else:
+        try:
+            window = Window(int(text))
+        except ValueError:
+            raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
+                          f"'{text}'.") from None
+        if window.max_step is not None and window.max_step < 0:
+            raise TgError("--trace-steps must not be negative.")
+    slices = write_trace(args.trace, runs, window,
+                         metadata={k: v for k, v in meta.items() if not isinstance(v, dict)})
+    if not getattr(args, "json", False):
+        _console().print(f"wrote {args.trace}: {slices:,} task slices "
+                         "(open it at https://ui.perfetto.dev)")
+
+
+def _interrupted(summary: dict[str, Any]) -> int:
+    if summary.get("interrupted"):
+        print("tg: interrupted; the figures and trace cover what ran before Ctrl-C.",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+@contextmanager
+def _progress(show: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr, only for humans at a terminal."""
+    if not (show and sys.stderr.isatty()):
+        yield None
+        return
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TextColumn("segments"), TimeElapsedColumn(),
+                        console=_console(), transient=True)
+    task = progress.add_task(label, total=None)
+
+    def tick(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    with progress:
+        yield tick
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Writing a segment graph for people and other tools: node-link JSON or Graphviz DOT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import networkx as nx
+
+from taskgraph.errors import TgError
+
+_COLORS = {"gpu": "#9ecae1", "cpu": "#fdae6b", "h2d": "#a1d99b", "h2d_kv": "#c7e9c0",
+           "d2h": "#bcbddc", "pin": "#fdd0a2"}
+
+
+def write_graph(g: nx.DiGraph, path: str | Path) -> None:
+    """Write `g` as node-link JSON (``.json``) or Graphviz DOT (``.dot``/``.gv``)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        text = json.dumps(nx.node_link_data(g, edges="edges"), indent=1, sort_keys=True)
+    elif path.suffix in (".dot", ".gv"):
+        text = to_dot(g)
+    else:
+        raise TgError(
+            f"--out '{path}': the graph format is chosen by extension; use .json (node-link "
+            "JSON, for networkx.node_link_graph and scripts) or .dot (Graphviz)."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def to_dot(g: nx.DiGraph) -> str:
+    """Graphviz DOT: one cluster per stream in launch order, buffer-reuse edges dashed,
+    tasks of the previous segment grey."""
+    lines = [f'digraph "{g.graph.get("schedule", "")} segment {g.graph.get("segment", "")}" {{',
+             "  rankdir=LR;", '  node [shape=box, style="rounded,filled", fontsize=10];']
+    streams: dict[str, list[str]] = {}
+    for name, a in sorted(g.nodes(data=True), key=lambda na: (na[1]["external"], na[1]["order"])):
+        streams.setdefault("previous" if a["external"] else a["stream"], []).append(name)
+    for stream, names in streams.items():
+        lines.append(f'  subgraph "cluster_{stream}" {{ label="{stream}";')
+        for name in names:
+            color = "#e0e0e0" if stream == "previous" else _COLORS.get(stream, "white")
+            lines.append(f'    "{name}" [fillcolor="{color}"];')
+        lines.append("  }")
+    for u, v, a in g.edges(data=True):
+        style = "dashed" if a.get("why", "").startswith("reuse") else "solid"
+        lines.append(f'  "{u}" -> "{v}" [style={style}, tooltip="{a.get("why", "")}"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,76 @@
+"""Human-readable views of results (rich tables on stderr; JSON goes to stdout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from taskgraph.expect import Check
+
+
+def _policy(p: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items())
+
+
+def simulate_table(r: dict[str, Any]) -> Table:
+    t = Table(title=f"tg simulate {r['scenario']}: {r['schedule']} ({r['schedule_title']}), "
+                    f"{r['model']} on {r['hardware']}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("policy", _policy(r["policy"]))
+    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s")
+    t.add_row("prefill / decode", f"{r['prefill_s']:.2f} s / {r['decode_s']:.2f} s "
+                                  f"({r['steps']} steps x {r['layers']} layers)")
+    t.add_row("decode layer", f"{r['decode_layer_ms']:.2f} ms (HRM bound {r['hrm_layer_ms']:.2f}"
+                              f" ms, {r['hrm_binding']}-bound: {r['efficiency']:.1%})")
+    t.add_row("utilization", "  ".join(f"{k} {v:.0%}" for k, v in r["utilization"].items()))
+    m = r["memory"]
+    t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
+                             f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
+    t.add_row("tasks", f"{r['tasks']:,} simulated in {r['wall_s']:.2f} s"
+              + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
+    return t
+
+
+def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table:
+    first = results[0]
+    best = max(r["throughput_tok_s"] for r in results)
+    captions = [f"{r['schedule']}: {r['schedule_title']}"
+                + (f" ({notes[r['schedule']]})" if r["schedule"] in notes else "")
+                for r in results]
+    t = Table(title=f"tg compare {first['scenario']}: {first['model']} on {first['hardware']}, "
+                    f"{_policy(first['policy'])}; busy = share of the run each resource works",
+              title_justify="left",
+              caption="; ".join(captions), caption_justify="left")
+    for col in ("", "tok/s", "vs best", "layer ms", "HRM ms", "eff.", "bound", "gpu", "cpu",
+                "h2d", "d2h", "GPU GB"):
+        t.add_column(col, justify="left" if col in ("", "bound") else "right")
+    for r in results:
+        u = r["utilization"]
+        t.add_row(r["schedule"], f"{r['throughput_tok_s']:.2f}",
+                  f"{r['throughput_tok_s'] / best:.2f}x", f"{r['decode_layer_ms']:.1f}",
+                  f"{r['hrm_layer_ms']:.1f}", f"{r['efficiency']:.0%}", r["hrm_binding"],
+                  *(f"{u[k]:.0%}" for k in ("gpu", "cpu", "h2d", "d2h")),
+                  f"{r['memory']['gpu_peak_gb']:.2f}")
+    return t
+
+
+def check_table(checks: list[Check]) -> Table:
+    failed = sum(not c.ok for c in checks)
+    t = Table(title=f"expect: {len(checks) - failed} of {len(checks)} checks hold",
+              title_justify="left")
+    for col in ("schedule", "check", "expected", "actual", "result"):
+        t.add_column(col)
+    for c in checks:
+        t.add_row(c.schedule, c.what, c.expected, c.actual,
+                  "[green]ok[/green]" if c.ok else "[bold red]FAILED[/bold red]")
+    return t
+
+
+def stderr_console() -> Console:
+    import sys
+
+    # CI logs are not terminals; give tables room rather than rich's 80-column default.
+    return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 110)

@@ -1,0 +1,60 @@
+"""Scenario in, simulated run out: plan, memory check, compile, simulate, summarise.
+
+This is the library entry point behind `tg simulate` and `tg compare`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from taskgraph.builder import Plan, make_plan
+from taskgraph.compiled import Program, compile_plan
+from taskgraph.cost import CostModel
+from taskgraph.memory import MemoryReport, check_fits, memory_footprint
+from taskgraph.schedules import SCHEDULES
+from taskgraph.sim.engine import SimRun, simulate
+from taskgraph.sim.metrics import summarize
+from taskgraph.specs import Scenario
+from taskgraph.trace import TraceRun
+
+
+@dataclass
+class Simulation:
+    plan: Plan
+    program: Program
+    memory: MemoryReport
+    run: SimRun
+    summary: dict[str, Any]
+
+    def trace_run(self, label: str = "simulated") -> TraceRun:
+        return TraceRun(label, self.program, self.run.start, self.run.end)
+
+
+def simulate_scenario(scenario: Scenario, schedule: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> Simulation:
+    """Simulate a scenario with its own schedule or `schedule`. `progress(done, total)` is
+    called once per segment (prefill, then each decode step)."""
+    t0 = time.perf_counter()
+    plan = make_plan(scenario, schedule)
+    memory = memory_footprint(plan)
+    check_fits(memory, plan.schedule.name)
+    program = compile_plan(plan)
+    total = len(program.seg_template)
+    tick = (lambda d: progress(d, total)) if progress else None
+    run = simulate(program, CostModel(scenario.hardware), tick)
+    summary = summarize(run, memory)
+    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    return Simulation(plan, program, memory, run, summary)
+
+
+def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | None]:
+    """The scenario with attention placed where `schedule` runs it (A_g follows the schedule
+    when schedules are compared), and a note when that changed the policy."""
+    want = 1 if SCHEDULES[schedule].attention == "gpu" else 0
+    if scenario.policy.A_g == want:
+        return scenario, None
+    policy = scenario.policy.model_copy(update={"A_g": want})
+    note = f"{schedule} runs attention on the {'GPU' if want else 'CPU'}: A_g={want}"
+    return scenario.model_copy(update={"policy": policy}), note

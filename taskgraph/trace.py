@@ -1,0 +1,244 @@
+"""The one trace writer: runs of a compiled program -> Chrome/Perfetto JSON (SPEC 7).
+
+Simulated and measured runs of one graph go into one file as separate processes that line up in
+time. Each run gets three processes (GPU, CPU, PCIe) with one track per stream; a stream is serial,
+so its slices never overlap. Times are integer nanoseconds written as microseconds with three
+decimals, and every ``dur`` is end minus start in those integers, so rounding can never make
+neighbours overlap. Cross-stream dependencies are flow arrows whose ends lie strictly inside their
+slices. Counters show the GPU weight buffer, KV cache sizes and link throughput.
+
+Events are written one by one (gzip when the path ends in ``.gz``), so big traces stream out.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import numpy as np
+
+from taskgraph.builder import TaskKey
+from taskgraph.compiled import KIND_NAMES, Program
+from taskgraph.work import PAGED, TRANSFERS, WEIGHT_SECTIONS
+
+_DEVICES = ("GPU", "CPU", "PCIe")
+_STREAM_INFO = {
+    # stream: (device, track name, category in PyTorch profiler terms)
+    "gpu": ("GPU", "GPU compute", "kernel"),
+    "cpu": ("CPU", "CPU attention", "cpu_op"),
+    "pin": ("CPU", "pinned staging copy", "cpu_memcpy"),
+    "h2d": ("PCIe", "CPU->GPU copies", "gpu_memcpy"),
+    "h2d_kv": ("PCIe", "CPU->GPU KV copies", "gpu_memcpy"),
+    "d2h": ("PCIe", "GPU->CPU copies", "gpu_memcpy"),
+}
+_FLOW_ID_STRIDE = 1_000_000_000   # keeps flow ids of different runs disjoint
+
+
+@dataclass
+class TraceRun:
+    """One run of a program to draw: `start`/`end` in seconds per task (NaN: did not run)."""
+
+    label: str            # e.g. "simulated", "measured"
+    program: Program
+    start: np.ndarray
+    end: np.ndarray
+    offset_s: float = 0.0  # shift applied to this run's times (to align runs)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which tasks to draw: prefill plus decode steps up to `max_step` (None: everything)."""
+
+    max_step: int | None = 2
+
+    def mask(self, program: Program) -> np.ndarray:
+        if self.max_step is None:
+            return np.ones(program.total, dtype=bool)
+        return program.step <= self.max_step
+
+
+def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(),
+                metadata: dict[str, Any] | None = None) -> int:
+    """Write `runs` to `path` (``.json`` or ``.json.gz``); returns the number of task slices."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    slices = 0
+    # mtime=0 keeps gzip output byte-identical for identical input.
+    raw = gzip.GzipFile(path, "wb", mtime=0) if path.suffix == ".gz" else open(path, "wb")
+    with raw:
+        out = _Writer(raw)
+        out.write_raw('{"traceEvents":[\n')
+        for k, run in enumerate(runs):
+            for event in _run_events(run, k, window):
+                out.event(event)
+                slices += event.get("ph") == "X"
+        out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
+        out.write_raw(json.dumps(metadata or {}, sort_keys=True))
+        out.write_raw("}\n")
+    return slices
+
+
+class _Writer:
+    def __init__(self, raw: IO[bytes]):
+        self.raw, self.first = raw, True
+
+    def write_raw(self, text: str) -> None:
+        self.raw.write(text.encode())
+
+    def event(self, event: dict[str, Any]) -> None:
+        text = json.dumps(event, separators=(",", ":"))
+        self.raw.write((text if self.first else ",\n" + text).encode())
+        self.first = False
+
+
+def _us(ns: int) -> float:
+    """Integer ns -> µs with at most three decimals (the float's repr is that decimal)."""
+    return ns / 1000
+
+
+def _pid(run_index: int, device: str) -> int:
+    return 1 + 10 * run_index + _DEVICES.index(device)
+
+
+def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any]]:
+    prog = run.program
+    plan, model = prog.plan, prog.plan.scenario.model
+    streams = prog.streams
+    # Metadata: processes sorted run by run (simulated above measured), devices in a fixed order.
+    for dev in _DEVICES:
+        pid = _pid(k, dev)
+        yield {"ph": "M", "name": "process_name", "pid": pid,
+               "args": {"name": f"{run.label}: {dev}"}}
+        yield {"ph": "M", "name": "process_sort_index", "pid": pid,
+               "args": {"sort_index": pid}}
+    for sid, s in enumerate(streams):
+        dev, track, _ = _STREAM_INFO[s]
+        pid, tid = _pid(k, dev), sid + 1
+        yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}}
+        yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+               "args": {"sort_index": tid}}
+
+    shown = window.mask(prog) & ~np.isnan(run.end)
+    ids = np.flatnonzero(shown)
+    start_ns = np.zeros(prog.total, dtype=np.int64)
+    end_ns = np.zeros(prog.total, dtype=np.int64)
+    start_ns[ids] = np.rint((run.start[ids] + run.offset_s) * 1e9).astype(np.int64)
+    end_ns[ids] = np.rint((run.end[ids] + run.offset_s) * 1e9).astype(np.int64)
+
+    cols = {c: prog.column(c) for c in ("kind", "stream", "layer", "index", "flops",
+                                        "flops_per_ctx", "nbytes", "bytes_per_ctx")}
+    step = prog.step
+    ctx = prog.context(step)
+    flops = cols["flops"] + cols["flops_per_ctx"] * ctx
+    nbytes = cols["nbytes"] + cols["bytes_per_ctx"] * ctx
+
+    for gid in ids.tolist():
+        kind = KIND_NAMES[cols["kind"][gid]]
+        s = streams[cols["stream"][gid]]
+        dev, _, cat = _STREAM_INFO[s]
+        t0, t1 = int(start_ns[gid]), int(end_ns[gid])
+        idx_key = "page" if kind in PAGED else "micro_batch"
+        args: dict[str, Any] = {
+            "task": TaskKey(int(step[gid]), kind, int(cols["layer"][gid]),
+                            int(cols["index"][gid])).name,
+            "step": int(step[gid]), "layer": int(cols["layer"][gid]),
+            idx_key: int(cols["index"][gid]), "bytes": int(nbytes[gid]),
+        }
+        if kind in TRANSFERS or kind == "W_CtoPin":
+            args["memory bandwidth (GB/s)"] = round(nbytes[gid] / max(t1 - t0, 1), 3)
+        else:
+            args["flops"] = int(flops[gid])
+        yield {"ph": "X", "name": kind, "cat": cat, "pid": _pid(k, dev),
+               "tid": int(cols["stream"][gid]) + 1,
+               "ts": _us(t0), "dur": _us(t1 - t0), "args": args}
+
+    yield from _flows(prog, ids, shown, start_ns, end_ns, cols["stream"], k)
+    yield from _counters(run, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan)
+
+
+def _flows(prog: Program, ids, shown, start_ns, end_ns, stream, k) -> Iterator[dict[str, Any]]:
+    flow_id = k * _FLOW_ID_STRIDE
+    for d, (t, base) in enumerate(zip(prog.seg_template, prog.seg_base)):
+        tpl = prog.templates[t]
+        lo, hi = int(base), int(base) + tpl.size
+        if not shown[lo:hi].any():
+            continue
+        for pos in np.flatnonzero(shown[lo:hi]).tolist():
+            gid = lo + pos
+            for r in tpl.deps[pos]:
+                src = gid + r
+                if src < 0 or not shown[src]:
+                    continue
+                a0, a1, b0, b1 = (int(start_ns[src]), int(end_ns[src]), int(start_ns[gid]),
+                                  int(end_ns[gid]))
+                if a1 - a0 < 2 or b1 - b0 < 2:
+                    continue  # no point strictly inside a slice this short
+                flow_id += 1
+                src_dev = _STREAM_INFO[prog.streams[stream[src]]][0]
+                dst_dev = _STREAM_INFO[prog.streams[stream[gid]]][0]
+                yield {"ph": "s", "id": flow_id, "name": "dependency", "cat": "dependency",
+                       "pid": _pid(k, src_dev), "tid": int(stream[src]) + 1,
+                       "ts": _us(a1 - min(500, (a1 - a0) // 2))}
+                yield {"ph": "f", "bp": "e", "id": flow_id, "name": "dependency",
+                       "cat": "dependency", "pid": _pid(k, dst_dev), "tid": int(stream[gid]) + 1,
+                       "ts": _us(b0 + min(500, (b1 - b0) // 2))}
+
+
+def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan
+              ) -> Iterator[dict[str, Any]]:
+    kinds = np.array(KIND_NAMES)[cols["kind"][ids]]
+    t_end = end_ns[ids]
+    changes: dict[str, list[tuple[int, float]]] = {}
+
+    # GPU weight buffer: a page counts from when its copy lands to when the last task reading its
+    # layer ends.
+    is_d3 = kinds == "D3"
+    loaded: dict[tuple[int, int], float] = {}
+    w = changes.setdefault("GPU", [])
+    for gid, t in zip(ids[is_d3].tolist(), t_end[is_d3].tolist()):
+        key = (int(step[gid]), int(cols["layer"][gid]))
+        loaded[key] = loaded.get(key, 0.0) + float(nbytes[gid])
+        w.append((t, float(nbytes[gid])))
+    readers = np.isin(kinds, list(WEIGHT_SECTIONS))
+    last_read: dict[tuple[int, int], int] = {}
+    for gid, t in zip(ids[readers].tolist(), t_end[readers].tolist()):
+        key = (int(step[gid]), int(cols["layer"][gid]))
+        last_read[key] = max(t, last_read.get(key, t))
+    for key, t in last_read.items():
+        if key in loaded:
+            w.append((t, -loaded[key]))
+
+    # KV cache on the CPU: prefill's copies out, then one token per sequence per layer per step.
+    kv = changes.setdefault("CPU", [])
+    append = plan.scenario.policy.mu * model.kv_bytes_per_token * (1 - plan.scenario.policy.r_c)
+    for gid, t, kind in zip(ids.tolist(), t_end.tolist(), kinds.tolist()):
+        if kind == "KVOut":
+            kv.append((t, float(nbytes[gid])))
+        elif kind == "CPUAttn":
+            kv.append((t, append))
+
+    for dev, key in (("GPU", "weights in GPU buffer (GB)"), ("CPU", "KV cache on CPU (GB)")):
+        level = 0.0
+        for t, delta in sorted(changes[dev]):
+            level += delta
+            yield {"ph": "C", "name": key, "pid": _pid(k, dev), "ts": _us(t),
+                   "args": {key: round(level / 1e9, 6)}}
+
+    # Link throughput, per direction.
+    stream_names = run.program.streams
+    for direction, label in (("h2d", "CPU->GPU (GB/s)"), ("d2h", "GPU->CPU (GB/s)")):
+        on_link = [g for g in ids.tolist()
+                   if stream_names[cols["stream"][g]].startswith(direction)]
+        on_link.sort(key=lambda g: int(start_ns[g]))
+        for i, g in enumerate(on_link):
+            t0, t1 = int(start_ns[g]), int(end_ns[g])
+            rate = float(nbytes[g]) / max(t1 - t0, 1)   # bytes/ns = GB/s
+            yield {"ph": "C", "name": label, "pid": _pid(k, "PCIe"), "ts": _us(t0),
+                   "args": {label: round(float(rate), 3)}}
+            nxt = int(start_ns[on_link[i + 1]]) if i + 1 < len(on_link) else None
+            if nxt is None or nxt > t1:
+                yield {"ph": "C", "name": label, "pid": _pid(k, "PCIe"), "ts": _us(t1),
+                       "args": {label: 0.0}}
