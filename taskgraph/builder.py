@@ -137,6 +137,13 @@ def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
             if key.step <= plan.G]
 
 
+def lookahead_steps(plan: Plan) -> int:
+    """How many steps past its own the decode body launches tasks for (CGOPipe launches the
+    next step's first PreAttn and pinned copies; with one layer, two steps ahead)."""
+    body = Loop("layers", plan.schedule.decode)
+    return max((k.step for k in _expand(plan, 0, body)), default=0)
+
+
 def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
     if loop.over == "once":
         positions = [(0, 0)]
@@ -257,7 +264,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
     rings, ring_readers = _rings(plan)
     producer_of = {kind: r for r in rings for kind in r.producers}
     launched: dict[TaskKey, tuple[int, int]] = {}       # key -> (segment offset, position)
-    last_reader: dict[tuple[str, int], tuple[int, int]] = {}
+    last_reader: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}  # -> stream -> where
     overwritten: dict[tuple[str, int], TaskKey] = {}
     later: set[TaskKey] | None = None
     g = nx.DiGraph(schedule=plan.schedule.name, segment=d, prev_len=len(prev))
@@ -277,14 +284,17 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                 if ring is not None:
                     old = ring.item(key.step, key.layer, key.index) - ring.back
                     if old >= 0:
-                        where = last_reader.get((ring.name, old))
-                        if where is None:
+                        # The last reader on each stream: readers on different streams can
+                        # finish in any order.
+                        last = last_reader.get((ring.name, old))
+                        if not last:
                             raise ScheduleError(
                                 f"Schedule {plan.schedule.name} launches {key.name}, which "
                                 f"reuses a {ring.name} buffer slot whose readers are not in "
                                 "this segment or the one before.")
-                        src = prev[where[1]] if where[0] < 0 else cur[where[1]]
-                        _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
+                        for where in last.values():
+                            src = prev[where[1]] if where[0] < 0 else cur[where[1]]
+                            _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
             launched[key] = (seg, pos)
             ring = producer_of.get(key.kind)
             if ring is not None:
@@ -298,7 +308,8 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                             f"{overwritten[(r.name, item)].name}, which overwrites the "
                             f"{r.name} buffer slot it reads."
                         )
-                    last_reader[(r.name, item)] = (seg, pos)
+                    stream = plan.schedule.streams[key.kind]
+                    last_reader.setdefault((r.name, item), {})[stream] = (seg, pos)
     return g
 
 

@@ -3,7 +3,7 @@
 Unrolling every step into networkx nodes is too slow for real runs (~0.5 M tasks for the T4
 scenario), but every decode step has the same shape: only the context length grows. A
 :class:`Program` therefore keeps a few compiled *templates* (prefill, first decode step, middle
-step, last step), each a set of flat arrays built once from its networkx segment graph, and a list
+step, the last steps), each a set of flat arrays built once from its networkx segment graph, and a list
 saying which template each segment uses and where its tasks start in the global numbering.
 
 Global task id = segment base + position in the segment's launch order. A dependency is stored as
@@ -20,7 +20,7 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
-from taskgraph.builder import Plan, build_segment
+from taskgraph.builder import Plan, build_segment, lookahead_steps
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
 from taskgraph.work import KINDS
 
@@ -104,18 +104,22 @@ class Program:
 
 
 def compile_plan(plan: Plan) -> Program:
-    """Build the segment graphs a run needs (at most four) and compile them."""
+    """Build the segment graphs a run needs and compile them.
+
+    Segments share a template when they have the same shape: the prefill and first decode step
+    are special, and the last few steps lose the tasks a schedule launches for steps past the
+    end (how many steps ahead it launches is read from the description). Every other step uses
+    one "middle" template, so a long run compiles a handful of segments."""
     G = plan.G
-    keys: list[tuple[bool, bool, bool]] = []
+    horizon = lookahead_steps(plan)
     templates: list[Template] = []
-    seen: dict[tuple[bool, bool, bool], int] = {}
+    seen: dict[tuple[bool, bool, int], int] = {}
     streams = tuple(s for s in STREAM_ORDER if s in set(plan.schedule.streams.values()))
     seg_template = np.empty(G + 1, dtype=np.int64)
     for d in range(G + 1):
-        key = (d == 0, d == 1, d == G)
+        key = (d == 0, d == 1, min(G - d, horizon + 1))
         if key not in seen:
             seen[key] = len(templates)
-            keys.append(key)
             templates.append(_compile(build_segment(plan, d), d, streams))
         seg_template[d] = seen[key]
     sizes = np.array([templates[t].size for t in seg_template])
@@ -127,7 +131,6 @@ def _compile(g: nx.DiGraph, d: int, streams: tuple[str, ...]) -> Template:
     prev_len = g.graph["prev_len"]
     own = sorted((data["order"], name) for name, data in g.nodes(data=True)
                  if not data["external"])
-    n = len(own)
     stream_ix = {s: i for i, s in enumerate(streams)}
     cols: dict[str, list] = {c: [] for c in (
         "kind", "stream", "resource", "step_rel", "layer", "index", "flops", "flops_per_ctx",

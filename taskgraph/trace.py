@@ -66,18 +66,20 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     slices = 0
-    # mtime=0 keeps gzip output byte-identical for identical input.
-    raw = gzip.GzipFile(path, "wb", mtime=0) if path.suffix == ".gz" else open(path, "wb")
-    with raw:
-        out = _Writer(raw)
-        out.write_raw('{"traceEvents":[\n')
-        for k, run in enumerate(runs):
-            for event in _run_events(run, k, window):
-                out.event(event)
-                slices += event.get("ph") == "X"
-        out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
-        out.write_raw(json.dumps(metadata or {}, sort_keys=True))
-        out.write_raw("}\n")
+    with open(path, "wb") as f:
+        # No name and mtime=0 in the gzip header: identical input gives identical bytes.
+        raw = gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) if path.suffix == ".gz" \
+            else f
+        with raw:
+            out = _Writer(raw)
+            out.write_raw('{"traceEvents":[\n')
+            for k, run in enumerate(runs):
+                for event in _run_events(run, k, window):
+                    out.event(event)
+                    slices += event.get("ph") == "X"
+            out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
+            out.write_raw(json.dumps(metadata or {}, sort_keys=True))
+            out.write_raw("}\n")
     return slices
 
 

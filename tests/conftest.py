@@ -1,0 +1,32 @@
+"""Shared fixtures. `--runslow` runs long property searches and benchmarks (see README)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("slow", max_examples=400, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("TG_HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="run long property runs too")
+
+
+def pytest_configure(config):
+    if config.getoption("--runslow"):
+        settings.load_profile("slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="long run: use --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

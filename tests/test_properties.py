@@ -1,0 +1,126 @@
+"""Invariants of simulated runs, over random small scenarios and policies (hypothesis).
+
+Checked against the full dependency graph read back from the networkx segment graphs, not
+against the pruned form the simulator iterates over, so a pruning or engine bug shows up here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskgraph.builder import launch_sequence
+from taskgraph.schedules import RESOURCES
+from taskgraph.scenario import scenario_from_dict
+from taskgraph.simulation import simulate_scenario
+from taskgraph.trace import Window, write_trace
+from tests.helpers import unrolled_edges
+
+
+@st.composite
+def scenarios(draw):
+    schedule = draw(st.sampled_from(["S1", "S2", "S3", "S4"]))
+    n_q = draw(st.sampled_from([2, 4, 8]))
+    n_kv = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_q % d == 0]))
+    E = draw(st.sampled_from([2, 4, 8]))
+    L = draw(st.integers(1, 4))
+    h = n_q * draw(st.sampled_from([8, 16, 32]))
+    # MoE-shaped: expert weights dominate a layer, as in every real MoE (a QKV projection larger
+    # than a weight page is a separate, tested error).
+    model = {"h": h, "h_i": draw(st.integers(4 * h, 8 * h)),
+             "L": L, "n_q": n_q, "n_kv": n_kv, "E": E,
+             "k": draw(st.integers(1, min(E, 2))), "V": draw(st.integers(16, 512))}
+    # S1/S2 need two micro-batches; S4 prefetches the next (layer, micro-batch), which must not
+    # be the one it is computing (test_builder covers the errors for these).
+    min_micro = 2 if schedule in ("S1", "S2") or (schedule == "S4" and L == 1) else 1
+    n_micro = draw(st.integers(min_micro, 5))
+    mu = draw(st.integers(1, 6))
+    gpu_attention = schedule == "S4"
+    policy = {"N": n_micro * mu, "mu": mu, "A_g": int(gpu_attention), "F_g": 1,
+              "r_w": draw(st.sampled_from([0.0, 0.0, 0.3, 0.9, 1.0])),
+              "r_c": draw(st.sampled_from([0.0, 0.5])) if gpu_attention else 0.0}
+    prompt = draw(st.integers(1, 64))
+    workload = {"prompt_len": prompt, "max_prompt_len": prompt + draw(st.integers(0, 32)),
+                "gen_len": draw(st.integers(1, 4)), "padded": draw(st.booleans())}
+    hardware = {"preset": "t4",
+                "gpu": {"tflops": draw(st.floats(0.01, 1000)),
+                        "task_overhead_us": draw(st.floats(0, 50))},
+                "cpu": {"tflops": draw(st.floats(0.001, 10)),
+                        "memcpy_gbps": draw(st.floats(0.1, 50))},
+                "link": {"h2d_gbps": draw(st.floats(0.05, 64)),
+                         "d2h_gbps": draw(st.floats(0.05, 64)),
+                         "latency_us": draw(st.floats(0, 20))}}
+    return scenario_from_dict({"model": model, "hardware": hardware, "workload": workload,
+                               "policy": policy, "schedule": schedule}, source="<hypothesis>")
+
+
+@given(scenarios())
+def test_simulated_runs_keep_every_invariant(sc):
+    sim = simulate_scenario(sc)
+    prog, run = sim.program, sim.run
+    start, end, dur = run.start, run.end, run.durations
+
+    # Every task of the schedule runs exactly once.
+    launched = Counter(k for d in range(prog.plan.G + 1) for k in launch_sequence(prog.plan, d))
+    assert max(launched.values()) == 1
+    assert len(launched) == prog.total
+    assert run.finished.all()
+    assert np.allclose(end - start, dur, rtol=1e-9, atol=1e-15)
+
+    # No task starts before its predecessors end (data and buffer-reuse edges alike).
+    edges = unrolled_edges(prog)
+    assert (start[edges[:, 1]] >= end[edges[:, 0]]).all()
+
+    # Streams run in launch order, one task at a time; no two tasks overlap on one resource.
+    stream = prog.column("stream")
+    for sid in range(len(prog.streams)):
+        ids = np.flatnonzero(stream == sid)          # global ids are in launch order
+        assert (start[ids[1:]] >= end[ids[:-1]]).all()
+    resource = prog.column("resource")
+    busy = {}
+    for rid, name in enumerate(RESOURCES):
+        ids = np.flatnonzero(resource == rid)
+        order = ids[np.argsort(start[ids], kind="stable")]
+        assert (start[order[1:]] >= end[order[:-1]]).all()
+        busy[name] = dur[ids].sum()
+
+    # The makespan is at least the critical path and the busiest resource's work.
+    makespan = end.max()
+    finish = dur.copy()
+    for src, dst in sorted(map(tuple, edges), key=lambda e: e[1]):
+        finish[dst] = max(finish[dst], finish[src] + dur[dst])
+    assert makespan >= finish.max() * (1 - 1e-12)
+    assert makespan >= max(busy.values()) * (1 - 1e-12)
+
+    # The simulated decode layer is never faster than the HRM bound.
+    s = sim.summary
+    assert s["decode_layer_ms"] >= s["hrm_layer_ms"] * (1 - 1e-9)
+    assert s["tasks"] == prog.total
+
+
+@settings(max_examples=10)
+@given(scenarios())
+def test_same_input_gives_identical_json_and_trace(tmp_path_factory, sc):
+    out = tmp_path_factory.mktemp("det")
+    texts, traces = [], []
+    for i in range(2):
+        sim = simulate_scenario(sc)
+        summary = dict(sim.summary, wall_s=None)   # the only field that measures this machine
+        texts.append(json.dumps(summary, sort_keys=True))
+        path = out / f"t{i}.json.gz"
+        write_trace(path, [sim.trace_run()], Window(None))
+        traces.append(path.read_bytes())
+    assert texts[0] == texts[1]
+    assert traces[0] == traces[1]
+
+
+@pytest.mark.slow
+@given(scenarios())
+def test_long_property_run(sc):
+    """The same invariants over many more examples (--runslow)."""
+    test_simulated_runs_keep_every_invariant.hypothesis.inner_test(sc)

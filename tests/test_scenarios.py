@@ -1,0 +1,149 @@
+"""Scenario loading: presets, Hugging Face configs, overrides, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from taskgraph import presets
+from taskgraph.cli import main
+from taskgraph.scenario import load_scenario
+from tests.helpers import TINY
+
+SCENARIOS = sorted(Path("scenarios").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_shipped_scenarios_load(path):
+    sc = load_scenario(path)
+    assert sc.policy.N % sc.policy.mu == 0
+
+
+def test_t4_is_the_paper_setting():
+    sc = load_scenario("scenarios/t4.yaml")
+    assert (sc.model.name, sc.hardware.gpu.name, sc.schedule) == ("mixtral-8x7b", "T4", "S1")
+    assert (sc.policy.mu, sc.policy.N, sc.workload.gen_len) == (36, 504, 128)
+    assert (sc.workload.prompt_len, sc.workload.max_prompt_len) == (77, 418)
+
+
+@pytest.mark.parametrize("name", presets.HARDWARE)
+def test_hardware_presets_validate(name, tmp_path):
+    doc = dict(TINY, hardware=name)
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(doc))
+    assert load_scenario(path).hardware.gpu.memory_gb > 0
+
+
+def test_presets_match_the_public_configs():
+    assert presets.MODELS["mixtral-8x22b"]["h"] == 6144 and presets.MODELS["dbrx"]["E"] == 16
+    assert presets.HARDWARE["4xt4"]["gpu"]["count"] == 4
+    assert presets.HARDWARE["h200"]["gpu"]["memory_gb"] == 141
+
+
+def test_overrides_and_preset_mappings(tmp_path):
+    sc = load_scenario("scenarios/t4.yaml", ["policy.mu=24", "hardware.link.h2d_gbps=25",
+                                             "model.L=4", "workload.padded=true"])
+    assert sc.policy.mu == 24 and sc.hardware.link.h2d_gbps == 25 and sc.model.L == 4
+    assert sc.model.h == 4096            # the rest of the preset stays
+    assert sc.workload.context_prompt == 418
+
+
+def _config(tmp_path, **fields):
+    cfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "vocab_size": 32000, **fields}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_model_from_hugging_face_config(tmp_path):
+    path = _config(tmp_path, num_hidden_layers=2)
+    doc = dict(TINY, model={"hf_config": str(path)})
+    scen = tmp_path / "s.yaml"
+    scen.write_text(json.dumps(doc))
+    m = load_scenario(scen).model
+    assert (m.h, m.h_i, m.L, m.n_kv, m.E, m.k) == (4096, 14336, 2, 8, 8, 2)
+    dbrx = {"d_model": 6144, "n_layers": 40, "n_heads": 48, "vocab_size": 100352,
+            "attn_config": {"kv_n_heads": 8},
+            "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}}
+    (tmp_path / "dbrx.json").write_text(json.dumps(dbrx))
+    scen.write_text(json.dumps(dict(TINY, model="dbrx.json")))
+    assert load_scenario(scen).model.model_dump(exclude={"name"}) == dict(
+        presets.MODELS["dbrx"], dtype_bytes=2)
+
+
+def _run(capsys, *argv):
+    rc = main(["simulate", *argv])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _scenario(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BAD = [
+    # (what, scenario text or None for a missing file, overrides, words the error must contain)
+    ("missing file", None, [], ["does not exist"]),
+    ("malformed YAML", "model: [unclosed\n", [], ["not valid YAML", "line"]),
+    ("not a mapping", "- 1\n- 2\n", [], ["must be a YAML mapping"]),
+    ("unknown section", None, ["colour=red"], ["unknown section 'colour'"]),
+    ("unknown key", None, ["policy.nu=3"], ["policy.nu", "unknown key", "known keys"]),
+    ("wrong type", None, ["policy.mu=lots"], ["policy.mu", "integer"]),
+    ("negative size", None, ["workload.gen_len=-4"], ["workload.gen_len", "greater than 0"]),
+    ("zero size", None, ["model.h=0"], ["model.h", "greater than 0"]),
+    ("mu > N", None, ["policy.mu=16"], ["policy.mu", "exceeds N"]),
+    ("N not a multiple", None, ["policy.N=7"], ["policy.mu", "multiple"]),
+    ("fraction out of range", None, ["policy.r_w=1.5"], ["policy.r_w", "less than or equal"]),
+    ("unknown preset", None, ["model=mixtral-9x9b"], ["mixtral-9x9b", "known models"]),
+    ("unknown schedule", None, ["schedule=S9"], ["S9", "known schedules"]),
+    ("GPU memory", None, ["model=mixtral-8x7b", "policy.r_w=0.9"], ["GPU memory", "over"]),
+    ("CPU memory", None, ["model=mixtral-8x7b", "policy.N=40000", "policy.mu=40"],
+     ["CPU memory", "KV cache"]),
+    ("attention placement", None, ["policy.A_g=1"], ["policy.A_g", "S4"]),
+    ("FFN on CPU", None, ["policy.F_g=0"], ["policy.F_g"]),
+    ("KV on GPU with CPU attention", None, ["policy.r_c=0.5"], ["policy.r_c"]),
+    ("CGOPipe with one micro-batch", None, ["policy.mu=8"], ["at least 2 micro-batches"]),
+    ("bad override syntax", None, ["policy.mu"], ["key.path=value"]),
+    ("policy auto", None, ["policy=auto"], ["policy: auto"]),
+]
+
+
+@pytest.mark.parametrize("what,text,overrides,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gives_one_clear_error(capsys, tmp_path, what, text, overrides, words):
+    if what == "missing file":
+        path = str(tmp_path / "nope.yaml")
+    else:
+        path = _scenario(tmp_path, text if text is not None else json.dumps(TINY))
+    argv = [path]
+    for o in overrides:
+        argv += ["--set", o]
+    rc, err = _run(capsys, *argv)
+    assert rc != 0
+    assert "Traceback" not in err
+    assert err.count("\n") == 1, f"expected one paragraph, got:\n{err}"
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+def test_schedule_option_contradicting_policy(capsys):
+    rc = main(["simulate", "scenarios/tiny.yaml", "--schedule", "S4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "policy.A_g" in err
+
+
+def test_bad_cli_values(capsys, tmp_path):
+    assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S1,S7"]) == 2
+    assert "S7" in capsys.readouterr().err
+    assert main(["simulate", "scenarios/tiny.yaml", "--trace", str(tmp_path / "t.json"),
+                 "--trace-steps", "some"]) == 2
+    assert "--trace-steps" in capsys.readouterr().err
+    assert main(["graph", "scenarios/tiny.yaml", "--out", str(tmp_path / "g.png")]) == 2
+    assert ".dot" in capsys.readouterr().err
+    assert main(["compare", "scenarios/tiny.yaml", "--check"]) == 2
+    assert "expect" in capsys.readouterr().err

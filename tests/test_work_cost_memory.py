@@ -1,0 +1,108 @@
+"""FLOP and byte counts, the roofline cost model and the memory model, checked against hand
+calculation for Mixtral 8x7B (h=4096, h_kv=8*128=1024, h_i=14336, E=8, k=2, fp16)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from taskgraph.builder import make_plan
+from taskgraph.cost import CostModel, hrm_bound
+from taskgraph.errors import MemoryFitError
+from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.scenario import load_scenario
+from taskgraph.work import WeightLayout
+
+MU, S = 36, 100
+
+
+@pytest.fixture(scope="module")
+def t4():
+    return load_scenario("scenarios/t4.yaml")
+
+
+@pytest.fixture(scope="module")
+def work(t4):
+    return make_plan(t4).work
+
+
+def test_layer_and_model_weights(t4):
+    m = t4.model
+    # qkv 2*4096*(4096+2*1024) + o 2*4096^2 + router 2*4096*8 + experts 8*2*3*4096*14336
+    assert m.layer_bytes == 50_331_648 + 33_554_432 + 65_536 + 2_818_572_288 == 2_902_523_904
+    assert m.layer_bytes / 2 == pytest.approx(1.45e9, rel=0.01)       # SPEC: ~1.45 B per layer
+    # 32 layers + embedding and LM head 2*2*32000*4096
+    assert m.model_bytes == 32 * 2_902_523_904 + 524_288_000 == 93_405_052_928
+    assert m.kv_bytes_per_token == 2 * 2 * 1024
+
+
+def test_decode_task_work(work):
+    pre = work.of("PreAttn")
+    assert pre.flops == 2 * 36 * 4096 * 6144 == 1_811_939_328
+    assert work.of("D1").bytes == 2 * 36 * 6144 == 442_368
+    f, b = work.of("CPUAttn").at(S)
+    assert f == 4 * 36 * 100 * 4096 == 58_982_400
+    # reads K and V: 2 * 2 B * 36 seq * 100 tokens * 1024; plus q in and output out
+    assert b == 14_745_600 + 2 * 36 * (2 * 4096 + 2 * 1024)
+    assert work.of("D2").bytes == 2 * 36 * 4096 == 294_912
+    post = work.of("PostAttn")
+    # O proj 2*36*4096^2 + router 2*36*4096*8 + experts 6*36*2*4096*14336
+    assert post.flops == 1_207_959_552 + 2_359_296 + 25_367_150_592 == 26_577_469_440
+    hit = 8 * (1 - 0.75 ** 36)                     # distinct experts hit by 36 tokens
+    # weights read (O, router, the experts hit) + activations 2*36*(4*4096 + 2*2*14336)
+    assert post.bytes == pytest.approx(33_554_432 + 65_536 + hit * 352_321_536 + 5_308_416,
+                                       rel=1e-9)
+    assert work.of("KVOut", prefill=True).bytes == 36 * 77 * 4096   # prompt K,V, 77 tokens
+
+
+def test_pages_cover_the_streamed_bytes(t4):
+    layout = WeightLayout(t4.model, r_w=0.0, n_pages=14)
+    assert layout.page_bytes * 14 == pytest.approx(2_902_523_904)
+    assert list(layout.pages_for("qkv")) == [0]             # 50 MB of qkv fit in the first page
+    assert list(layout.pages_for("post")) == list(range(14))
+    resident = WeightLayout(t4.model, r_w=0.5, n_pages=14)
+    assert list(resident.pages_for("qkv")) == []           # attention weights stay on the GPU
+    assert resident.streamed_bytes == pytest.approx(2_902_523_904 / 2)
+
+
+def test_roofline_and_link_times(t4):
+    cost = CostModel(t4.hardware)
+    gpu_flops = 65e12 * 0.6
+    gpu_bw = 320e9 * 0.85
+    # PostAttn of 36 tokens is memory-bound on a T4: 2.8 GB of experts at 272 GB/s
+    assert cost.time("gpu", 26.6e9, 2.8e9) == pytest.approx(2.8e9 / gpu_bw + 10e-6)
+    # a large prefill is compute-bound
+    assert cost.time("gpu", 1e15, 3e9) == pytest.approx(1e15 / gpu_flops + 10e-6)
+    # one 207 MB page over PCIe 3.0 at 80% efficiency, plus 10 µs latency
+    assert cost.time("h2d", 0, 207e6) == pytest.approx(207e6 / 12.6e9 + 10e-6)
+    bound, binding = hrm_bound({"gpu": 1.0, "cpu": 0.5, "h2d": 2.0, "d2h": 0.1, "pin": 0.0}, 4)
+    assert (bound, binding) == (0.5, "h2d")
+
+
+def test_memory_model_t4(t4):
+    report = memory_footprint(make_plan(t4))
+    gb = 1e9
+    assert report.gpu["weight double buffer"] == pytest.approx(2 * 2_902_523_904)
+    assert report.cpu["weights (1 - r_w)"] == pytest.approx(32 * 2_902_523_904)
+    # KV of 504 sequences * 32 layers * (77 + 128) tokens * 4096 B
+    assert report.cpu["KV cache (1 - r_c)"] == pytest.approx(504 * 32 * 205 * 4096)
+    assert report.gpu_capacity == pytest.approx(16 * gb * 0.86)
+    check_fits(report, "S1")  # the paper's policy fits
+
+
+def test_memory_rejects_with_binding_constraint(t4):
+    too_resident = t4.model_copy(update={"policy": t4.policy.model_copy(update={"r_w": 0.5})})
+    with pytest.raises(MemoryFitError, match=r"GPU memory.*over.*resident weights"):
+        check_fits(memory_footprint(make_plan(too_resident)), "S1")
+    huge_batch = t4.model_copy(update={"policy": t4.policy.model_copy(update={"N": 36 * 200})})
+    with pytest.raises(MemoryFitError, match=r"CPU memory.*KV cache"):
+        check_fits(memory_footprint(make_plan(huge_batch)), "S1")
+
+
+def test_expected_experts_hit():
+    from tests.helpers import tiny
+    m = tiny().model
+    assert m.experts_hit(1) == pytest.approx(m.k)
+    assert m.experts_hit(10_000) == pytest.approx(m.E)
+    assert math.isclose(m.experts_hit(3), 8 * (1 - (1 - 2 / 8) ** 3))
