@@ -2,16 +2,18 @@
 
 Semantics shared with the executor (SPEC 4): each stream runs its tasks in launch order; a task
 starts when it is at the head of its stream, all its predecessors have finished and its resource
-is free. One SimPy process per stream walks that stream's tasks and holds each for its duration
-with one timeout. Streams that share a resource (S4's weight and KV loads on the CPU->GPU link)
-take turns on a ``simpy.Resource``; a stream alone on its resource owns it, so no request is made.
+is free. Each stream walks its tasks and holds each for its duration with one SimPy timeout.
+A stream alone on its resource owns it: it is a small state machine advanced by its timeouts'
+callbacks (SimPy's event callbacks, which spare a generator resume per task). Streams that share a
+resource (S4's weight and KV loads on the CPU->GPU link) are SimPy processes that take turns on a
+``simpy.Resource`` in request order.
 
 Durations are known, so a task's end time is fixed the moment it starts, and a task can be
 *decided* (given its start and end) as soon as its predecessors are decided. A stream whose next
 task still has an undecided predecessor parks it as blocked; whoever decides the last missing
-predecessor decides the blocked task too and schedules the parked stream to resume at that task's
-end. Every task therefore costs one SimPy event, as in a bare SimPy loop, and start times are
-exactly max(previous end on the stream, ends of the predecessors).
+predecessor decides the blocked task too and schedules the timeout that ends it. A task costs at
+most one SimPy event (a stream that stays busy covers its busy period with one), and start times
+are exactly max(previous end on the stream, ends of the predecessors).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def simulate(program: Program, cost: CostModel,
     dur = dur_arr.tolist()
     total = program.total
     start = [0.0] * total
-    end = [-1.0] * total
+    end = [-1.0] * total + [0.0]   # a sentinel slot: "the task before the first", ended at 0
     blocked: dict[int, list] = {}   # undecided task id -> tasks parked on it
     env = simpy.Environment()
 
@@ -67,9 +69,11 @@ def simulate(program: Program, cost: CostModel,
         segments = [(int(base), program.templates[t].by_stream[sid])
                     for t, base in zip(program.seg_template, program.seg_base)]
         report = progress if sid == 0 else None
-        proc = _exclusive_stream if rid not in shared else _shared_stream
-        args = (env, segments, dur, start, end, blocked, report)
-        env.process(proc(*args) if rid not in shared else proc(*args, shared[rid]))
+        if rid in shared:
+            env.process(_shared_stream(env, segments, dur, start, end, blocked, report,
+                                       shared[rid]))
+        else:
+            _exclusive_stream(env, segments, dur, start, end, blocked, report)()
 
     interrupted = False
     # The run allocates ~2 short-lived objects per task and no reference cycles; without this the
@@ -84,7 +88,7 @@ def simulate(program: Program, cost: CostModel,
         if collecting:
             gc.enable()
     stop = env.now
-    end_arr = np.array(end)
+    end_arr = np.array(end[:total])
     start_arr = np.array(start)
     unfinished = (end_arr < 0) | (end_arr > stop) if interrupted else end_arr < 0
     if unfinished.any() and not interrupted:
@@ -109,63 +113,113 @@ class _SharedResource:
 _NORMAL = simpy.events.NORMAL
 
 
-# A parked task: (task id, its dependency offsets, end of the stream's previous task, the event
-# that resumes its stream). `last` is None for a shared-resource stream, which must acquire its
-# resource itself and is only woken.
+# A parked task is (task id, its dependency offsets, index of the offset it waits on, ready time
+# so far, the event that resumes its stream). Ready is None for a shared-resource stream, which
+# must acquire its resource itself and is only woken. One parked task is stored bare; several
+# (rare: two streams waiting on one task) as a list.
+def _park(blocked: dict, dep: int, entry: tuple) -> None:
+    there = blocked.get(dep)
+    if there is None:
+        blocked[dep] = entry
+    elif type(there) is list:
+        there.append(entry)
+    else:
+        blocked[dep] = [there, entry]
+
+
 def _decided(env, gid: int, start, end, dur, blocked) -> None:
-    """Task `gid` has just been decided: decide what was parked on it, and resume each parked
-    stream at the end of its task, as a Timeout would (its delay is known only now)."""
-    for task, rels, last, ev in blocked.pop(gid):
-        if last is None:
-            ev.succeed()
+    """Task `gid` has just been decided: decide what was parked on it and schedule the timeout
+    that ends it (its delay is known only now)."""
+    parked = blocked.pop(gid)
+    if type(parked) is not list:
+        parked = (parked,)
+    e_dep = end[gid]
+    for task, rels, i, ready, stream in parked:
+        if ready is None:          # a shared-resource stream: wake it to acquire its resource
+            stream.succeed()
             continue
-        ready = last
-        for r in rels:
-            e = end[task + r]
+        if e_dep > ready:
+            ready = e_dep
+        i += 1
+        n = len(rels)
+        while i < n:
+            e = end[task + rels[i]]
             if e < 0.0:
-                blocked.setdefault(task + r, []).append((task, rels, last, ev))
+                _park(blocked, task + rels[i], (task, rels, i, ready, stream))
                 break
             if e > ready:
                 ready = e
+            i += 1
         else:
             start[task] = ready
             e = end[task] = ready + dur[task]
-            ev._ok, ev._value = True, None
-            env.schedule(ev, _NORMAL, e - env.now)
+            env.timeout(e - env.now).callbacks.append(stream)
             if task in blocked:
                 _decided(env, task, start, end, dur, blocked)
 
 
-def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Iterator:
-    timeout, event = env.timeout, env.event
-    last = 0.0   # end of this stream's previous task (exact; the clock may differ by an ulp)
-    now = env.now
-    for d, (base, tasks) in enumerate(segments):
-        if report is not None:
-            report(d)
-        for pos, rels in tasks:
-            gid = base + pos
-            ready = last
+def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Callable:
+    """A stream alone on its resource, as the callback that runs when its previous task ends:
+    it decides the next task and schedules the timeout that ends it, or parks the task (the
+    decider of its last missing predecessor then decides it and schedules that timeout).
+
+    While the stream stays busy, following tasks whose predecessors have all ended by then are
+    decided at once and the busy period ends with one timeout: their starts cannot change (each
+    starts exactly when the one before ends), and their consumers learn their ends sooner."""
+    timeout = env.timeout
+    segs = iter(enumerate(segments))
+    base, tasks, p, n = 0, (), 0, 0
+    prev = len(end) - 1   # the task that just ended (at first: the sentinel slot, 0.0)
+
+    def advance(_event: simpy.Event | None = None) -> None:
+        nonlocal base, tasks, p, n, prev
+        while p == n:
+            d, (base, tasks) = next(segs, (None, (0, None)))
+            if tasks is None:
+                return
+            p, n = 0, len(tasks)
+            if report is not None:
+                report(d)
+        pos, rels = tasks[p]
+        p += 1
+        gid = base + pos
+        # This runs when the previous task ends, so its exact end is both the clock and the
+        # earliest start of the next task.
+        now = ready = end[prev]
+        prev = gid
+        for r in rels:
+            e = end[gid + r]
+            if e < 0.0:
+                entry = (gid, rels, rels.index(r), ready, advance)
+                if gid + r in blocked:
+                    _park(blocked, gid + r, entry)
+                else:
+                    blocked[gid + r] = entry
+                return
+            if e > ready:
+                ready = e
+        start[gid] = ready
+        e = end[gid] = ready + dur[gid]
+        if gid in blocked:
+            _decided(env, gid, start, end, dur, blocked)
+        while p < n:   # the rest of the busy period
+            pos, rels = tasks[p]
+            nxt = base + pos
             for r in rels:
-                e = end[gid + r]
-                if e < 0.0:
-                    ev = event()
-                    blocked.setdefault(gid + r, []).append((gid, rels, last, ev))
-                    yield ev
-                    last = end[gid]
-                    now = env.now
+                if not 0.0 <= end[nxt + r] <= e:
                     break
-                if e > ready:
-                    ready = e
             else:
-                start[gid] = ready
-                last = end[gid] = ready + dur[gid]
-                if gid in blocked:
-                    _decided(env, gid, start, end, dur, blocked)
-                # SimPy's clock after a timeout is exactly now + delay.
-                delay = last - now
-                yield timeout(delay)
-                now += delay
+                p += 1
+                prev = nxt
+                start[nxt] = e
+                e = end[nxt] = e + dur[nxt]
+                if nxt in blocked:
+                    _decided(env, nxt, start, end, dur, blocked)
+                continue
+            break
+        timeout(e - now).callbacks.append(advance)
+
+    return advance
 
 
 def _shared_stream(env, segments, dur, start, end, blocked, report, res: _SharedResource
@@ -182,7 +236,7 @@ def _shared_stream(env, segments, dur, start, end, blocked, report, res: _Shared
                 e = end[gid + r]
                 while e < 0.0:
                     ev = env.event()
-                    blocked.setdefault(gid + r, []).append((gid, rels, None, ev))
+                    _park(blocked, gid + r, (gid, rels, 0, None, ev))
                     yield ev
                     e = end[gid + r]
                 if e > ready:
