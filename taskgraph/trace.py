@@ -1,8 +1,11 @@
 """The one trace writer: runs of a compiled program -> Chrome/Perfetto JSON (SPEC 7).
 
 Simulated and measured runs of one graph go into one file as separate processes that line up in
-time. Each run gets three processes (GPU, CPU, PCIe) with one track per stream; a stream is serial,
-so its slices never overlap. Times are integer nanoseconds written as microseconds with three
+time, one process per run, numbered in the order given ("1. simulated", "2. measured"). Each
+stream is one track, named after its device ("GPU compute", "PCIe CPU->GPU", ...); a stream is
+serial, so its slices never overlap. Perfetto orders processes by slice count and then by name,
+and a process's threads by tid, so run numbers and tids carry the order (GPU, CPU, CPU->GPU,
+GPU->CPU, pinned copy); sort-index metadata is written too, for viewers that read it. Times are integer nanoseconds written as microseconds with three
 decimals, and every ``dur`` is end minus start in those integers, so rounding can never make
 neighbours overlap. Cross-stream dependencies are flow arrows whose ends lie strictly inside their
 slices. Counters show the GPU weight buffer, KV cache sizes and link throughput.
@@ -24,15 +27,14 @@ from taskgraph.builder import TaskKey
 from taskgraph.compiled import KIND_NAMES, Program
 from taskgraph.work import PAGED, TRANSFERS, WEIGHT_SECTIONS
 
-_DEVICES = ("GPU", "CPU", "PCIe")
 _STREAM_INFO = {
-    # stream: (device, track name, category in PyTorch profiler terms)
-    "gpu": ("GPU", "GPU compute", "kernel"),
-    "cpu": ("CPU", "CPU attention", "cpu_op"),
-    "pin": ("CPU", "pinned staging copy", "cpu_memcpy"),
-    "h2d": ("PCIe", "CPU->GPU copies", "gpu_memcpy"),
-    "h2d_kv": ("PCIe", "CPU->GPU KV copies", "gpu_memcpy"),
-    "d2h": ("PCIe", "GPU->CPU copies", "gpu_memcpy"),
+    # stream: (track name, category in PyTorch profiler terms)
+    "gpu": ("GPU compute", "kernel"),
+    "cpu": ("CPU attention", "cpu_op"),
+    "h2d": ("PCIe CPU->GPU", "gpu_memcpy"),
+    "h2d_kv": ("PCIe CPU->GPU (KV)", "gpu_memcpy"),
+    "d2h": ("PCIe GPU->CPU", "gpu_memcpy"),
+    "pin": ("CPU pinned staging copy", "cpu_memcpy"),
 }
 _FLOW_ID_STRIDE = 1_000_000_000   # keeps flow ids of different runs disjoint
 
@@ -101,27 +103,28 @@ def _us(ns: int) -> float:
     return ns / 1000
 
 
-def _pid(run_index: int, device: str) -> int:
-    return 1 + 10 * run_index + _DEVICES.index(device)
+def _pid(run_index: int) -> int:
+    return run_index + 1
+
+
+def _tid(run_index: int, stream_index: int) -> int:
+    """Unique across runs (Perfetto keys threads by tid) and never a pid (no "main thread")."""
+    return 100 * (run_index + 1) + stream_index + 1
 
 
 def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any]]:
     prog = run.program
     plan, model = prog.plan, prog.plan.scenario.model
     streams = prog.streams
-    # Metadata: processes sorted run by run (simulated above measured), devices in a fixed order.
-    for dev in _DEVICES:
-        pid = _pid(k, dev)
-        yield {"ph": "M", "name": "process_name", "pid": pid,
-               "args": {"name": f"{run.label}: {dev}"}}
-        yield {"ph": "M", "name": "process_sort_index", "pid": pid,
-               "args": {"sort_index": pid}}
+    pid = _pid(k)
+    yield {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{k + 1}. {run.label}"}}
+    yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": k}}
     for sid, s in enumerate(streams):
-        dev, track, _ = _STREAM_INFO[s]
-        pid, tid = _pid(k, dev), sid + 1
-        yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}}
+        tid = _tid(k, sid)
+        yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+               "args": {"name": _STREAM_INFO[s][0]}}
         yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-               "args": {"sort_index": tid}}
+               "args": {"sort_index": sid}}
 
     shown = window.mask(prog) & ~np.isnan(run.end)
     ids = np.flatnonzero(shown)
@@ -139,8 +142,8 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any
 
     for gid in ids.tolist():
         kind = KIND_NAMES[cols["kind"][gid]]
-        s = streams[cols["stream"][gid]]
-        dev, _, cat = _STREAM_INFO[s]
+        sid = int(cols["stream"][gid])
+        cat = _STREAM_INFO[streams[sid]][1]
         t0, t1 = int(start_ns[gid]), int(end_ns[gid])
         idx_key = "page" if kind in PAGED else "micro_batch"
         args: dict[str, Any] = {
@@ -153,8 +156,7 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any
             args["memory bandwidth (GB/s)"] = round(nbytes[gid] / max(t1 - t0, 1), 3)
         else:
             args["flops"] = int(flops[gid])
-        yield {"ph": "X", "name": kind, "cat": cat, "pid": _pid(k, dev),
-               "tid": int(cols["stream"][gid]) + 1,
+        yield {"ph": "X", "name": kind, "cat": cat, "pid": pid, "tid": _tid(k, sid),
                "ts": _us(t0), "dur": _us(t1 - t0), "args": args}
 
     yield from _flows(prog, ids, shown, start_ns, end_ns, cols["stream"], k)
@@ -179,13 +181,11 @@ def _flows(prog: Program, ids, shown, start_ns, end_ns, stream, k) -> Iterator[d
                 if a1 - a0 < 2 or b1 - b0 < 2:
                     continue  # no point strictly inside a slice this short
                 flow_id += 1
-                src_dev = _STREAM_INFO[prog.streams[stream[src]]][0]
-                dst_dev = _STREAM_INFO[prog.streams[stream[gid]]][0]
                 yield {"ph": "s", "id": flow_id, "name": "dependency", "cat": "dependency",
-                       "pid": _pid(k, src_dev), "tid": int(stream[src]) + 1,
+                       "pid": _pid(k), "tid": _tid(k, int(stream[src])),
                        "ts": _us(a1 - min(500, (a1 - a0) // 2))}
                 yield {"ph": "f", "bp": "e", "id": flow_id, "name": "dependency",
-                       "cat": "dependency", "pid": _pid(k, dst_dev), "tid": int(stream[gid]) + 1,
+                       "cat": "dependency", "pid": _pid(k), "tid": _tid(k, int(stream[gid])),
                        "ts": _us(b0 + min(500, (b1 - b0) // 2))}
 
 
@@ -222,25 +222,25 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
         elif kind == "CPUAttn":
             kv.append((t, append))
 
-    for dev, key in (("GPU", "weights in GPU buffer (GB)"), ("CPU", "KV cache on CPU (GB)")):
+    for dev, key in (("GPU", "GPU weight buffer (GB)"), ("CPU", "CPU KV cache (GB)")):
         level = 0.0
         for t, delta in sorted(changes[dev]):
             level += delta
-            yield {"ph": "C", "name": key, "pid": _pid(k, dev), "ts": _us(t),
+            yield {"ph": "C", "name": key, "pid": _pid(k), "ts": _us(t),
                    "args": {key: round(level / 1e9, 6)}}
 
     # Link throughput, per direction.
     stream_names = run.program.streams
-    for direction, label in (("h2d", "CPU->GPU (GB/s)"), ("d2h", "GPU->CPU (GB/s)")):
+    for direction, label in (("h2d", "PCIe CPU->GPU (GB/s)"), ("d2h", "PCIe GPU->CPU (GB/s)")):
         on_link = [g for g in ids.tolist()
                    if stream_names[cols["stream"][g]].startswith(direction)]
         on_link.sort(key=lambda g: int(start_ns[g]))
         for i, g in enumerate(on_link):
             t0, t1 = int(start_ns[g]), int(end_ns[g])
             rate = float(nbytes[g]) / max(t1 - t0, 1)   # bytes/ns = GB/s
-            yield {"ph": "C", "name": label, "pid": _pid(k, "PCIe"), "ts": _us(t0),
+            yield {"ph": "C", "name": label, "pid": _pid(k), "ts": _us(t0),
                    "args": {label: round(float(rate), 3)}}
             nxt = int(start_ns[on_link[i + 1]]) if i + 1 < len(on_link) else None
             if nxt is None or nxt > t1:
-                yield {"ph": "C", "name": label, "pid": _pid(k, "PCIe"), "ts": _us(t1),
+                yield {"ph": "C", "name": label, "pid": _pid(k), "ts": _us(t1),
                        "args": {label: 0.0}}

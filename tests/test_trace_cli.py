@@ -37,11 +37,11 @@ def test_trace_follows_perfetto_rules(tmp_path, schedule):
     assert n == len(slices) == sim.program.total
     # named tracks grouped by device, args on every slice, flows and counters present
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert "GPU compute" in names and "CPU->GPU copies" in names
+    assert "GPU compute" in names and "PCIe CPU->GPU" in names
     assert all({"task", "step", "layer", "bytes"} <= e["args"].keys() for e in slices)
     assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)
     counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert {"weights in GPU buffer (GB)", "CPU->GPU (GB/s)"} <= counters
+    assert {"GPU weight buffer (GB)", "PCIe CPU->GPU (GB/s)"} <= counters
 
 
 def test_trace_times_match_the_simulation(tmp_path):
@@ -66,7 +66,10 @@ def test_default_window_is_small_and_two_runs_share_a_file(tmp_path):
     assert check_trace(trace) == []
     assert n == 2 * int((sim.program.step <= 1).sum()) < 2 * sim.program.total
     procs = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
-    assert {"simulated: GPU", "again: GPU"} <= procs
+    assert procs == {"1. simulated", "2. again"}
+    tids = [(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert len({t for _, t in tids}) == len(tids)          # tids unique across runs
+    assert all(t != p for p, t in tids)                     # and never a pid
     flow_ids = [e["id"] for e in trace["traceEvents"] if e["ph"] == "s"]
     assert len(flow_ids) == len(set(flow_ids))
 
