@@ -85,7 +85,7 @@ def check_fits(report: MemoryReport, schedule: str) -> None:
     for where, items, cap, spec, knobs in (
         ("GPU", report.gpu, report.gpu_capacity, "hardware.gpu", "policy.r_w, policy.mu or policy.r_c"),
         ("CPU", report.cpu, report.cpu_capacity, "hardware.cpu",
-         "policy.N, workload.gen_len or policy.r_w"),
+         "policy.N or workload.gen_len, raise policy.r_w"),
     ):
         need = sum(items.values())
         if need > cap:

@@ -49,7 +49,7 @@ _HOSTS: dict[str, dict[str, Any]] = {
     "xeon-112c": dict(name="2x Xeon 56-core", cores=112, memory_gb=2048, mem_gbps=600,
                       tflops=8.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=50),
     # An H100 cloud slice with few host cores: the "weak CPU" case the reviewers asked about.
-    "weak-16c": dict(name="16 vCPU", cores=16, memory_gb=256, mem_gbps=100,
+    "weak-16c": dict(name="16 vCPU", cores=16, memory_gb=512, mem_gbps=100,
                      tflops=0.8, flops_eff=0.5, mem_eff=0.7, memcpy_gbps=15),
 }
 

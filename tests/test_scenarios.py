@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from taskgraph import presets
+from taskgraph.builder import make_plan
 from taskgraph.cli import main
+from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.simulation import simulate_scenario
 from taskgraph.scenario import load_scenario
 from tests.helpers import TINY
 
@@ -16,9 +19,11 @@ SCENARIOS = sorted(Path("scenarios").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
-def test_shipped_scenarios_load(path):
+def test_shipped_scenarios_fit_and_run(path):
     sc = load_scenario(path)
-    assert sc.policy.N % sc.policy.mu == 0
+    check_fits(memory_footprint(make_plan(sc)), sc.schedule)
+    short = load_scenario(path, ["workload.gen_len=2", "model.L=2"])
+    assert simulate_scenario(short).summary["throughput_tok_s"] > 0
 
 
 def test_t4_is_the_paper_setting():
