@@ -271,6 +271,8 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
 
     for seg, seq in ((-1, prev), (0, cur)):
         for pos, key in enumerate(seq):
+            ring = producer_of.get(key.kind)
+            old = ring.item(key.step, key.layer, key.index) - ring.back if ring else -1
             if seg == 0:
                 _add_node(g, plan, key, pos, external=False)
                 for dep in _data_deps(plan, key):
@@ -280,29 +282,24 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                             later = set(cur[pos:]) | set(launch_sequence(plan, d + 1))
                         _missing(plan, key, dep, dep in later)
                     _add_edge(g, plan, dep, where, prev, key, "data")
-                ring = producer_of.get(key.kind)
-                if ring is not None:
-                    old = ring.item(key.step, key.layer, key.index) - ring.back
-                    if old >= 0:
-                        # The last reader on each stream: readers on different streams can
-                        # finish in any order.
-                        last = last_reader.get((ring.name, old))
-                        if not last:
-                            raise ScheduleError(
-                                f"Schedule {plan.schedule.name} launches {key.name}, which "
-                                f"reuses a {ring.name} buffer slot whose readers are not in "
-                                "this segment or the one before.")
-                        for where in last.values():
-                            src = prev[where[1]] if where[0] < 0 else cur[where[1]]
-                            _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
+                if old >= 0:
+                    # The last reader on each stream: readers on different streams can finish
+                    # in any order.
+                    last = last_reader.get((ring.name, old))
+                    if not last:
+                        raise ScheduleError(
+                            f"Schedule {plan.schedule.name} launches {key.name}, which reuses a "
+                            f"{ring.name} buffer slot whose readers are not in this segment or "
+                            "the one before.")
+                    for where in last.values():
+                        src = prev[where[1]] if where[0] < 0 else cur[where[1]]
+                        _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
             launched[key] = (seg, pos)
-            ring = producer_of.get(key.kind)
             if ring is not None:
-                old = ring.item(key.step, key.layer, key.index) - ring.back
                 overwritten[(ring.name, old)] = key
             for r, items_of in ring_readers.get(key.kind, ()):
                 for item in items_of(key):
-                    if (r.name, item) in overwritten and seg == 0:
+                    if seg == 0 and (r.name, item) in overwritten:
                         raise ScheduleError(
                             f"Schedule {plan.schedule.name} launches {key.name} after "
                             f"{overwritten[(r.name, item)].name}, which overwrites the "

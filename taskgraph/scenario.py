@@ -58,10 +58,9 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
             "version of tg does not have yet; give the policy as a mapping of N, mu, A_g, F_g, "
             "r_w and r_c."
         )
-    for key, resolve in (("model", _resolve_model), ("hardware", _resolve_hardware),
-                         ("workload", _resolve_workload)):
-        if key in raw:
-            raw[key] = resolve(raw[key], source, base_dir)
+    for section in _PRESETS:
+        if section in raw:
+            raw[section] = _resolve_section(section, raw[section], source, base_dir)
     try:
         scenario = Scenario.model_validate(raw)
     except ValidationError as err:
@@ -126,64 +125,48 @@ def _apply_override(doc: dict[str, Any], item: str) -> None:
 
 # --- sections --------------------------------------------------------------------------------
 
-def _resolve_model(value: Any, source: str, base_dir: Path) -> Any:
+_PRESETS = {
+    # section: (presets, what they are called, where else the section can come from)
+    "model": (presets.MODELS, "models", " (or give a Hugging Face config.json path)"),
+    "hardware": (presets.HARDWARE, "machines", " (or give a hardware profile .yaml)"),
+    "workload": (presets.WORKLOADS, "workloads", ""),
+}
+
+
+def _resolve_section(section: str, value: Any, source: str, base_dir: Path) -> Any:
+    """A section given as a preset name, a file, or a mapping that starts from either
+    (``preset:``, ``file:``, ``hf_config:``) and overrides fields, as plain fields."""
     if isinstance(value, str):
         value = {"file": value} if _is_file(value) else {"preset": value}
     if not isinstance(value, dict):
-        return value
+        return value     # validation will say what is wrong with it
     value = dict(value)
     base: dict[str, Any] = {}
     if "preset" in value:
+        table, plural, elsewhere = _PRESETS[section]
         name = value.pop("preset")
-        if name not in presets.MODELS:
+        if name not in table:
             raise TgError(
-                f"Invalid scenario {source}: model '{name}' is not a preset; known models: "
-                f"{', '.join(presets.MODELS)} (or give a Hugging Face config.json path)."
+                f"Invalid scenario {source}: {section} '{name}' is not a preset; known {plural}: "
+                f"{', '.join(table)}{elsewhere}."
             )
-        base = dict(presets.MODELS[name], name=name)
+        base = table[name]
     for key in ("file", "hf_config"):
         if key in value:
-            base = model_from_hf_config(_resolve_path(value.pop(key), base_dir))
+            base = _section_file(section, _resolve_path(value.pop(key), base_dir))
     return _merge(base, value)
 
 
-def _resolve_hardware(value: Any, source: str, base_dir: Path) -> Any:
-    if isinstance(value, str):
-        value = {"file": value} if _is_file(value) else {"preset": value}
-    if not isinstance(value, dict):
-        return value
-    value = dict(value)
-    base: dict[str, Any] = {}
-    if "preset" in value:
-        name = value.pop("preset")
-        if name not in presets.HARDWARE:
-            raise TgError(
-                f"Invalid scenario {source}: hardware '{name}' is not a preset; known machines: "
-                f"{', '.join(presets.HARDWARE)} (or give a hardware profile .yaml)."
-            )
-        base = presets.HARDWARE[name]
-    if "file" in value:
-        path = _resolve_path(value.pop("file"), base_dir)
+def _section_file(section: str, path: Path) -> dict[str, Any]:
+    if section == "model":
+        return model_from_hf_config(path)
+    if section == "hardware":
         profile = _read_yaml(path, what="hardware profile")
         if not isinstance(profile, dict):
             raise TgError(f"Hardware profile '{path}' must be a YAML mapping.")
-        base = _resolve_hardware(profile, str(path), path.parent)
-    return _merge(base, value)
-
-
-def _resolve_workload(value: Any, source: str, base_dir: Path) -> Any:
-    if isinstance(value, str):
-        value = {"preset": value}
-    if not isinstance(value, dict) or "preset" not in value:
-        return value
-    value = dict(value)
-    name = value.pop("preset")
-    if name not in presets.WORKLOADS:
-        raise TgError(
-            f"Invalid scenario {source}: workload '{name}' is not a preset; known workloads: "
-            f"{', '.join(presets.WORKLOADS)}."
-        )
-    return _merge(presets.WORKLOADS[name], value)
+        return _resolve_section("hardware", profile, str(path), path.parent)
+    raise TgError(f"The {section} section cannot be read from a file ('{path}'); give a preset "
+                  "name or its fields.")
 
 
 def _check_schedule_names(scenario: Scenario, source: str) -> None:
