@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from taskgraph.compiled import KIND_NAMES
 from taskgraph.cost import hrm_bound
 from taskgraph.memory import MemoryReport
 from taskgraph.schedules import RESOURCES
@@ -31,11 +32,18 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
     decode = step >= 1
     decode_start = float(np.nanmin(run.start[decode & done])) if (decode & done).any() else makespan
     decode_s = makespan - decode_start
+    # A run stopped early (Ctrl-C) is measured on what it finished: whole decode layers (every
+    # micro-batch's PostAttn done) and whole steps.
+    layers_done, steps_done = G * L, G
+    if run.interrupted:
+        post = done & decode & (prog.column("kind") == KIND_NAMES.index("PostAttn"))
+        layers_done = int(post.sum()) // plan.n
+        steps_done = layers_done // L
     busy = {r: float(run.durations[(resource == i) & done].sum()) for i, r in enumerate(RESOURCES)}
-    decode_busy = {r: float(run.durations[(resource == i) & decode].sum())
+    decode_busy = {r: float(run.durations[(resource == i) & decode & done].sum())
                    for i, r in enumerate(RESOURCES)}
-    bound_s, binding = hrm_bound(decode_busy, G * L)
-    layer_s = decode_s / (G * L)
+    bound_s, binding = hrm_bound(decode_busy, max(layers_done, 1))
+    layer_s = decode_s / max(layers_done, 1)
     return {
         "scenario": sc.name,
         "schedule": plan.schedule.name,
@@ -43,7 +51,7 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "model": sc.model.name,
         "hardware": sc.hardware.name,
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c},
-        "throughput_tok_s": _r(p.N * G / makespan if makespan else 0.0),
+        "throughput_tok_s": _r(p.N * steps_done / makespan if makespan else 0.0),
         "prefill_s": _r(decode_start),
         "decode_s": _r(decode_s),
         "makespan_s": _r(makespan),
@@ -55,7 +63,7 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
-        "steps": G,
+        "steps": steps_done,
         "layers": L,
         "tasks": int(done.sum()),
         "interrupted": run.interrupted,

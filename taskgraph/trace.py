@@ -64,11 +64,15 @@ class Window:
 
 def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(),
                 metadata: dict[str, Any] | None = None) -> int:
-    """Write `runs` to `path` (``.json`` or ``.json.gz``); returns the number of task slices."""
+    """Write `runs` to `path` (``.json`` or ``.json.gz``); returns the number of task slices.
+
+    The file appears complete or not at all: it is written beside `path` and renamed into place,
+    so an interrupted write never leaves a truncated trace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     slices = 0
-    with open(path, "wb") as f:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
         # No name and mtime=0 in the gzip header: identical input gives identical bytes.
         raw = gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) if path.suffix == ".gz" \
             else f
@@ -82,6 +86,7 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
             out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
             out.write_raw(json.dumps(metadata or {}, sort_keys=True))
             out.write_raw("}\n")
+    partial.replace(path)
     return slices
 
 

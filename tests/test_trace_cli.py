@@ -14,7 +14,9 @@ from taskgraph.cli import main
 from taskgraph.compiled import compile_plan
 from taskgraph.builder import make_plan
 from taskgraph.cost import CostModel
+from taskgraph.memory import memory_footprint
 from taskgraph.sim.engine import simulate
+from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import simulate_scenario
 from taskgraph.trace import TraceRun, Window, write_trace
 from taskgraph.tracecheck import check_trace, load_trace
@@ -85,6 +87,12 @@ def test_interrupted_run_leaves_a_valid_trace(tmp_path):
     run = simulate(prog, CostModel(plan.scenario.hardware), progress=stop)
     assert run.interrupted
     assert 0 < run.finished.sum() < prog.total
+    # figures describe what finished: fewer steps, a plausible layer latency
+    full = summarize(simulate(prog, CostModel(plan.scenario.hardware)), memory_footprint(plan))
+    part = summarize(run, memory_footprint(plan))
+    assert part["interrupted"] and part["steps"] < full["steps"]
+    assert part["tasks"] == run.finished.sum()
+    assert 0.5 < part["decode_layer_ms"] / full["decode_layer_ms"] < 2
     path = tmp_path / "partial.json"
     n = write_trace(path, [TraceRun("simulated", prog, run.start, run.end)], Window(None))
     assert n == run.finished.sum()
