@@ -14,6 +14,7 @@ import numpy as np
 
 from taskgraph.compiled import KIND_NAMES
 from taskgraph.cost import hrm_bound
+from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import MemoryReport
 from taskgraph.schedules import RESOURCES
 from taskgraph.sim.engine import SimRun
@@ -44,6 +45,8 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
                    for i, r in enumerate(RESOURCES)}
     bound_s, binding = hrm_bound(decode_busy, max(layers_done, 1))
     layer_s = decode_s / max(layers_done, 1)
+    throughput = p.N * steps_done / makespan if makespan else 0.0
+    limit = hardware_limit_tok_s(sc)
     return {
         "scenario": sc.name,
         "schedule": plan.schedule.name,
@@ -51,7 +54,9 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "model": sc.model.name,
         "hardware": sc.hardware.name,
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c},
-        "throughput_tok_s": _r(p.N * steps_done / makespan if makespan else 0.0),
+        "throughput_tok_s": _r(throughput),
+        "hardware_limit_tok_s": _r(limit),
+        "hardware_limit_fraction": _r(throughput / limit),
         "prefill_s": _r(decode_start),
         "decode_s": _r(decode_s),
         "makespan_s": _r(makespan),

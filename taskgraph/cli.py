@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args) or 0
+    except BrokenPipeError:       # e.g. `tg ... --json | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except TgError as err:
         print(f"tg {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
@@ -61,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    c = command("search", _search, "find the policy with the best predicted throughput")
+    c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
+    c.add_argument("--verify", action="store_true",
+                   help="simulate the top policies and re-rank them by simulated throughput")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     c = command("graph", _graph, "export one step's task graph (node-link JSON or Graphviz DOT)")
     c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
     c.add_argument("--step", type=int, default=None,
@@ -81,10 +91,9 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
 # --- commands --------------------------------------------------------------------------------
 
 def _simulate(args: argparse.Namespace) -> int:
-    from taskgraph.scenario import load_scenario
     from taskgraph.simulation import simulate_scenario
 
-    scenario = load_scenario(args.scenario, args.overrides)
+    scenario = _load(args)
     with _progress(not args.json, "simulating") as tick:
         sim = simulate_scenario(scenario, args.schedule, progress=tick)
     if args.trace:
@@ -95,10 +104,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from taskgraph.expect import evaluate
-    from taskgraph.scenario import load_scenario
     from taskgraph.simulation import for_schedule, simulate_scenario
 
-    scenario = load_scenario(args.scenario, args.overrides)
+    scenario = _load(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown or not names:
@@ -148,12 +156,34 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _search(args: argparse.Namespace) -> int:
+    from taskgraph.limits import hardware_limit_tok_s
+    from taskgraph.scenario import load_scenario
+    from taskgraph.search import search, verify
+
+    if args.top < 1:
+        raise TgError(f"--top must be at least 1, not {args.top}.")
+    scenario = load_scenario(args.scenario, args.overrides)
+    result = search(scenario, top=args.top)
+    if args.verify:
+        with _progress(not args.json, "verifying") as tick:
+            verify(scenario, result, progress=tick)
+    limit = hardware_limit_tok_s(scenario)
+    out = result.to_json()
+    out["hardware_limit_tok_s"] = round(limit, 3)
+    best = result.best
+    out["best"]["throughput_tok_s"] = best.simulated_tok_s or best.predicted_tok_s
+    out["best"]["hardware_limit_fraction"] = round(out["best"]["throughput_tok_s"] / limit, 4)
+    _emit(args, out, lambda: _console().print(_tables().search_table(result, scenario.name,
+                                                                      limit)))
+    return 0
+
+
 def _graph(args: argparse.Namespace) -> int:
     from taskgraph.builder import build_segment, make_plan
     from taskgraph.export import write_graph
-    from taskgraph.scenario import load_scenario
 
-    plan = make_plan(load_scenario(args.scenario, args.overrides), args.schedule)
+    plan = make_plan(_load(args), args.schedule)
     step = args.step if args.step is not None else min(2, plan.G)
     if not 0 <= step <= plan.G:
         raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
@@ -168,6 +198,20 @@ def _graph(args: argparse.Namespace) -> int:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+def _load(args: argparse.Namespace):
+    """The scenario of the command line; `policy: auto` is replaced by the search's best."""
+    from taskgraph.scenario import load_scenario
+    from taskgraph.search import resolve_auto_policy
+
+    scenario, found = resolve_auto_policy(load_scenario(args.scenario, args.overrides))
+    if found is not None and not getattr(args, "json", False):
+        p = found.best.policy
+        _console().print(f"policy: auto -> {found.best.schedule} N={p['N']} mu={p['mu']} "
+                         f"A_g={p['A_g']} r_w={p['r_w']:g} r_c={p['r_c']:g} (best of "
+                         f"{found.evaluated:,} by HRM, {found.wall_s:.1f} s)")
+    return scenario
+
 
 def _tables():
     from taskgraph import report

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from taskgraph.errors import MemoryFitError
 
 GB = 1e9
@@ -44,40 +46,49 @@ class MemoryReport:
 
 def memory_footprint(plan) -> MemoryReport:
     """Peak GPU and CPU memory of a plan (a :class:`taskgraph.builder.Plan`)."""
-    sc, sched, layout = plan.scenario, plan.schedule, plan.layout
-    m, p, w, hw = sc.model, sc.policy, sc.workload, sc.hardware
-    b = m.dtype_bytes
-    prompt = w.context_prompt
-    context = prompt + sc.decode_steps
-    kv_all = p.N * m.L * context * m.kv_bytes_per_token
-
-    decode_act = b * p.mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
-    prefill_tokens = p.mu * prompt
-    prefill_act = b * (prefill_tokens * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
-                       + p.mu * m.n_q * prompt * prompt)  # attention scores, not fused
-    gpu = {
-        "resident weights (r_w)": p.r_w * m.L * m.layer_bytes,
-        "embedding + LM head": float(m.embed_bytes),
-        "weight double buffer": 2 * layout.streamed_bytes,
-        "activations (one micro-batch)": float(max(decode_act, prefill_act)),
-        "hidden states (N sequences)": float(2 * b * p.N * m.h),
-    }
-    if sched.attention == "gpu":
-        gpu["KV cache on GPU (r_c)"] = p.r_c * kv_all
-        gpu["KV prefetch buffers"] = float(sched.kv_slots * p.mu * context * m.kv_bytes_per_token)
-    cpu = {
-        "weights (1 - r_w)": (1 - p.r_w) * m.L * m.layer_bytes,
-        "KV cache (1 - r_c)": (1 - p.r_c) * kv_all,
-        "hidden-state buffers": float(2 * b * p.N * (2 * m.h + 2 * m.h_kv)),
-    }
-    if sched.staging:
-        cpu["pinned staging"] = sched.pin_slots * layout.page_bytes
+    sc, p = plan.scenario, plan.scenario.policy
+    gpu, cpu = memory_items(sc, plan.schedule, p.N, p.mu, p.r_w, p.r_c, plan.layout.n_pages)
+    hw = sc.hardware
     return MemoryReport(
         gpu=gpu, cpu=cpu,
         gpu_capacity=hw.gpu.memory_gb * GB * hw.gpu.usable_fraction * hw.gpu.count,
         cpu_capacity=hw.cpu.memory_gb * GB * hw.cpu.usable_fraction,
         gpu_count=hw.gpu.count,
     )
+
+
+def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
+    """GPU and CPU bytes per item for a scenario's model and workload under `schedule` with the
+    given policy numbers. `N` and `n_pages` may be NumPy arrays (the policy search evaluates a
+    whole column of batch sizes at once); every item is then an array too."""
+    m, w = sc.model, sc.workload
+    b = m.dtype_bytes
+    prompt = w.context_prompt
+    context = prompt + sc.decode_steps
+    kv_all = N * m.L * context * m.kv_bytes_per_token
+    streamed = (1 - r_w) * m.layer_bytes
+
+    decode_act = b * mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
+    prefill_act = b * (mu * prompt * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
+                       + mu * m.n_q * prompt * prompt)  # attention scores, not fused
+    gpu = {
+        "resident weights (r_w)": r_w * m.L * m.layer_bytes,
+        "embedding + LM head": float(m.embed_bytes),
+        "weight double buffer": 2 * streamed,
+        "activations (one micro-batch)": float(max(decode_act, prefill_act)),
+        "hidden states (N sequences)": 2 * b * N * m.h,
+    }
+    if schedule.attention == "gpu":
+        gpu["KV cache on GPU (r_c)"] = r_c * kv_all
+        gpu["KV prefetch buffers"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token)
+    cpu = {
+        "weights (1 - r_w)": (1 - r_w) * m.L * m.layer_bytes,
+        "KV cache (1 - r_c)": (1 - r_c) * kv_all,
+        "hidden-state buffers": 2 * b * N * (2 * m.h + 2 * m.h_kv),
+    }
+    if schedule.staging:
+        cpu["pinned staging"] = schedule.pin_slots * streamed / np.maximum(n_pages, 1)
+    return gpu, cpu
 
 
 def check_fits(report: MemoryReport, schedule: str) -> None:

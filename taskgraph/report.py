@@ -20,7 +20,8 @@ def simulate_table(r: dict[str, Any]) -> Table:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("policy", _policy(r["policy"]))
-    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s")
+    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s ({r['hardware_limit_fraction']:.0%} "
+                            f"of the hardware limit, {r['hardware_limit_tok_s']:.0f} tok/s)")
     t.add_row("prefill / decode", f"{r['prefill_s']:.2f} s / {r['decode_s']:.2f} s "
                                   f"({r['steps']} steps x {r['layers']} layers)")
     t.add_row("decode layer", f"{r['decode_layer_ms']:.2f} ms (HRM bound {r['hrm_layer_ms']:.2f}"
@@ -54,6 +55,26 @@ def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table
                   f"{r['hrm_layer_ms']:.1f}", f"{r['efficiency']:.0%}", r["hrm_binding"],
                   *(f"{u[k]:.0%}" for k in ("gpu", "cpu", "h2d", "d2h")),
                   f"{r['memory']['gpu_peak_gb']:.2f}")
+    return t
+
+
+def search_table(result, scenario_name: str, limit: float) -> Table:
+    verified = result.verified
+    t = Table(title=f"tg search {scenario_name}: {result.evaluated:,} feasible of "
+                    f"{result.considered:,} policies in {result.wall_s:.2f} s", title_justify="left",
+              caption=f"best: {result.best.schedule} "
+                      f"{_policy(result.best.policy)}, bound by {result.binding}; hardware "
+                      f"limit {limit:.0f} tok/s. " + " ".join(result.notes),
+              caption_justify="left")
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "HRM tok/s",
+                *(("sim tok/s",) if verified else ()), "HRM layer ms", "bound by"):
+        t.add_column(col, justify="left" if col in ("sched", "bound by") else "right")
+    for i, c in enumerate(result.top, 1):
+        p = c.policy
+        t.add_row(str(i), c.schedule, str(p["N"]), str(p["mu"]), str(p["A_g"]), f"{p['r_w']:g}",
+                  f"{p['r_c']:g}", f"{c.predicted_tok_s:.2f}",
+                  *((f"{c.simulated_tok_s:.2f}",) if verified else ()),
+                  f"{c.predicted_layer_ms:.1f}", c.resource)
     return t
 
 

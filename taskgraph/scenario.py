@@ -52,12 +52,9 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
         )
     raw = dict(doc)
     raw.setdefault("name", default_name)
-    if raw.get("policy") == "auto":
-        raise TgError(
-            f"Invalid scenario {source}: policy: auto asks for a policy search, which this "
-            "version of tg does not have yet; give the policy as a mapping of N, mu, A_g, F_g, "
-            "r_w and r_c."
-        )
+    auto = raw.get("policy") == "auto"
+    if auto:   # validated with a placeholder; `resolve_auto_policy` searches for the real one
+        raw["policy"] = {"N": 1, "mu": 1, "r_w": 0.0, "r_c": 0.0}
     for section in _PRESETS:
         if section in raw:
             raw[section] = _resolve_section(section, raw[section], source, base_dir)
@@ -66,6 +63,7 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     except ValidationError as err:
         raise TgError(_explain(err, source)) from None
     _check_schedule_names(scenario, source)
+    scenario._policy_auto = auto
     return scenario
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -233,6 +233,12 @@ class Scenario(BaseModel):
     policy: PolicySpec
     schedule: str = "S1"
     expect: Expect | None = None
+    # `policy: auto` in the file: the policy is a placeholder until a search replaces it.
+    _policy_auto: bool = PrivateAttr(default=False)
+
+    @property
+    def policy_auto(self) -> bool:
+        return self._policy_auto
 
     @property
     def decode_steps(self) -> int:

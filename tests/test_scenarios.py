@@ -116,7 +116,6 @@ BAD = [
     ("KV on GPU with CPU attention", None, ["policy.r_c=0.5"], ["policy.r_c"]),
     ("CGOPipe with one micro-batch", None, ["policy.mu=8"], ["at least 2 micro-batches"]),
     ("bad override syntax", None, ["policy.mu"], ["key.path=value"]),
-    ("policy auto", None, ["policy=auto"], ["policy: auto"]),
 ]
 
 

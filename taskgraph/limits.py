@@ -1,0 +1,30 @@
+"""The hardware limit of offloaded decoding (MoE-Lens, Stage 1; SPEC 3.7).
+
+However well a schedule overlaps, a machine cannot decode faster than
+``T_max = min(PME * M / delta, T_GPU)``. Every decode step must stream the model over the link:
+``delta = model bytes / link bandwidth`` seconds. The KV capacity ``M`` (tokens) caps how many
+sequences share that cost. ``PME = 2(p+g) / ((2p+g) g)`` converts capacity into generated tokens
+over a request's life, given the average prompt ``p`` and generation ``g``. ``T_GPU`` is the GPU's
+own ceiling: the achieved FLOP rate over the FLOPs a token costs.
+"""
+
+from __future__ import annotations
+
+from taskgraph.memory import GB
+from taskgraph.specs import Scenario
+
+
+def hardware_limit_tok_s(scenario: Scenario) -> float:
+    m, hw, w = scenario.model, scenario.hardware, scenario.workload
+    p, g = float(w.context_prompt), float(w.gen_len)
+    pme = 2 * (p + g) / ((2 * p + g) * g)
+    link = hw.link.h2d_gbps * 1e9 * hw.link.h2d_eff * hw.gpu.count
+    delta = m.model_bytes / link
+    # KV capacity: what host and GPU memory hold beyond the weights.
+    free = (hw.cpu.memory_gb * hw.cpu.usable_fraction
+            + hw.gpu.memory_gb * hw.gpu.usable_fraction * hw.gpu.count) * GB - m.model_bytes
+    capacity_tokens = max(free, 0.0) / (m.L * m.kv_bytes_per_token)
+    active_params = (m.qkv_bytes + m.o_bytes + m.router_bytes + m.k * m.expert_bytes) \
+        / m.dtype_bytes * m.L
+    t_gpu = hw.gpu.tflops * 1e12 * hw.gpu.flops_eff * hw.gpu.count / (2 * active_params)
+    return min(pme * capacity_tokens / delta, t_gpu)

@@ -1,0 +1,105 @@
+"""HRM prediction of a policy's throughput, straight from the schedule description.
+
+The policy search evaluates tens of thousands of policies, too many to build a graph for each.
+The tasks of one layer are counted from the schedule's launch-order description, the data the
+builder uses, and priced with the same work (:mod:`taskgraph.work`) and cost
+(:mod:`taskgraph.cost`) models the simulator uses. A decode layer at context ``s`` is predicted to
+take ``max`` over resources of the time its tasks need there (Eq. 12-14: perfect overlap), summed
+over every decode step's context. Prefill layers likewise. The simulator's ``hrm_layer_ms`` is
+the same bound taken over a whole simulated run.
+
+Everything is vectorised over the number of micro-batches, since most policy knobs change work
+per micro-batch but not the shape of the computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from taskgraph.cost import CostModel
+from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Schedule
+from taskgraph.specs import PolicySpec, Scenario
+from taskgraph.work import PAGED, TaskWork, WeightLayout
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Predicted figures for policies that differ only in their number of micro-batches `n`."""
+
+    n: np.ndarray
+    throughput_tok_s: np.ndarray
+    prefill_s: np.ndarray
+    decode_s: np.ndarray
+    decode_layer_ms: np.ndarray
+    binding: np.ndarray          # index into RESOURCES of the busiest decode resource
+
+
+def predict(scenario: Scenario, schedule: Schedule, cost: CostModel | None = None
+            ) -> Predictions:
+    """The prediction for the scenario's own policy."""
+    p = scenario.policy
+    return predict_micro_batches(scenario, schedule, p.mu, p.r_w, p.r_c,
+                                 np.array([p.n_micro]), cost)
+
+
+def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: float,
+                          r_c: float, n: np.ndarray, cost: CostModel | None = None
+                          ) -> Predictions:
+    """Predictions for batches of ``n * mu`` sequences in ``n`` micro-batches, for every n."""
+    cost = cost or CostModel(scenario.hardware)
+    m, w = scenario.model, scenario.workload
+    n = np.asarray(n, dtype=float)
+    G, L = scenario.decode_steps, m.L
+    streamed = r_w < 1.0
+    n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
+    # Work per task, with weight pages for one page per layer; page sizes scale with n below.
+    policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
+                                        F_g=1, r_w=r_w, r_c=r_c)
+    work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0))
+    contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
+
+    decode = _per_layer_time(schedule, schedule.decode, work, cost, n, n_pages, L, contexts,
+                             prefill=False)                       # (resources, n, steps)
+    prefill_ops = tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops)
+    prefill = _per_layer_time(schedule, prefill_ops, work, cost, n, n_pages, L,
+                              np.array([float(w.context_prompt)]), prefill=True)[..., 0]
+
+    decode_s = L * decode.max(axis=0).sum(axis=1)
+    prefill_s = L * prefill.max(axis=0)
+    total = prefill_s + decode_s
+    return Predictions(
+        n=n.astype(int),
+        throughput_tok_s=n * mu * G / total,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_layer_ms=decode_s / (G * L) * 1e3,
+        binding=decode.sum(axis=2).argmax(axis=0),
+    )
+
+
+def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n: np.ndarray,
+                    n_pages: np.ndarray, L: int, contexts: np.ndarray, prefill: bool
+                    ) -> np.ndarray:
+    """Seconds each resource works per layer: array (resources, len(n), len(contexts))."""
+    out = np.zeros((len(RESOURCES), len(n), len(contexts)))
+    for op in ops:
+        paged = op.kind in PAGED
+        if paged and not n_pages.any():
+            continue
+        # Launches per layer: every micro-batch (or page), once per layer, or once per
+        # micro-batch per step (the LM head, spread over the step's layers).
+        per = n_pages if paged else n
+        count = {"each": per, "first": np.ones_like(n), "last_layer": n / L}[op.when]
+        r = RESOURCES.index(STREAM_RESOURCE[schedule.streams[op.kind]])
+        wk = work.of(op.kind, prefill=prefill)
+        flops = wk.flops + wk.flops_per_ctx * contexts             # (contexts,)
+        nbytes = wk.bytes + wk.bytes_per_ctx * contexts
+        if paged:   # one page holds 1/n_pages of the streamed bytes
+            nbytes = np.divide.outer(nbytes, np.maximum(n_pages, 1)).T    # (n, contexts)
+            flops = np.broadcast_to(flops, nbytes.shape)
+        t = np.maximum(flops / cost.flops_rate[r], nbytes / cost.byte_rate[r]) + cost.overhead[r]
+        out[r] += count[:, None] * np.broadcast_to(t, (len(n), len(contexts)))
+    return out
+

@@ -1,0 +1,341 @@
+"""Policy search: the best (N, mu, A_g, F_g, r_w, r_c) for a machine, by HRM prediction, checked
+by simulation.
+
+The grid is enumerated per (schedule, mu, r_w, r_c), vectorised over the number of micro-batches
+(N = n * mu), filtered by the one memory model and ranked by the HRM prediction of end-to-end
+throughput (:mod:`taskgraph.predict`). Attention placement picks the schedule: CPU attention runs
+the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4. The MoE FFN
+stays on the GPU (F_g = 1): no schedule here runs it on the CPU.
+
+Work is cut into independent, picklable jobs (:class:`GridJob`) and spread over every local core
+with a process pool; the same jobs could be mapped by Ray or any other engine unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from taskgraph.builder import build_segment, make_plan
+from taskgraph.cost import CostModel
+from taskgraph.errors import ScheduleError, TgError
+from taskgraph.memory import GB, memory_items
+from taskgraph.predict import predict_micro_batches
+from taskgraph.schedules import RESOURCES, SCHEDULES, Schedule
+from taskgraph.specs import PolicySpec, Scenario
+
+MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256)
+R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
+R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
+MAX_MICRO_BATCHES = 64
+_RESOURCE_NAMES = {"gpu": "GPU", "cpu": "CPU", "h2d": "link (CPU->GPU)",
+                   "d2h": "link (GPU->CPU)", "pin": "CPU (pinned staging copy)"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The policies a search considers."""
+
+    mu: tuple[int, ...] = MU
+    r_w: tuple[float, ...] = R_W
+    r_c: tuple[float, ...] = R_C
+    max_micro_batches: int = MAX_MICRO_BATCHES
+    attention: tuple[str, ...] = ("cpu", "gpu")
+
+
+@dataclass
+class Candidate:
+    """One feasible policy with its predicted (and, after verification, simulated) figures."""
+
+    schedule: str
+    policy: dict[str, Any]
+    predicted_tok_s: float
+    predicted_layer_ms: float
+    resource: str                       # what bounds its decode layers, by HRM
+    simulated_tok_s: float | None = None
+    simulated_layer_ms: float | None = None
+
+    def scenario(self, base: Scenario) -> Scenario:
+        return base.model_copy(update={"policy": PolicySpec(**self.policy),
+                                       "schedule": self.schedule})
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    top: list[Candidate]
+    evaluated: int                      # feasible policies scored
+    considered: int                     # policies enumerated
+    binding: str                        # what stops the winner from going faster
+    wall_s: float = 0.0
+    verified: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"best": asdict(self.best), "top": [asdict(c) for c in self.top],
+                "binding": self.binding, "evaluated": self.evaluated,
+                "considered": self.considered, "verified": self.verified,
+                "notes": self.notes, "wall_s": round(self.wall_s, 3)}
+
+
+@dataclass(frozen=True)
+class GridJob:
+    """Score every micro-batch count for some (schedule, mu, r_w, r_c) combinations."""
+
+    scenario: Scenario
+    combos: tuple[tuple[str, int, float, float], ...]
+    max_micro_batches: int
+
+    def run(self) -> tuple[list[Candidate], int]:
+        cost = CostModel(self.scenario.hardware)
+        found: list[Candidate] = []
+        considered = 0
+        for name, mu, r_w, r_c in self.combos:
+            schedule = SCHEDULES[name]
+            n = np.arange(_min_micro(self.scenario, schedule), self.max_micro_batches + 1)
+            considered += len(n)
+            fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)
+            if not fits.any():
+                continue
+            n = n[fits]
+            pred = predict_micro_batches(self.scenario, schedule, mu, r_w, r_c, n, cost)
+            for i in range(len(n)):
+                found.append(Candidate(
+                    schedule=name,
+                    policy=_policy(int(n[i]) * mu, mu, schedule, r_w, r_c),
+                    predicted_tok_s=float(pred.throughput_tok_s[i]),
+                    predicted_layer_ms=float(pred.decode_layer_ms[i]),
+                    resource=_RESOURCE_NAMES[RESOURCES[pred.binding[i]]]))
+        return found, considered
+
+
+def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(),
+           workers: int | None = None) -> SearchResult:
+    """The best policies for `scenario`'s model, machine and workload, by HRM prediction."""
+    t0 = time.perf_counter()
+    found, considered = evaluate(scenario, grid, workers)
+    if not found:
+        raise TgError(_nothing_fits(scenario, grid))
+    ranked = _runnable(scenario, found, top)
+    best = ranked[0]
+    result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
+                          binding=_binding(scenario, best, found))
+    result.notes.append("F_g=1 throughout: no schedule runs the MoE FFN on the CPU.")
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def evaluate(scenario: Scenario, grid: Grid = Grid(), workers: int | None = None
+             ) -> tuple[list[Candidate], int]:
+    """Every feasible policy of the grid with its prediction, best first, and how many policies
+    were enumerated."""
+    found, considered = [], 0
+    for cands, n in run_jobs(grid_jobs(scenario, grid, workers or os.cpu_count() or 1), workers):
+        found += cands
+        considered += n
+    found.sort(key=lambda c: (-c.predicted_tok_s, c.policy["N"], c.policy["mu"]))
+    return found, considered
+
+
+def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | None]:
+    """A scenario with `policy: auto` gets the search's best policy (and its schedule)."""
+    if not scenario.policy_auto:
+        return scenario, None
+    result = search(scenario, top=1)
+    return result.best.scenario(scenario), result
+
+
+def verify(scenario: Scenario, result: SearchResult, workers: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Simulate each of the top candidates and re-rank them by simulated throughput."""
+    t0 = time.perf_counter()
+    jobs = [SimJob(c.scenario(scenario)) for c in result.top]
+    for c, summary in zip(result.top, run_jobs(jobs, workers, progress)):
+        c.simulated_tok_s = summary["throughput_tok_s"]
+        c.simulated_layer_ms = summary["decode_layer_ms"]
+    result.top.sort(key=lambda c: -(c.simulated_tok_s or 0.0))
+    result.best = result.top[0]
+    result.verified = True
+    result.wall_s += time.perf_counter() - t0
+    return result
+
+
+COARSE = Grid(mu=(8, 16, 32, 64, 128, 256), r_w=(0.0, 0.25, 0.5, 0.75, 1.0), r_c=(0.0, 0.5, 1.0))
+
+
+def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
+    """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest
+    and half the largest batch that fit. Returns the simulated candidates, best first."""
+    found, _ = evaluate(scenario, grid, workers)
+    largest: dict[tuple, list[Candidate]] = {}
+    for c in found:
+        key = (c.schedule, c.policy["mu"], c.policy["r_w"], c.policy["r_c"])
+        largest.setdefault(key, []).append(c)
+    chosen = []
+    for cands in largest.values():
+        cands.sort(key=lambda c: c.policy["N"])
+        chosen += {id(c): c for c in (cands[-1], cands[(len(cands) - 1) // 2])}.values()
+    chosen = _runnable(scenario, sorted(chosen, key=lambda c: -c.predicted_tok_s), len(chosen))
+    jobs = [SimJob(c.scenario(scenario)) for c in chosen]
+    for c, summary in zip(chosen, run_jobs(jobs, workers, progress)):
+        c.simulated_tok_s = summary["throughput_tok_s"]
+        c.simulated_layer_ms = summary["decode_layer_ms"]
+    return sorted(chosen, key=lambda c: -(c.simulated_tok_s or 0.0))
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """Simulate one scenario; returns its summary (picklable in and out)."""
+
+    scenario: Scenario
+
+    def run(self) -> dict[str, Any]:
+        from taskgraph.simulation import simulate_scenario
+
+        return simulate_scenario(self.scenario).summary
+
+
+def run_jobs(jobs: list, workers: int | None = None,
+             progress: Callable[[int, int], None] | None = None) -> Iterable:
+    """Run jobs (objects with a ``run()`` method) on every local core, results in job order."""
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers <= 1:
+        results = []
+        for i, job in enumerate(jobs):
+            results.append(job.run())
+            if progress:
+                progress(i + 1, len(jobs))
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_run, job) for job in jobs]
+        results = []
+        for i, f in enumerate(futures):
+            results.append(f.result())
+            if progress:
+                progress(i + 1, len(jobs))
+        return results
+
+
+def _run(job):
+    return job.run()
+
+
+def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:
+    combos = []
+    for attention in grid.attention:
+        schedule = _schedule_for(scenario, attention)
+        for mu in grid.mu:
+            for r_w in grid.r_w:
+                for r_c in (grid.r_c if attention == "gpu" else (0.0,)):
+                    combos.append((schedule.name, mu, r_w, r_c))
+    size = math.ceil(len(combos) / chunks)
+    return [GridJob(scenario, tuple(combos[i:i + size]), grid.max_micro_batches)
+            for i in range(0, len(combos), size)]
+
+
+def _schedule_for(scenario: Scenario, attention: str) -> Schedule:
+    own = SCHEDULES[scenario.schedule]
+    if own.attention == attention:
+        return own
+    return SCHEDULES["S1"] if attention == "cpu" else SCHEDULES["S4"]
+
+
+def _min_micro(scenario: Scenario, schedule: Schedule) -> int:
+    # S4 with one layer and one micro-batch would prefetch the KV it is still computing.
+    one_layer_gpu_attention = schedule.attention == "gpu" and scenario.model.L == 1
+    return max(schedule.min_micro_batches, 2 if one_layer_gpu_attention else 1)
+
+
+def _policy(N: int, mu: int, schedule: Schedule, r_w: float, r_c: float) -> dict[str, Any]:
+    return {"N": int(N), "mu": int(mu), "A_g": int(schedule.attention == "gpu"), "F_g": 1,
+            "r_w": float(r_w), "r_c": float(r_c)}
+
+
+def _fits(scenario: Scenario, schedule: Schedule, n: np.ndarray, mu: int, r_w: float,
+          r_c: float) -> np.ndarray:
+    gpu, cpu = _memory_totals(scenario, schedule, n, mu, r_w, r_c)
+    g_cap, c_cap = _capacities(scenario)
+    return (gpu <= g_cap) & (cpu <= c_cap)
+
+
+def _memory_totals(scenario, schedule, n, mu, r_w, r_c):
+    pages = n if schedule.paged else np.ones_like(n)
+    gpu, cpu = memory_items(scenario, schedule, n * mu, mu, r_w, r_c, pages)
+    return sum(gpu.values()) * np.ones(len(n)), sum(cpu.values()) * np.ones(len(n))
+
+
+def _capacities(scenario: Scenario) -> tuple[float, float]:
+    g, c = scenario.hardware.gpu, scenario.hardware.cpu
+    return g.memory_gb * GB * g.usable_fraction * g.count, c.memory_gb * GB * c.usable_fraction
+
+
+def _runnable(scenario: Scenario, ranked: list[Candidate], top: int) -> list[Candidate]:
+    """The first `top` candidates whose schedule can actually run their policy (the builder
+    rejects, e.g., CGOPipe pages too small to hold the next layer's QKV weights in time)."""
+    small = scenario.model_copy(update={
+        "model": scenario.model.model_copy(update={"L": min(scenario.model.L, 2)}),
+        "workload": scenario.workload.model_copy(update={"gen_len": 2})})
+    keep: list[Candidate] = []
+    for c in ranked:
+        try:
+            plan = make_plan(c.scenario(small))
+            for d in range(plan.G + 1):
+                build_segment(plan, d)
+        except ScheduleError:
+            continue
+        keep.append(c)
+        if len(keep) == top:
+            break
+    if not keep:
+        raise TgError("No feasible policy can be run by the schedules tg knows; see "
+                      "`tg simulate` on a candidate for the reason.")
+    return keep
+
+
+def _binding(scenario: Scenario, best: Candidate, found: list[Candidate]) -> str:
+    """What stops the winner from going faster: the memory that forbids a bigger batch when a
+    bigger batch would be predicted faster, else the resource that bounds its decode layers."""
+    p = best.policy
+    schedule = SCHEDULES[best.schedule]
+    n_next = np.array([p["N"] // p["mu"] + 1])
+    if n_next[0] <= MAX_MICRO_BATCHES:
+        pred = predict_micro_batches(scenario, schedule, p["mu"], p["r_w"], p["r_c"], n_next)
+        if pred.throughput_tok_s[0] > best.predicted_tok_s:
+            gpu, cpu = _memory_totals(scenario, schedule, n_next, p["mu"], p["r_w"], p["r_c"])
+            g_cap, c_cap = _capacities(scenario)
+            if cpu[0] > c_cap:
+                return "CPU memory"
+            if gpu[0] > g_cap:
+                return "GPU memory"
+    return best.resource
+
+
+def _nothing_fits(scenario: Scenario, grid: Grid) -> str:
+    """Explain an infeasible scenario: how short each memory is at its most lenient policy (one
+    sequence; S3, which needs no staging buffers and no minimum number of micro-batches)."""
+    g_cap, c_cap = _capacities(scenario)
+    one = np.array([1])
+    needs = [(float(g[0]), float(c[0])) for g, c in
+             (_memory_totals(scenario, SCHEDULES["S3"], one, 1, r_w, 0.0) for r_w in grid.r_w)]
+    gpu_min = min(g for g, _ in needs)
+    if gpu_min > g_cap:
+        short = (f"GPU memory: even streaming every weight with one sequence needs "
+                 f"{gpu_min / GB:.2f} GB of {g_cap / GB:.2f} GB usable "
+                 f"({(gpu_min - g_cap) / GB:.2f} GB short)")
+    else:
+        cpu_min = min(c for g, c in needs if g <= g_cap)
+        if cpu_min > c_cap:
+            short = (f"CPU memory: keeping as many weights on the GPU as fit, one sequence still "
+                     f"needs {cpu_min / GB:.2f} GB of {c_cap / GB:.2f} GB usable "
+                     f"({(cpu_min - c_cap) / GB:.2f} GB short)")
+        else:
+            short = "every policy that fits needs more micro-batches than the grid allows"
+    return (f"No policy fits {scenario.model.name} on {scenario.hardware.name}: {short}. Use a "
+            "machine with more memory or a smaller model.")

@@ -1,0 +1,124 @@
+"""Policy search, HRM prediction, the hardware limit, and `tg search`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskgraph.builder import make_plan
+from taskgraph.cli import main
+from taskgraph.errors import TgError
+from taskgraph.limits import hardware_limit_tok_s
+from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.predict import predict
+from taskgraph.scenario import load_scenario
+from taskgraph.schedules import SCHEDULES
+from taskgraph.search import Grid, evaluate, resolve_auto_policy, search, verify
+from taskgraph.simulation import simulate_scenario
+from tests.helpers import tiny
+
+SMALL = Grid(mu=(1, 2, 4), r_w=(0.0, 0.5, 1.0), r_c=(0.0, 1.0), max_micro_batches=6)
+
+
+def _machine(gpu_gb: float, cpu_gb: float):
+    return tiny(model={"preset": "tiny", "L": 2}, workload={"gen_len": 2},
+                hardware={"preset": "t4", "gpu": {"memory_gb": gpu_gb},
+                          "cpu": {"memory_gb": cpu_gb}})
+
+
+def test_prediction_matches_the_simulated_hrm_bound():
+    for name in ("S1", "S3"):
+        sc = tiny()
+        pred = predict(sc, SCHEDULES[name])
+        sim = simulate_scenario(sc, name).summary
+        assert pred.decode_layer_ms[0] == pytest.approx(sim["hrm_layer_ms"], rel=1e-3)
+        assert pred.throughput_tok_s[0] >= sim["throughput_tok_s"] * 0.97
+
+
+def test_search_returns_only_feasible_runnable_policies():
+    sc = load_scenario("scenarios/t4.yaml")
+    result = search(sc, top=5, workers=1)
+    assert result.best is result.top[0]
+    for c in result.top:
+        plan = make_plan(c.scenario(sc))
+        check_fits(memory_footprint(plan), c.schedule)      # raises if it does not fit
+    assert result.top[0].predicted_tok_s >= result.top[-1].predicted_tok_s
+    assert result.binding in ("CPU memory", "GPU memory", "link (CPU->GPU)", "GPU", "CPU",
+                              "link (GPU->CPU)", "CPU (pinned staging copy)")
+
+
+@settings(max_examples=10, deadline=None)
+@given(gpu_gb=st.floats(0.05, 4), cpu_gb=st.floats(0.05, 4))
+def test_the_winner_beats_every_feasible_policy(gpu_gb, cpu_gb):
+    sc = _machine(gpu_gb, cpu_gb)
+    found, _ = evaluate(sc, SMALL, workers=1)
+    if not found:
+        with pytest.raises(TgError, match="No policy fits"):
+            search(sc, grid=SMALL, workers=1)
+        return
+    best = search(sc, top=1, grid=SMALL, workers=1).best
+    assert all(best.predicted_tok_s >= c.predicted_tok_s for c in found)
+
+
+@settings(max_examples=10, deadline=None)
+@given(gpu_gb=st.floats(0.05, 2), cpu_gb=st.floats(0.05, 2), more=st.floats(1.0, 4.0))
+def test_more_memory_never_lowers_the_best(gpu_gb, cpu_gb, more):
+    base = evaluate(_machine(gpu_gb, cpu_gb), SMALL, workers=1)[0]
+    for bigger in (_machine(gpu_gb * more, cpu_gb), _machine(gpu_gb, cpu_gb * more)):
+        found = evaluate(bigger, SMALL, workers=1)[0]
+        if base:
+            assert found[0].predicted_tok_s >= base[0].predicted_tok_s
+
+
+def test_infeasible_scenario_says_what_is_short():
+    sc = load_scenario("scenarios/t4.yaml", ["model=mixtral-8x22b", "hardware.cpu.memory_gb=64"])
+    with pytest.raises(TgError, match=r"No policy fits mixtral-8x22b.*CPU memory.*short"):
+        search(sc, workers=1)
+    sc = load_scenario("scenarios/t4.yaml", ["hardware.gpu.memory_gb=0.5"])
+    with pytest.raises(TgError, match=r"GPU memory.*short"):
+        search(sc, workers=1)
+
+
+def test_verify_simulates_and_reranks():
+    sc = tiny(workload={"gen_len": 2})
+    result = verify(sc, search(sc, top=3, grid=SMALL, workers=1), workers=1)
+    assert result.verified
+    sims = [c.simulated_tok_s for c in result.top]
+    assert sims == sorted(sims, reverse=True) and result.best.simulated_tok_s == sims[0]
+
+
+def test_hardware_limit_by_hand():
+    sc = load_scenario("scenarios/t4.yaml")
+    pme = 2 * (77 + 128) / ((2 * 77 + 128) * 128)
+    delta = 93_405_052_928 / (15.75e9 * 0.8)
+    capacity = (192 * 0.8 + 16 * 0.86) * 1e9 - 93_405_052_928
+    tokens = capacity / (32 * 4096)
+    assert hardware_limit_tok_s(sc) == pytest.approx(pme * tokens / delta)
+    summary = simulate_scenario(tiny()).summary
+    assert 0 < summary["hardware_limit_fraction"] <= 1
+
+
+def test_policy_auto_runs_the_search(tmp_path, capsys):
+    path = tmp_path / "auto.yaml"
+    path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
+                    "policy: auto\n")
+    scenario, found = resolve_auto_policy(load_scenario(path))
+    assert found is not None and scenario.policy.N == found.best.policy["N"]
+    assert main(["simulate", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"]["N"] == found.best.policy["N"]
+
+
+def test_search_cli(capsys):
+    assert main(["search", "scenarios/tiny.yaml", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"best", "top", "evaluated", "wall_s", "binding", "hardware_limit_tok_s"} <= out.keys()
+    assert len(out["top"]) == 3 and out["best"]["policy"] == out["top"][0]["policy"]
+    assert main(["search", "scenarios/tiny.yaml", "--top", "0"]) == 2
+    assert "--top" in capsys.readouterr().err
+    assert main(["search", "scenarios/t4.yaml", "--set", "hardware.gpu.memory_gb=0.5"]) == 2
+    assert "No policy fits" in capsys.readouterr().err
