@@ -69,7 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
     c.add_argument("--verify", action="store_true",
                    help="simulate the top policies and re-rank them by simulated throughput")
+    c.add_argument("--brute-force", action="store_true",
+                   help="also simulate a whole coarse grid and report what trusting HRM's pick "
+                        "costs against the best simulated policy")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    c = command("sweep", _sweep, "re-run the policy search across hardware or workload values")
+    c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
+                   help="a scenario field and its values (repeatable; the first is the x axis)")
+    c.add_argument("--out", required=True, help="output folder for sweep.csv and sweep.png")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    c = command("roofline", _roofline, "plot the Hierarchical Roofline of a scenario (PNG)")
+    c.add_argument("--out", required=True, help="output PNG file")
 
     c = command("graph", _graph, "export one step's task graph (node-link JSON or Graphviz DOT)")
     c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
@@ -159,23 +171,103 @@ def _compare(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     from taskgraph.limits import hardware_limit_tok_s
     from taskgraph.scenario import load_scenario
-    from taskgraph.search import search, verify
+    from taskgraph.search import brute_force, search, verify
 
     if args.top < 1:
         raise TgError(f"--top must be at least 1, not {args.top}.")
     scenario = load_scenario(args.scenario, args.overrides)
     result = search(scenario, top=args.top)
-    if args.verify:
+    if args.verify or args.brute_force:
         with _progress(not args.json, "verifying") as tick:
             verify(scenario, result, progress=tick)
     limit = hardware_limit_tok_s(scenario)
     out = result.to_json()
+    grid = []
+    if args.brute_force:
+        with _progress(not args.json, "brute force") as tick:
+            grid = brute_force(scenario, progress=tick)
+        out["brute_force"] = _brute_force_summary(result, grid)
     out["hardware_limit_tok_s"] = round(limit, 3)
     best = result.best
     out["best"]["throughput_tok_s"] = best.simulated_tok_s or best.predicted_tok_s
     out["best"]["hardware_limit_fraction"] = round(out["best"]["throughput_tok_s"] / limit, 4)
-    _emit(args, out, lambda: _console().print(_tables().search_table(result, scenario.name,
-                                                                      limit)))
+    def human() -> None:
+        console = _console()
+        console.print(_tables().search_table(result, scenario.name, limit))
+        if grid:
+            console.print(_tables().brute_force_table(grid[:args.top], out["brute_force"]))
+
+    _emit(args, out, human)
+    return 0
+
+
+def _brute_force_summary(result, grid) -> dict[str, Any]:
+    """HRM's pick against the best of a simulated grid (the reviewers' question)."""
+    from dataclasses import asdict
+
+    best = grid[0]
+    hrm_pick = result.top[0] if not result.verified else max(
+        result.top, key=lambda c: c.predicted_tok_s)   # what HRM alone would have chosen
+    in_grid = max(grid, key=lambda c: c.predicted_tok_s)  # HRM's choice among the grid's
+    return {
+        "simulated": len(grid),
+        "best": asdict(best),
+        "hrm_pick_simulated_tok_s": hrm_pick.simulated_tok_s,
+        "loss_vs_best": round(1 - hrm_pick.simulated_tok_s / best.simulated_tok_s, 4),
+        "hrm_pick_in_grid_simulated_tok_s": in_grid.simulated_tok_s,
+        "loss_in_grid": round(1 - in_grid.simulated_tok_s / best.simulated_tok_s, 4),
+    }
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from taskgraph.scenario import load_scenario
+    from taskgraph.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
+
+    vary = parse_vary(args.vary)
+    if len(vary) > 2:
+        raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
+    load_scenario(args.scenario, args.overrides)          # fail fast on a bad scenario
+    jobs = sweep_jobs(args.scenario, args.overrides, vary)
+    with _progress(not args.json, "sweeping") as tick:
+        rows = run_sweep(jobs, progress=tick)
+    failed = [r for r in rows if r["error"]]
+    if len(failed) == len(rows):
+        raise TgError(f"Every point of the sweep failed; the first: {failed[0]['error']}")
+    paths = write_sweep(rows, vary, args.out)
+
+    def human() -> None:
+        from rich.table import Table
+
+        t = Table(title=f"tg sweep: {len(rows)} points, files {', '.join(map(str, paths))}",
+                  title_justify="left")
+        keys = [k for k, _ in vary]
+        for col in keys + ["tok/s", "sched", "N", "mu", "A_g", "r_w", "r_c", "binding"]:
+            t.add_column(col)
+        for r in rows:
+            if r["error"]:
+                t.add_row(*(str(r[k]) for k in keys), "infeasible", *[""] * 6, r["error"][:40])
+                continue
+            t.add_row(*(str(r[k]) for k in keys), f"{r['throughput_tok_s']:.1f}", r["schedule"],
+                      str(r["N"]), str(r["mu"]), str(r["A_g"]), f"{r['r_w']:g}", f"{r['r_c']:g}",
+                      r["binding"])
+        _console().print(t)
+
+    _emit(args, {"rows": rows, "files": [str(p) for p in paths]}, human)
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    from taskgraph.plots import roofline, roofline_points
+
+    if not args.out.endswith(".png"):
+        raise TgError(f"--out '{args.out}' must be a .png file.")
+    scenario = _load(args)
+    roofline(scenario, args.out)
+    pts = roofline_points(scenario)
+    lines = [f"wrote {args.out}"]
+    lines += [f"  {k}: I = {v:.1f} FLOP/byte" for k, v in pts["turning_points"].items()]
+    lines += [f"  {k}: I = {v:.1f}" for k, v in pts["intensities"].items()]
+    _console().print("\n".join(lines))
     return 0
 
 

@@ -78,6 +78,26 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
     return t
 
 
+def brute_force_table(grid, summary: dict[str, Any]) -> Table:
+    loss, in_grid = summary["loss_vs_best"], summary["loss_in_grid"]
+    t = Table(title=f"brute force: {summary['simulated']} policies of a coarse grid simulated",
+              title_justify="left",
+              caption=f"HRM's pick simulates at {summary['hrm_pick_simulated_tok_s']:.2f} tok/s: "
+                      f"{_loss(loss)} the best simulated policy; among the grid's own policies "
+                      f"HRM's favourite is {_loss(in_grid)} the best.", caption_justify="left")
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "sim tok/s", "HRM tok/s"):
+        t.add_column(col, justify="left" if col == "sched" else "right")
+    for i, c in enumerate(grid, 1):
+        p = c.policy
+        t.add_row(str(i), c.schedule, str(p["N"]), str(p["mu"]), str(p["A_g"]), f"{p['r_w']:g}",
+                  f"{p['r_c']:g}", f"{c.simulated_tok_s:.2f}", f"{c.predicted_tok_s:.2f}")
+    return t
+
+
+def _loss(x: float) -> str:
+    return f"{x:.1%} below" if x > 0 else f"{-x:.1%} above" if x < 0 else "equal to"
+
+
 def check_table(checks: list[Check]) -> Table:
     failed = sum(not c.ok for c in checks)
     t = Table(title=f"expect: {len(checks) - failed} of {len(checks)} checks hold",

@@ -30,7 +30,7 @@ from taskgraph.predict import predict_micro_batches
 from taskgraph.schedules import RESOURCES, SCHEDULES, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 
-MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256)
+MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
 R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
 R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_MICRO_BATCHES = 64
@@ -139,8 +139,15 @@ def evaluate(scenario: Scenario, grid: Grid = Grid(), workers: int | None = None
     for cands, n in run_jobs(grid_jobs(scenario, grid, workers or os.cpu_count() or 1), workers):
         found += cands
         considered += n
-    found.sort(key=lambda c: (-c.predicted_tok_s, c.policy["N"], c.policy["mu"]))
+    found.sort(key=_rank)
     return found, considered
+
+
+def _rank(c: Candidate) -> tuple:
+    """Best first; policies within 0.1% of each other are equals, and among equals the cheapest
+    wins: weights and KV left on the CPU, then the smaller batch."""
+    p = c.policy
+    return (-round(math.log(c.predicted_tok_s) * 1000), p["r_w"], p["r_c"], p["N"], p["mu"])
 
 
 def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | None]:

@@ -122,3 +122,48 @@ def test_search_cli(capsys):
     assert "--top" in capsys.readouterr().err
     assert main(["search", "scenarios/t4.yaml", "--set", "hardware.gpu.memory_gb=0.5"]) == 2
     assert "No policy fits" in capsys.readouterr().err
+
+
+def test_sweep_writes_csv_and_plot(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", "scenarios/tiny.yaml", "--vary", "hardware.link.h2d_gbps=1,4,16",
+                 "--vary", "hardware.cpu.tflops=0.5,2", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert len(rows) == 6 and all(r["throughput_tok_s"] > 0 for r in rows)
+    # a faster link never lowers the best predicted throughput
+    for tf in ("0.5", "2"):
+        tps = [r["throughput_tok_s"] for r in rows if r["hardware.cpu.tflops"] == tf]
+        assert tps == sorted(tps)
+    text = (out / "sweep.csv").read_text().splitlines()
+    assert text[0].startswith("hardware.link.h2d_gbps,hardware.cpu.tflops,throughput_tok_s")
+    assert len(text) == 7 and (out / "sweep.png").stat().st_size > 10_000
+    assert main(["sweep", "scenarios/tiny.yaml", "--vary", "policy.mu", "--out", str(out)]) == 2
+    assert "KEY=V1,V2" in capsys.readouterr().err
+
+
+def test_sweep_jobs_are_plain_serialisable_data():
+    import pickle
+
+    from taskgraph.sweep import parse_vary, sweep_jobs
+
+    jobs = sweep_jobs("scenarios/tiny.yaml", ["workload.gen_len=2"],
+                      parse_vary(["hardware.link.h2d_gbps=1,2", "policy.mu=1,2,4"]))
+    assert len(jobs) == 6
+    again = pickle.loads(pickle.dumps(jobs))
+    assert again == jobs and again[0].run()["throughput_tok_s"] > 0
+
+
+def test_roofline_plot(tmp_path, capsys):
+    from taskgraph.plots import roofline_points
+
+    out = tmp_path / "roof.png"
+    assert main(["roofline", "scenarios/t4.yaml", "--out", str(out)]) == 0
+    assert out.stat().st_size > 20_000
+    pts = roofline_points(load_scenario("scenarios/t4.yaml"))
+    p1 = pts["turning_points"]["P1: moving data to the GPU pays off"]
+    p2 = pts["turning_points"]["P2: GPU no longer link-bound"]
+    assert p1 == pytest.approx(1.6e12 * 0.5 / 12.6e9) and p2 == pytest.approx(65e12 * 0.6 / 12.6e9)
+    attention = next(v for k, v in pts["intensities"].items() if k.startswith("attention"))
+    assert attention < p1 < p2          # decode attention belongs on the CPU (the paper's point)
+    assert main(["roofline", "scenarios/t4.yaml", "--out", str(tmp_path / "r.svg")]) == 2

@@ -1,0 +1,100 @@
+"""Pictures of the model: the Hierarchical Roofline of a scenario, and sweeps.
+
+matplotlib is an optional dependency (``pip install 'moe-taskgraph[plots]'``); everything else in
+tg works without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from taskgraph.builder import make_plan
+from taskgraph.cost import CostModel
+from taskgraph.errors import TgError
+from taskgraph.schedules import RESOURCES
+from taskgraph.specs import Scenario
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise TgError("Plots need matplotlib: pip install 'moe-taskgraph[plots]' (or "
+                      "pip install matplotlib).") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def roofline_points(scenario: Scenario) -> dict[str, Any]:
+    """Roofs, turning points and the operational intensity of each task kind (FLOP/byte)."""
+    cost = CostModel(scenario.hardware)
+    gpu, cpu, h2d = (RESOURCES.index(r) for r in ("gpu", "cpu", "h2d"))
+    p_gpu, p_cpu = cost.flops_rate[gpu], cost.flops_rate[cpu]
+    b_gpu, b_cpu, b_link = cost.byte_rate[gpu], cost.byte_rate[cpu], cost.byte_rate[h2d]
+    m, pol, w = scenario.model, scenario.policy, scenario.workload
+    plan = make_plan(scenario.model_copy(update={"policy": pol.model_copy(update={"A_g": 0})}),
+                     "S3")
+    s = w.context_prompt + scenario.decode_steps / 2          # mean decode context
+    attn_f, attn_b = plan.work.of("CPUAttn").at(s)
+    ffn_flops_token = 6 * m.k * m.h * m.h_i
+    post_f, post_b = plan.work.of("PostAttn").at(s)
+    expert_weights = m.E * m.expert_bytes
+    intensities = {
+        f"attention (decode, s={s:.0f})": attn_f / attn_b,
+        f"MoE FFN, micro-batch of {pol.mu} (GPU memory)": post_f / post_b,
+        f"MoE FFN, batch of {pol.N} (weights over the link)":
+            pol.N * ffn_flops_token / expert_weights,
+    }
+    return {
+        "roofs": {"GPU compute": p_gpu, "CPU compute": p_cpu},
+        "slopes": {"GPU memory": b_gpu, "CPU memory": b_cpu, "CPU->GPU link": b_link},
+        "turning_points": {
+            "P1: moving data to the GPU pays off": p_cpu / b_link,
+            "P2: GPU no longer link-bound": p_gpu / b_link,
+        },
+        "intensities": intensities,
+    }
+
+
+def roofline(scenario: Scenario, out: str | Path) -> Path:
+    """The Hierarchical Roofline plot of a scenario's attention and MoE FFN (log-log)."""
+    plt = _pyplot()
+    pts = roofline_points(scenario)
+    values = list(pts["intensities"].values()) + list(pts["turning_points"].values())
+    lo, hi = min(values) / 10, max(values) * 10
+    x = np.logspace(np.log10(lo), np.log10(hi), 400)
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    colors = {"GPU": "tab:green", "CPU": "tab:blue", "CPU->GPU": "tab:red"}
+    for name, peak in pts["roofs"].items():
+        dev = name.split()[0]
+        bw = pts["slopes"][f"{dev} memory"]
+        ax.loglog(x, np.minimum(peak, bw * x), color=colors[dev], lw=2,
+                  label=f"{dev}: {peak / 1e12:.2f} TFLOP/s, {bw / 1e9:.0f} GB/s")
+    link = pts["slopes"]["CPU->GPU link"]
+    ax.loglog(x, np.minimum(pts["roofs"]["GPU compute"], link * x), color=colors["CPU->GPU"],
+              lw=2, ls="--", label=f"GPU fed over the CPU->GPU link: {link / 1e9:.1f} GB/s")
+    for (name, i), marker in zip(pts["turning_points"].items(), ("o", "s")):
+        y = link * i
+        ax.plot([i], [y], marker=marker, color="black", ms=8, zorder=5)
+        ax.annotate(f"{name.split(':')[0]}\nI = {i:.0f}", (i, y), textcoords="offset points",
+                    xytext=(8, -28), fontsize=8)
+    for (name, i), color in zip(pts["intensities"].items(), ("tab:purple", "tab:orange",
+                                                             "tab:brown")):
+        ax.axvline(i, color=color, ls=":", lw=1.5, label=f"{name}: I = {i:.1f}")
+    ax.set_xlabel("operational intensity (FLOP / byte)")
+    ax.set_ylabel("attainable performance (FLOP/s)")
+    ax.set_title(f"Hierarchical Roofline: {scenario.model.name} on {scenario.hardware.name}, "
+                 f"mu={scenario.policy.mu}, N={scenario.policy.N}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

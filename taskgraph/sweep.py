@@ -1,0 +1,129 @@
+"""Sweeps: the policy search re-run across hardware or workload values.
+
+A sweep is a list of independent :class:`SweepJob` values: a scenario path, overrides, and the
+point's `--set` values, all plain strings. Each job's ``run()`` returns one plain row. Here the jobs
+run on every local core; any engine that can ship a dataclass and call a method (Ray's
+``ray.remote(lambda j: j.run())``, a batch queue) can run the same list unchanged.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from taskgraph.errors import TgError
+
+COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c", "binding",
+           "hardware_limit_tok_s", "error")
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    scenario: str
+    overrides: tuple[str, ...]
+    point: tuple[tuple[str, str], ...]        # (key, value) of each varied setting
+
+    def run(self) -> dict[str, Any]:
+        from taskgraph.limits import hardware_limit_tok_s
+        from taskgraph.scenario import load_scenario
+        from taskgraph.search import search
+
+        row: dict[str, Any] = {k: v for k, v in self.point}
+        sets = list(self.overrides) + [f"{k}={v}" for k, v in self.point]
+        try:
+            scenario = load_scenario(self.scenario, sets)
+            result = search(scenario, top=1, workers=1)
+        except TgError as err:
+            return {**row, **{c: "" for c in COLUMNS}, "throughput_tok_s": 0.0,
+                    "error": str(err)}
+        best = result.best
+        return {**row, "throughput_tok_s": round(best.predicted_tok_s, 3),
+                "schedule": best.schedule, **best.policy, "binding": result.binding,
+                "hardware_limit_tok_s": round(hardware_limit_tok_s(scenario), 3), "error": ""}
+
+
+def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
+    """``KEY=V1,V2,...`` options -> [(key, [values])]."""
+    out = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not vals:
+            raise TgError(f"--vary '{item}' must look like KEY=V1,V2,..., e.g. "
+                          "--vary hardware.link.h2d_gbps=100,200,300.")
+        out.append((key.strip(), vals))
+    return out
+
+
+def sweep_jobs(scenario: str, overrides: list[str], vary: list[tuple[str, list[str]]]
+               ) -> list[SweepJob]:
+    keys = [k for k, _ in vary]
+    return [SweepJob(scenario, tuple(overrides), tuple(zip(keys, combo)))
+            for combo in itertools.product(*(vals for _, vals in vary))]
+
+
+def run_sweep(jobs: list[SweepJob], workers: int | None = None,
+              progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    from taskgraph.search import run_jobs
+
+    return list(run_jobs(jobs, workers, progress))
+
+
+def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
+                out_dir: str | Path) -> list[Path]:
+    """``sweep.csv`` and ``sweep.png`` (best throughput and chosen policy against the first
+    varied value, one line per value of the second) in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = [k for k, _ in vary]
+    path = out / "sweep.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys + list(COLUMNS))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k, "") for k in keys + list(COLUMNS)})
+    return [path, _plot(rows, vary, out / "sweep.png")]
+
+
+def _plot(rows, vary, path: Path) -> Path:
+    from taskgraph.plots import _pyplot
+
+    plt = _pyplot()
+    x_key, x_vals = vary[0]
+    series = vary[1][1] if len(vary) > 1 else [None]
+    panels = (("throughput_tok_s", "best throughput (tok/s, HRM)"), ("r_w", "r_w: weights on GPU"),
+              ("r_c", "r_c: KV cache on GPU"), ("A_g", "A_g: attention on GPU"),
+              ("mu", "mu (micro-batch)"), ("N", "N (batch)"))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), dpi=110)
+    x = [float(v) if _is_number(v) else i for i, v in enumerate(x_vals)]
+    for (col, title), ax in zip(panels, axes.flat):
+        for s in series:
+            ys = []
+            for v in x_vals:
+                row = next(r for r in rows if r[x_key] == v and (s is None or r[vary[1][0]] == s))
+                ys.append(float(row[col]) if row.get(col, "") != "" else float("nan"))
+            label = f"{vary[1][0]}={s}" if s is not None else None
+            ax.plot(x, ys, marker="o", label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(x_key, fontsize=8)
+        if not all(_is_number(v) for v in x_vals):
+            ax.set_xticks(x, x_vals)
+        ax.grid(alpha=0.3)
+    if len(vary) > 1:
+        axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"policy search across {x_key}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
