@@ -1,8 +1,8 @@
 """Benchmark: how much throughput does trusting HRM's pick lose against brute force?
 
 For each scenario: the HRM search over the full grid picks a policy, the simulator runs it; a
-coarse grid (6 micro-batch sizes x 5 r_w x 3 r_c, the largest and half the largest batch that
-fit) is simulated policy by policy; the loss is 1 - (HRM pick, simulated) / (best simulated).
+coarse grid (6 micro-batch sizes x 5 r_w x 3 r_c, the largest, 3/4 and 1/2 the largest batch
+that fit) is simulated policy by policy; the loss is 1 - (HRM pick, simulated) / (best simulated).
 MoE-Lightning's reviewers asked exactly this.
 
     python bench/search_vs_bruteforce.py [scenario.yaml ...]     (default: t4, l4, h100)

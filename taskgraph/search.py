@@ -125,7 +125,7 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(),
     ranked = _runnable(scenario, found, top)
     best = ranked[0]
     result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
-                          binding=_binding(scenario, best, found))
+                          binding=_binding(scenario, best, grid.max_micro_batches))
     result.notes.append("F_g=1 throughout: no schedule runs the MoE FFN on the CPU.")
     result.wall_s = time.perf_counter() - t0
     return result
@@ -173,13 +173,15 @@ def verify(scenario: Scenario, result: SearchResult, workers: int | None = None,
     return result
 
 
-COARSE = Grid(mu=(8, 16, 32, 64, 128, 256), r_w=(0.0, 0.25, 0.5, 0.75, 1.0), r_c=(0.0, 0.5, 1.0))
+COARSE = Grid(mu=(16, 32, 64, 128, 192, 256), r_w=(0.0, 0.05, 0.1, 0.25, 0.5),
+              r_c=(0.0, 0.5, 1.0))
 
 
 def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = None,
                 progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
-    """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest
-    and half the largest batch that fit. Returns the simulated candidates, best first."""
+    """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest,
+    three quarters and half the largest batch that fit. Returns the simulated candidates, best
+    first."""
     found, _ = evaluate(scenario, grid, workers)
     largest: dict[tuple, list[Candidate]] = {}
     for c in found:
@@ -188,7 +190,8 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = N
     chosen = []
     for cands in largest.values():
         cands.sort(key=lambda c: c.policy["N"])
-        chosen += {id(c): c for c in (cands[-1], cands[(len(cands) - 1) // 2])}.values()
+        picks = (cands[-1], cands[(3 * len(cands) - 1) // 4], cands[(len(cands) - 1) // 2])
+        chosen += {id(c): c for c in picks}.values()
     chosen = _runnable(scenario, sorted(chosen, key=lambda c: -c.predicted_tok_s), len(chosen))
     jobs = [SimJob(c.scenario(scenario)) for c in chosen]
     for c, summary in zip(chosen, run_jobs(jobs, workers, progress)):
@@ -306,13 +309,13 @@ def _runnable(scenario: Scenario, ranked: list[Candidate], top: int) -> list[Can
     return keep
 
 
-def _binding(scenario: Scenario, best: Candidate, found: list[Candidate]) -> str:
+def _binding(scenario: Scenario, best: Candidate, max_micro_batches: int) -> str:
     """What stops the winner from going faster: the memory that forbids a bigger batch when a
     bigger batch would be predicted faster, else the resource that bounds its decode layers."""
     p = best.policy
     schedule = SCHEDULES[best.schedule]
     n_next = np.array([p["N"] // p["mu"] + 1])
-    if n_next[0] <= MAX_MICRO_BATCHES:
+    if n_next[0] <= max_micro_batches:
         pred = predict_micro_batches(scenario, schedule, p["mu"], p["r_w"], p["r_c"], n_next)
         if pred.throughput_tok_s[0] > best.predicted_tok_s:
             gpu, cpu = _memory_totals(scenario, schedule, n_next, p["mu"], p["r_w"], p["r_c"])
