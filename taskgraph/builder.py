@@ -177,7 +177,8 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     if kind == "Prefill":
         deps = [K(0, "Prefill", l - 1, j)] if l else []
     elif kind == "KVOut":
-        deps = [K(0, "Prefill", l, j)] if s == 0 else [K(s, "PreAttn", l, j)]
+        # Copies the new K,V out of the GPU KV slot, where prefill or GPU attention put them.
+        deps = [K(0, "Prefill", l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
     elif kind == "LMHead":
         deps = [K(0, "Prefill", L - 1, j)] if s == 0 else [K(s, "PostAttn", L - 1, j)]
     elif kind == "PreAttn":
@@ -243,14 +244,13 @@ def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callabl
             pin = _Ring("pinned", ("W_CtoPin",), sched.pin_slots, n_pages, L)
             rings.append(pin)
             readers.setdefault("D3", []).append((pin, same_item(pin)))
-    if sched.attention == "gpu":
-        # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; decode
-        # prefetches the KV cache into them (D4) for GPUAttn, which appends the new K,V that
-        # KVOut copies back.
-        kv = _Ring("kv", ("Prefill", "D4"), sched.kv_slots, plan.n, L)
-        rings.append(kv)
-        for kind in ("GPUAttn", "KVOut"):
-            readers.setdefault(kind, []).append((kv, same_item(kv)))
+    # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; with GPU
+    # attention, decode prefetches the KV cache into them (D4) for GPUAttn, which appends the new
+    # K,V that KVOut copies back.
+    kv = _Ring("kv", ("Prefill", "D4"), sched.kv_slots, plan.n, L)
+    rings.append(kv)
+    for kind in ("GPUAttn", "KVOut"):
+        readers.setdefault(kind, []).append((kv, same_item(kv)))
     return rings, readers
 
 

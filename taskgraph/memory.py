@@ -80,7 +80,9 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     }
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
-        gpu["KV prefetch buffers"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token)
+        gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token)
+    else:   # prefill's K,V pass through the slots on their way to the CPU cache
+        gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token)
     cpu = {
         "weights (1 - r_w)": (1 - r_w) * m.L * m.layer_bytes,
         "KV cache (1 - r_c)": (1 - r_c) * kv_all,

@@ -79,8 +79,16 @@ def test_s4_kv_slots_and_link_sharing():
     g = build_segment(plan, 2)
     assert {p: g.edges[p, "D4[s2,L1,m2]"]["why"] for p in g.predecessors("D4[s2,L1,m2]")} == {
         "KVOut[s1,L1,m2]": "data", "GPUAttn[s2,L1,m0]": "reuse:kv", "KVOut[s2,L1,m0]": "reuse:kv"}
+    # the new K,V are copied out of the slot GPU attention appended them to
+    assert ("GPUAttn[s2,L1,m0]", "KVOut[s2,L1,m0]") in g.edges
     assert g.nodes["D4[s2,L1,m2]"]["stream"] == "h2d_kv"
     assert g.nodes["D4[s2,L1,m2]"]["resource"] == g.nodes["D3[s2,L2,p0]"]["resource"] == "h2d"
+
+
+def test_prefill_kv_passes_through_two_slots():
+    g = build_segment(_plan("S1"), 0)
+    why = {p: g.edges[p, "Prefill[s0,L1,m2]"]["why"] for p in g.predecessors("Prefill[s0,L1,m2]")}
+    assert why["KVOut[s0,L1,m0]"] == "reuse:kv"
 
 
 def test_whole_layer_schedules_send_one_page_per_layer():
