@@ -65,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    c = command("execute", _execute, "run a schedule for real with real kernels, checked "
+                "against a sequential reference forward")
+    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--steps", type=int, help="decode steps to run (default: workload.gen_len)")
+    c.add_argument("--weights", metavar="DIR", help="a Hugging Face Mixtral safetensors "
+                   "checkpoint matching the model (default: synthetic weights, seeded)")
+    _trace_args(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     c = command("search", _search, "find the policy with the best predicted throughput")
     c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
     c.add_argument("--verify", action="store_true",
@@ -166,6 +176,29 @@ def _compare(args: argparse.Namespace) -> int:
                         for c in failed) + "."
         )
     return 0
+
+
+def _execute(args: argparse.Namespace) -> int:
+    from taskgraph.execution import execute_scenario
+
+    if args.steps is not None and args.steps < 1:
+        raise TgError(f"--steps must be at least 1, not {args.steps}.")
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"workload.gen_len={args.steps}")
+    args.overrides = overrides
+    scenario = _load(args)
+    with _progress(not args.json, "executing") as tick:
+        ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick)
+    if args.trace:
+        _write_trace(args, [ex.trace_run()], ex.summary)
+    failure = getattr(ex, "failure", None)
+    if failure is not None:
+        raise TgError(f"A task failed during execution ({type(failure).__name__}: {failure}); "
+                      + (f"the trace in {args.trace} shows what ran before it." if args.trace
+                         else "rerun with --trace to see what ran before it."))
+    _emit(args, ex.summary, lambda: _console().print(_tables().execute_table(ex.summary)))
+    return _interrupted(ex.summary)
 
 
 def _search(args: argparse.Namespace) -> int:

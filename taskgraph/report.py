@@ -20,8 +20,9 @@ def simulate_table(r: dict[str, Any]) -> Table:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("policy", _policy(r["policy"]))
-    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s ({r['hardware_limit_fraction']:.0%} "
-                            f"of the hardware limit, {r['hardware_limit_tok_s']:.0f} tok/s)")
+    limit = (f" ({r['hardware_limit_fraction']:.0%} of the hardware limit, "
+             f"{r['hardware_limit_tok_s']:.0f} tok/s)" if "hardware_limit_tok_s" in r else "")
+    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s{limit}")
     t.add_row("prefill / decode", f"{r['prefill_s']:.2f} s / {r['decode_s']:.2f} s "
                                   f"({r['steps']} steps x {r['layers']} layers)")
     t.add_row("decode layer", f"{r['decode_layer_ms']:.2f} ms (HRM bound {r['hrm_layer_ms']:.2f}"
@@ -30,8 +31,19 @@ def simulate_table(r: dict[str, Any]) -> Table:
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
-    t.add_row("tasks", f"{r['tasks']:,} simulated in {r['wall_s']:.2f} s"
+    verb = "executed" if r.get("measured") else "simulated"
+    t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
+    return t
+
+
+def execute_table(r: dict[str, Any]) -> Table:
+    t = simulate_table(r)
+    t.title = (f"tg execute {r['scenario']}: {r['schedule']} ({r['schedule_title']}) on "
+               f"{r['device']}, {r['model']} dimensions (measured)")
+    ok = r["tokens_match"]
+    t.add_row("vs reference", "not checked (run stopped early)" if ok is None else
+              f"tokens {'identical' if ok else 'DIFFER'}, max |logit error| {r['max_abs_err']:.3g}")
     return t
 
 

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 Positive = Field(gt=0)
-Fraction = Field(ge=0.0, le=1.0)
 Efficiency = Field(gt=0.0, le=1.0)
 
 
@@ -185,8 +184,8 @@ class PolicySpec(BaseModel):
     mu: int = Positive
     A_g: Literal[0, 1] = 0
     F_g: Literal[0, 1] = 1
-    r_w: float = Fraction
-    r_c: float = Fraction
+    r_w: float = Field(default=0.0, ge=0.0, le=1.0)   # default: every weight streamed
+    r_c: float = Field(default=0.0, ge=0.0, le=1.0)   # default: the whole KV cache on the CPU
 
     @field_validator("mu")
     @classmethod

@@ -1,0 +1,190 @@
+"""What each task of a compiled program really does: buffers and the work of every task kind.
+
+The memory layout follows the memory model (SPEC 3.5): host memory holds every layer's weights
+and the KV cache of all sequences; the device holds the resident part of every layer (``r_w``), a
+double-buffered weight area for the streamed part (global layer ``g`` uses half ``g % 2``),
+``kv_slots`` GPU KV slots, and per micro-batch activation buffers; pinned staging slots sit
+between host weights and the device (CGOPipe). Every buffer is allocated once, up front; the task
+graph's buffer-reuse edges are what keep tasks from clobbering each other.
+
+Page boundaries are the cost model's byte ranges (:class:`taskgraph.work.WeightLayout`) mapped to
+elements: an element belongs to the page holding its first byte, so a task never reads a page the
+graph did not make it wait for (checked at start-up).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from taskgraph.builder import Plan
+from taskgraph.kernels.ops import (LayerView, decode_attention, lm_head, post_attention,
+                                   pre_attention, prefill_layer, split_qkv)
+from taskgraph.kernels.weights import ModelWeights, layer_sections
+from taskgraph.work import WEIGHT_SECTIONS
+
+
+class Runtime:
+    """Buffers for one plan on one device, and :meth:`run` for any task."""
+
+    def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
+                 device: torch.device, pin_memory: bool = False):
+        sc = plan.scenario
+        m, p = sc.model, sc.policy
+        self.plan, self.m, self.w, self.device = plan, m, weights, device
+        self.mu, self.n, self.L, self.G = p.mu, plan.n, m.L, plan.G
+        self.P = prompts.shape[1]
+        self.prompts = prompts
+        dtype = weights.embed.dtype
+        numel = weights.layer_numel
+        self.cut, self.pages = _page_elements(plan, numel)
+        self._check_pages()
+
+        def dev(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        def host(*shape):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
+
+        # Weights: resident prefixes, the double buffer, pinned staging slots.
+        self.resident = [flat[:self.cut].to(device) for flat in weights.layers]
+        self.halves = [dev(numel - self.cut) for _ in range(2)]
+        page_max = max((b - a for a, b in self.pages), default=0)
+        self.pinned = [host(page_max) for _ in range(plan.schedule.pin_slots)]
+        self.norms = [(a.to(device), b.to(device)) for a, b in weights.norms]
+        self.embed, self.final_norm = weights.embed.to(device), weights.final_norm.to(device)
+        self.head = weights.lm_head.to(device)
+        # KV: the host cache of every (layer, micro-batch); the GPU slots.
+        T = self.P + self.G
+        self.k_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+                        for _ in range(self.L)]
+        self.v_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+                        for _ in range(self.L)]
+        slots = plan.schedule.kv_slots
+        self.k_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
+        self.v_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
+        # Activations per micro-batch.
+        width = m.h + 2 * m.h_kv
+        self.x_prefill = [dev(self.mu, self.P, m.h) for _ in range(self.n)]
+        self.x = [dev(self.mu, m.h) for _ in range(self.n)]
+        self.qkv = [dev(self.mu, width) for _ in range(self.n)]
+        self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
+        self.attn_host = [host(self.mu, m.h) for _ in range(self.n)]
+        self.attn = [dev(self.mu, m.h) for _ in range(self.n)]
+        # Outputs.
+        self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long)
+        self.logits = torch.zeros(self.n * self.mu, m.V, dtype=dtype)
+        self.hidden = torch.zeros(self.n * self.mu, m.h, dtype=dtype)
+
+    # --- the tasks ---------------------------------------------------------------------------
+
+    def run(self, step: int, kind: str, layer: int, index: int) -> None:
+        getattr(self, "_" + kind)(step, layer, index)
+
+    def _view(self, step: int, layer: int) -> LayerView:
+        return LayerView(self.m, self.resident[layer], self.halves[(step * self.L + layer) % 2])
+
+    def _slot(self, step: int, layer: int, j: int) -> int:
+        return ((step * self.L + layer) * self.n + j) % len(self.k_slot)
+
+    def _Prefill(self, s: int, l: int, j: int) -> None:
+        rows = slice(j * self.mu, (j + 1) * self.mu)
+        x = self.embed[self.prompts[rows].to(self.device)] if l == 0 else self.x_prefill[j]
+        out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m)
+        self.x_prefill[j].copy_(out)
+        slot = self._slot(s, l, j)
+        self.k_slot[slot][:, :self.P].copy_(k)
+        self.v_slot[slot][:, :self.P].copy_(v)
+
+    def _KVOut(self, s: int, l: int, j: int) -> None:
+        slot = self._slot(s, l, j)
+        cols = slice(0, self.P) if s == 0 else slice(self.P + s - 1, self.P + s)
+        self.k_cache[l][j][:, cols].copy_(self.k_slot[slot][:, cols])
+        self.v_cache[l][j][:, cols].copy_(self.v_slot[slot][:, cols])
+
+    def _LMHead(self, s: int, l: int, j: int) -> None:
+        rows = slice(j * self.mu, (j + 1) * self.mu)
+        x = self.x_prefill[j][:, -1] if s == 0 else self.x[j]
+        out = lm_head(x, self.final_norm, self.head)
+        tok = out.argmax(-1)
+        self.tokens[rows, s] = tok.cpu()
+        if s == self.G:
+            self.logits[rows] = out.cpu()
+            self.hidden[rows] = x.cpu()
+        self.x[j].copy_(self.embed[tok])
+
+    def _PreAttn(self, s: int, l: int, j: int) -> None:
+        self.qkv[j].copy_(pre_attention(self.x[j], self.norms[l][0], self._view(s, l)))
+
+    def _D1(self, s: int, l: int, j: int) -> None:
+        self.qkv_host[j].copy_(self.qkv[j])
+
+    def _CPUAttn(self, s: int, l: int, j: int) -> None:
+        q, k, v = split_qkv(self.qkv_host[j], self.m)
+        pos = self.P + s - 1
+        K, V = self.k_cache[l][j], self.v_cache[l][j]
+        K[:, pos], V[:, pos] = k, v
+        self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1]))
+
+    def _D2(self, s: int, l: int, j: int) -> None:
+        self.attn[j].copy_(self.attn_host[j])
+
+    def _D4(self, s: int, l: int, j: int) -> None:
+        slot, pos = self._slot(s, l, j), self.P + s - 1
+        self.k_slot[slot][:, :pos].copy_(self.k_cache[l][j][:, :pos])
+        self.v_slot[slot][:, :pos].copy_(self.v_cache[l][j][:, :pos])
+
+    def _GPUAttn(self, s: int, l: int, j: int) -> None:
+        q, k, v = split_qkv(self.qkv[j], self.m)
+        slot, pos = self._slot(s, l, j), self.P + s - 1
+        K, V = self.k_slot[slot], self.v_slot[slot]
+        K[:, pos], V[:, pos] = k, v
+        self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1]))
+
+    def _PostAttn(self, s: int, l: int, j: int) -> None:
+        self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],
+                                       self._view(s, l), self.m))
+
+    def _D3(self, s: int, l: int, page: int) -> None:
+        a, b = self.pages[page]
+        dst = self.halves[(s * self.L + l) % 2][a - self.cut:b - self.cut]
+        if self.plan.schedule.staging:
+            dst.copy_(self.pinned[self._pin_slot(s, l, page)][:b - a], non_blocking=True)
+        else:
+            dst.copy_(self.w.layers[l][a:b], non_blocking=True)
+
+    def _W_CtoPin(self, s: int, l: int, page: int) -> None:
+        a, b = self.pages[page]
+        self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.w.layers[l][a:b])
+
+    def _pin_slot(self, s: int, l: int, page: int) -> int:
+        return ((s * self.L + l) * len(self.pages) + page) % len(self.pinned)
+
+    # --- start-up checks ---------------------------------------------------------------------
+
+    def _check_pages(self) -> None:
+        """Every element a task reads lies in a page the graph makes that task wait for."""
+        layout = self.plan.layout
+        sections = {s.name: (s.offset, s.offset + s.size) for s in layer_sections(self.m)}
+        groups = {"qkv": ("q", "k", "v"), "post": tuple(n for n in sections if n not in ("q", "k", "v")),
+                  "all": tuple(sections)}
+        for section in set(WEIGHT_SECTIONS.values()):
+            allowed = set(layout.pages_for(section))
+            for name in groups[section]:
+                a, b = sections[name]
+                for p, (lo, hi) in enumerate(self.pages):
+                    if lo < b and a < hi and p not in allowed:
+                        raise AssertionError(f"{name} reads page {p}, outside {allowed}")
+
+
+def _page_elements(plan: Plan, numel: int) -> tuple[int, list[tuple[int, int]]]:
+    """(first streamed element, [element range of each page]) for the plan's byte layout."""
+    layout, b = plan.layout, plan.scenario.model.dtype_bytes
+    cut = min(numel, math.ceil(layout.resident_bytes / b))
+    if not layout.n_pages:
+        return numel, []
+    bounds = [min(numel, math.ceil((layout.resident_bytes + p * layout.page_bytes) / b))
+              for p in range(layout.n_pages)] + [numel]
+    bounds[0] = cut
+    return cut, [(bounds[p], bounds[p + 1]) for p in range(layout.n_pages)]

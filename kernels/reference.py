@@ -1,0 +1,63 @@
+"""The plain sequential forward that every executed schedule must reproduce.
+
+Micro-batch by micro-batch, layer by layer, with the same kernels and the same shapes the
+executor uses and none of its overlap, buffering or paging: prefill the prompts, then greedy
+decode step after step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from taskgraph.kernels.ops import (LayerView, decode_attention, lm_head, post_attention,
+                                   pre_attention, prefill_layer, split_qkv)
+from taskgraph.kernels.weights import ModelWeights
+
+
+@dataclass
+class Generation:
+    """What a run produced: greedy tokens (prefill's, then one per decode step), and the last
+    step's logits and hidden states, per sequence."""
+
+    tokens: torch.Tensor        # [N, steps + 1]
+    logits: torch.Tensor        # [N, V]
+    hidden: torch.Tensor        # [N, h]
+
+
+def synthetic_prompts(N: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (N, prompt_len), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int) -> Generation:
+    m = w.model
+    N, P = prompts.shape
+    empty = torch.empty(0, dtype=w.layers[0].dtype)
+    views = [LayerView(m, flat, empty) for flat in w.layers]
+    tokens = torch.empty(N, steps + 1, dtype=torch.long)
+    logits = torch.empty(N, m.V, dtype=w.embed.dtype)
+    hidden = torch.empty(N, m.h, dtype=w.embed.dtype)
+    for j in range(0, N, mu):
+        rows = slice(j, j + mu)
+        K = [torch.zeros(mu, P + steps, m.n_kv, m.d, dtype=w.embed.dtype) for _ in range(m.L)]
+        V = [torch.zeros_like(k) for k in K]
+        x = w.embed[prompts[rows]]
+        for l in range(m.L):
+            x, K[l][:, :P], V[l][:, :P] = prefill_layer(x, w.norms[l], views[l], m)
+        out = lm_head(x[:, -1], w.final_norm, w.lm_head)
+        tokens[rows, 0] = out.argmax(-1)
+        x = w.embed[tokens[rows, 0]]
+        for s in range(1, steps + 1):
+            pos = P + s - 1
+            for l in range(m.L):
+                q, k, v = split_qkv(pre_attention(x, w.norms[l][0], views[l]), m)
+                K[l][:, pos], V[l][:, pos] = k, v
+                attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1])
+                x = post_attention(x, attn, w.norms[l][1], views[l], m)
+            out = lm_head(x, w.final_norm, w.lm_head)
+            tokens[rows, s] = out.argmax(-1)
+            hidden[rows] = x
+            x = w.embed[tokens[rows, s]]
+        logits[rows] = out
+    return Generation(tokens, logits, hidden)

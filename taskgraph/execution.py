@@ -1,0 +1,96 @@
+"""Scenario in, executed run out: the same plan and compiled graph the simulator uses, run with
+real kernels, checked against the sequential reference forward.
+
+This is the library entry point behind `tg execute`. It needs PyTorch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from taskgraph.builder import Plan, make_plan
+from taskgraph.compiled import Program, compile_plan
+from taskgraph.errors import TgError
+from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.sim.engine import SimRun
+from taskgraph.sim.metrics import summarize
+from taskgraph.specs import Scenario
+from taskgraph.trace import TraceRun
+
+
+@dataclass
+class Execution:
+    plan: Plan
+    program: Program
+    run: SimRun
+    summary: dict[str, Any]
+
+    def trace_run(self, label: str = "measured") -> TraceRun:
+        return TraceRun(label, self.program, self.run.start, self.run.end)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise TgError("tg execute needs PyTorch. Install the CPU build with "
+                      "`pip install torch==2.13.0` (or your CUDA build), then try again.") from None
+    return torch
+
+
+def pick_device(name: str) -> str:
+    torch = _torch()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        raise TgError("--device cuda: the CUDA backend (one CUDA stream per graph stream, events "
+                      "between them) is not built yet; --device cpu runs every schedule with "
+                      "threads standing in for streams.")
+    if name != "cpu":
+        raise TgError(f"--device must be auto, cpu or cuda, not '{name}'.")
+    return name
+
+
+def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
+                     weights_path: str | None = None, seed: int = 0,
+                     progress: Callable[[int, int], None] | None = None) -> Execution:
+    """Execute a scenario's schedule for real and compare it with the reference forward."""
+    torch = _torch()
+    from taskgraph.exec.dispatch import execute
+    from taskgraph.exec.runtime import Runtime
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import load_mixtral_safetensors, synthetic_weights
+
+    t0 = time.perf_counter()
+    dev = pick_device(device)
+    plan = make_plan(scenario, schedule)
+    memory = memory_footprint(plan)
+    check_fits(memory, plan.schedule.name)
+    program = compile_plan(plan)
+    m, p = scenario.model, scenario.policy
+    w = (load_mixtral_safetensors(weights_path, m) if weights_path
+         else synthetic_weights(m, seed=seed))
+    prompts = synthetic_prompts(p.N, scenario.workload.context_prompt, m.V, seed=seed + 1)
+    runtime = Runtime(plan, w, prompts, torch.device(dev))
+    total = len(program.seg_template)
+    run = execute(program, runtime, progress=(lambda d: progress(d, total)) if progress else None)
+    summary = summarize(run, memory)
+    # The hardware limit describes the modelled machine, not the one this ran on.
+    del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
+    summary["device"] = dev
+    summary["measured"] = True
+    failure = getattr(run, "failure", None)
+    if failure is None and not run.interrupted:
+        ref = reference_forward(w, prompts, p.mu, plan.G)
+        summary["max_abs_err"] = float((runtime.logits - ref.logits).abs().max())
+        summary["tokens_match"] = bool(torch.equal(runtime.tokens, ref.tokens))
+    else:
+        summary["max_abs_err"] = None
+        summary["tokens_match"] = None
+    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    execution = Execution(plan, program, run, summary)
+    if failure is not None:
+        execution.failure = failure
+    return execution

@@ -1,0 +1,157 @@
+"""The executor (CPU backend) against the sequential reference: every schedule, several
+policies, random delays, and a graph with a buffer-reuse edge removed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from taskgraph import builder  # noqa: E402
+from taskgraph.builder import make_plan  # noqa: E402
+from taskgraph.compiled import compile_plan  # noqa: E402
+from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.runtime import Runtime  # noqa: E402
+from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # noqa: E402
+from taskgraph.kernels.weights import synthetic_weights  # noqa: E402
+from tests.helpers import tiny  # noqa: E402
+
+POLICIES = [
+    # (schedule, N, mu, r_w, r_c)
+    ("S1", 8, 2, 0.0, 0.0),      # 4 micro-batches
+    ("S1", 6, 2, 0.3, 0.0),      # odd count, part of the weights resident
+    ("S2", 4, 2, 0.0, 0.0),      # 2 micro-batches (CGOPipe-style lookahead wraps layers)
+    ("S3", 3, 3, 0.0, 0.0),      # one micro-batch
+    ("S3", 10, 2, 0.6, 0.0),
+    ("S4", 6, 2, 0.0, 0.5),      # GPU attention, half the KV resident
+    ("S4", 3, 3, 0.25, 0.0),
+]
+
+
+def _run(schedule, N, mu, r_w, r_c, steps=3, delay=None, model=None):
+    sc = tiny(policy={"N": N, "mu": mu, "r_w": r_w, "r_c": r_c,
+                      "A_g": int(schedule == "S4")},
+              workload={"prompt_len": 6, "gen_len": steps},
+              **({"model": model} if model else {}))
+    plan = make_plan(sc, schedule)
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
+    runtime = Runtime(plan, w, prompts, torch.device("cpu"))
+    run = execute(compile_plan(plan), runtime, delay=delay)
+    return run, runtime, reference_forward(w, prompts, mu, steps)
+
+
+@pytest.mark.parametrize("schedule,N,mu,r_w,r_c", POLICIES)
+def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_w, r_c):
+    run, rt, ref = _run(schedule, N, mu, r_w, r_c)
+    assert not run.interrupted and run.finished.all()
+    assert torch.equal(rt.tokens, ref.tokens)
+    torch.testing.assert_close(rt.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rt.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S4"])
+def test_random_delays_do_not_change_the_numbers(schedule):
+    rng = random.Random(7)
+    delays = {}
+
+    def delay(gid):
+        return delays.setdefault(gid, rng.random() * 0.003)
+
+    run, rt, ref = _run(schedule, 8, 2, 0.0, 0.0, steps=2, delay=delay)
+    assert torch.equal(rt.tokens, ref.tokens)
+    torch.testing.assert_close(rt.logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_weight_reuse_edges_the_check_fails(monkeypatch):
+    """The double-buffer edges are what keep a page copy from overwriting weights a PostAttn is
+    still to read: drop them, slow the readers down, and the result is wrong."""
+    original = builder._rings
+
+    def no_weight_ring(plan):
+        rings, readers = original(plan)
+        keep = [r for r in rings if r.name != "weights"]
+        return keep, {k: [(r, f) for r, f in v if r.name != "weights"]
+                      for k, v in readers.items()}
+
+    monkeypatch.setattr(builder, "_rings", no_weight_ring)
+    kinds = {}
+
+    def slow_readers(gid):
+        return 0.02 if kinds.get(gid) == "PostAttn" else 0.0
+
+    sc = tiny(policy={"N": 8, "mu": 2, "r_w": 0.0, "r_c": 0.0},
+              workload={"prompt_len": 6, "gen_len": 2})
+    plan = make_plan(sc, "S2")
+    program = compile_plan(plan)
+    from taskgraph.compiled import KIND_NAMES
+    kinds.update({g: KIND_NAMES[k] for g, k in enumerate(program.column("kind"))})
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(8, 6, sc.model.V, seed=2)
+    rt = Runtime(plan, w, prompts, torch.device("cpu"))
+    execute(program, rt, delay=slow_readers)
+    ref = reference_forward(w, prompts, 2, 2)
+    assert not torch.allclose(rt.logits, ref.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_execute_cli_json_and_trace(tmp_path, capsys):
+    import json
+
+    from taskgraph.cli import main
+    from taskgraph.tracecheck import check_trace, load_trace
+
+    trace = tmp_path / "exec.json.gz"
+    assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--steps", "2", "--json",
+                 "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["measured"] and out["tokens_match"]
+    assert out["max_abs_err"] == 0.0 and out["steps"] == 2
+    assert {"throughput_tok_s", "prefill_s", "decode_s", "decode_layer_ms", "utilization",
+            "tasks", "wall_s", "policy"} <= out.keys()
+    loaded = load_trace(trace)
+    assert check_trace(loaded) == []
+    names = {e["args"]["name"] for e in loaded["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"1. measured"}
+    assert main(["execute", "scenarios/tiny.yaml", "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_weights_from_a_mixtral_checkpoint(tmp_path):
+    pytest.importorskip("safetensors")
+    from taskgraph.kernels.weights import load_mixtral_safetensors, save_mixtral_safetensors
+    from taskgraph.scenario import load_scenario
+
+    sc = tiny()
+    w = synthetic_weights(sc.model, seed=3)
+    folder = save_mixtral_safetensors(w, tmp_path / "ckpt")
+    back = load_mixtral_safetensors(folder, sc.model)
+    assert all(torch.equal(a, b) for a, b in zip(w.layers, back.layers))
+    assert torch.equal(w.lm_head, back.lm_head)
+    # the checkpoint's config.json is a valid model for a scenario
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {folder / 'config.json'}}}\nhardware: t4\n"
+                    "workload: {prompt_len: 4, gen_len: 1}\npolicy: {N: 4, mu: 2}\n")
+    assert load_scenario(scen).model.h == sc.model.h
+    with pytest.raises(Exception, match="shape"):
+        load_mixtral_safetensors(folder, sc.model.model_copy(update={"h_i": 64}))
+
+
+def test_a_failing_task_stops_the_run_and_keeps_what_ran():
+    sc = tiny(workload={"prompt_len": 6, "gen_len": 2})
+    plan = make_plan(sc)
+    program = compile_plan(plan)
+    w = synthetic_weights(sc.model)
+    rt = Runtime(plan, w, synthetic_prompts(8, 6, sc.model.V), torch.device("cpu"))
+    original = rt.run
+
+    def boom(step, kind, layer, index):
+        if (step, kind, layer) == (1, "PostAttn", 2):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        original(step, kind, layer, index)
+
+    rt.run = boom
+    run = execute(program, rt)
+    assert run.interrupted and "out of memory" in str(run.failure)
+    assert 0 < run.finished.sum() < program.total
