@@ -75,6 +75,31 @@ def _parser() -> argparse.ArgumentParser:
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
+                       description="Measure what the cost model needs on this machine (rates by "
+                       "microbenchmark, per-task costs fitted from the executor's own tasks) and "
+                       "write a hardware profile any scenario can use.")
+    c.add_argument("scenario", nargs="?", default="scenarios/tiny.yaml",
+                   help="scenario whose model shapes the executor runs (default: %(default)s)")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    c.add_argument("--out", required=True, help="hardware profile to write (.yaml)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    c.set_defaults(func=_calibrate)
+
+    c = command("validate", _validate, "execute and simulate the same graphs; report, task "
+                "kind by task kind, where the model is wrong")
+    c.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="schedules to validate (default: %(default)s)")
+    c.add_argument("--mu", default=None, help="micro-batch sizes, comma-separated (default: "
+                   "the scenario's and half of it)")
+    c.add_argument("--repeats", type=int, default=3,
+                   help="executions per pair; the median run is kept (default 3)")
+    c.add_argument("--plot", metavar="PNG", help="write the parity plot here")
+    _trace_args(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     c = command("search", _search, "find the policy with the best predicted throughput")
     c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
     c.add_argument("--verify", action="store_true",
@@ -199,6 +224,89 @@ def _execute(args: argparse.Namespace) -> int:
                          else "rerun with --trace to see what ran before it."))
     _emit(args, ex.summary, lambda: _console().print(_tables().execute_table(ex.summary)))
     return _interrupted(ex.summary)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from taskgraph.execution import pick_device
+    from taskgraph.scenario import load_scenario
+
+    if not args.out.endswith((".yaml", ".yml")):
+        raise TgError(f"--out '{args.out}' must be a .yaml file (a hardware profile).")
+    pick_device(args.device)
+    from taskgraph.exec.calibrate import calibrate
+
+    scenario = load_scenario(args.scenario, args.overrides)
+    steps = ["matrix multiply", "memory bandwidth", "attention", "copies", "executor tasks"]
+    with _progress(not args.json, "calibrating") as tick:
+        profile, measured = calibrate(scenario, progress=lambda what: tick and tick(
+            steps.index(what) + 1, len(steps)))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        "# Written by `tg calibrate`: this machine's CPU backend. Use it with\n"
+        f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
+        + yaml.safe_dump(profile, sort_keys=False))
+
+    def human() -> None:
+        from rich.table import Table
+
+        r = measured["rates"]
+        t = Table(title=f"tg calibrate: wrote {args.out}", title_justify="left")
+        t.add_column("measured")
+        t.add_column("value", justify="right")
+        t.add_row("matrix multiply", f"{r['gemm_flops'] / 1e9:.1f} GFLOP/s")
+        t.add_row("memory copy", f"{r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
+        t.add_row("decode attention", f"{r['attn_bytes_per_s'] / 1e9:.1f} GB/s")
+        t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
+        t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
+        for kind, info in measured["tasks"].items():
+            rate = measured["task_gbps"].get(kind)
+            t.add_row(f"{kind} ({info['tasks']} tasks)",
+                      f"{measured['fixed_us'][kind]:.0f} µs fixed"
+                      + (f" + bytes / {rate:.2f} GB/s" if rate else ""))
+        _console().print(t)
+
+    _emit(args, {"profile": profile, "measured": measured, "out": args.out}, human)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from taskgraph.execution import pick_device
+    from taskgraph.validate import pairs_for, parity_plot, summary, validate
+
+    pick_device(args.device)
+    scenario = _load(args)
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise TgError(f"--schedules names unknown schedule '{unknown[0]}'.")
+    try:
+        mus = ([int(x) for x in args.mu.split(",")] if args.mu else
+               sorted({scenario.policy.mu, max(1, scenario.policy.mu // 2)}))
+    except ValueError:
+        raise TgError(f"--mu must be comma-separated integers, not '{args.mu}'.") from None
+    if args.repeats < 1:
+        raise TgError(f"--repeats must be at least 1, not {args.repeats}.")
+    pairs = pairs_for(scenario, names, mus)
+    if not pairs:
+        raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")
+    with _progress(not args.json, "validating") as tick:
+        results = validate(pairs, args.repeats, progress=tick)
+    accuracy = summary(results)
+    if args.trace:
+        _write_trace(args, [run for r in results for run in r.traces],
+                     {"scenario": scenario.name})
+    if args.plot:
+        parity_plot(results, args.plot)
+    first = results[0].to_json()
+    out = {"scenario": scenario.name, "hardware": scenario.hardware.name,
+           "simulated": first["simulated"], "measured": first["measured"],
+           "error": first["error"], "accuracy": accuracy,
+           "pairs": [r.to_json() for r in results]}
+    _emit(args, out, lambda: _console().print(_tables().validate_table(results, accuracy,
+                                                                        scenario)))
+    return 0
 
 
 def _search(args: argparse.Namespace) -> int:

@@ -88,7 +88,7 @@ class Program:
             s = self.context(tpl.step_rel + d)
             out[base:base + tpl.size] = cost.times(
                 tpl.resource, tpl.flops + tpl.flops_per_ctx * s,
-                tpl.nbytes + tpl.bytes_per_ctx * s)
+                tpl.nbytes + tpl.bytes_per_ctx * s, tpl.kind)
         return out
 
     def segment_of(self, gid: int) -> int:

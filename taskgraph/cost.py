@@ -19,6 +19,9 @@ import numpy as np
 
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec
+from taskgraph.work import KINDS
+
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
 
 class CostModel:
@@ -41,16 +44,34 @@ class CostModel:
         self.flops_rate = np.array([rates[r][0] for r in RESOURCES])
         self.byte_rate = np.array([rates[r][1] for r in RESOURCES])
         self.overhead = np.array([rates[r][2] for r in RESOURCES])
+        # Per task kind (index into KINDS): its own fixed cost and bandwidth, NaN for the
+        # resource's.
+        self.kind_overhead = np.array([hw.task_overhead_us.get(k, np.nan) * 1e-6 for k in KINDS])
+        self.kind_byte_rate = np.array([hw.task_gbps.get(k, np.nan) * 1e9 for k in KINDS])
 
-    def time(self, resource: str, flops: float, nbytes: float) -> float:
+    def fixed(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
+        """Fixed seconds per task: the kind's own if the profile has one, else the resource's."""
+        own = self.kind_overhead[kind]
+        return np.where(np.isnan(own), self.overhead[resource], own)
+
+    def byte_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
+        own = self.kind_byte_rate[kind]
+        return np.where(np.isnan(own), self.byte_rate[resource], own)
+
+    def time(self, resource: str, flops: float, nbytes: float, kind: str | None = None) -> float:
         """Seconds one task takes on `resource`."""
         i = RESOURCES.index(resource)
-        return max(flops / self.flops_rate[i], nbytes / self.byte_rate[i]) + self.overhead[i]
+        k = KIND_INDEX[kind] if kind is not None else None
+        rate = self.byte_rate[i] if k is None else float(self.byte_rates(i, k))
+        fixed = self.overhead[i] if k is None else float(self.fixed(i, k))
+        return max(flops / self.flops_rate[i], nbytes / rate) + fixed
 
-    def times(self, resource: np.ndarray, flops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-        """Vectorised :meth:`time` over arrays of resource indexes and work."""
-        return (np.maximum(flops / self.flops_rate[resource], nbytes / self.byte_rate[resource])
-                + self.overhead[resource])
+    def times(self, resource: np.ndarray, flops: np.ndarray, nbytes: np.ndarray,
+              kind: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`time` over arrays of resource indexes, work and kind indexes."""
+        return (np.maximum(flops / self.flops_rate[resource],
+                           nbytes / self.byte_rates(resource, kind))
+                + self.fixed(resource, kind))
 
 
 def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:

@@ -70,8 +70,13 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     check_fits(memory, plan.schedule.name)
     program = compile_plan(plan)
     m, p = scenario.model, scenario.policy
-    w = (load_mixtral_safetensors(weights_path, m) if weights_path
-         else synthetic_weights(m, seed=seed))
+    dtype = {4: torch.float32, 2: torch.bfloat16 if dev == "cpu" else torch.float16}.get(
+        m.dtype_bytes)
+    if dtype is None:
+        raise TgError(f"model.dtype_bytes = {m.dtype_bytes}: the executor runs 4-byte (fp32) or "
+                      "2-byte (fp16/bf16) weights.")
+    w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
+         else synthetic_weights(m, seed=seed, dtype=dtype))
     prompts = synthetic_prompts(p.N, scenario.workload.context_prompt, m.V, seed=seed + 1)
     runtime = Runtime(plan, w, prompts, torch.device(dev))
     total = len(program.seg_template)

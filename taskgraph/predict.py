@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.cost import CostModel
+from taskgraph.cost import KIND_INDEX, CostModel
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 from taskgraph.work import PAGED, TaskWork, WeightLayout
@@ -99,7 +99,9 @@ def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n:
         if paged:   # one page holds 1/n_pages of the streamed bytes
             nbytes = np.divide.outer(nbytes, np.maximum(n_pages, 1)).T    # (n, contexts)
             flops = np.broadcast_to(flops, nbytes.shape)
-        t = np.maximum(flops / cost.flops_rate[r], nbytes / cost.byte_rate[r]) + cost.overhead[r]
+        k = KIND_INDEX[op.kind]
+        t = np.maximum(flops / cost.flops_rate[r], nbytes / cost.byte_rates(r, k)) \
+            + cost.fixed(r, k)
         out[r] += count[:, None] * np.broadcast_to(t, (len(n), len(contexts)))
     return out
 

@@ -47,6 +47,29 @@ def execute_table(r: dict[str, Any]) -> Table:
     return t
 
 
+def validate_table(results, accuracy: dict[str, Any], scenario) -> Table:
+    ranks = "; ".join(f"{k}: {'same' if v['same'] else 'DIFFERENT'} "
+                      f"(measured {' < '.join(v['measured'])})"
+                      for k, v in accuracy["ranking"].items())
+    t = Table(title=f"tg validate {scenario.name} on {scenario.hardware.name}: median |error| "
+                    f"{accuracy['median_abs_error_decode_layer']:.1%} over "
+                    f"{accuracy['pairs']} pairs", title_justify="left",
+              caption=f"ranking of schedules by decode-layer latency: {ranks}. Per task kind, "
+                      "median error: " + ", ".join(f"{k} {v:+.0%}" for k, v in
+                                                   accuracy["per_task_median_error"].items()),
+              caption_justify="left")
+    for col in ("pair", "measured ms/layer", "simulated ms/layer", "error", "measured tok/s",
+                "simulated tok/s", "vs reference"):
+        t.add_column(col, justify="left" if col == "pair" else "right")
+    for r in results:
+        t.add_row(f"{r.schedule} mu={r.policy['mu']}", f"{r.measured['decode_layer_ms']:.2f}",
+                  f"{r.simulated['decode_layer_ms']:.2f}", f"{r.layer_error:+.1%}",
+                  f"{r.measured['throughput_tok_s']:.1f}",
+                  f"{r.simulated['throughput_tok_s']:.1f}",
+                  "exact" if r.measured.get("tokens_match") else "DIFFERS")
+    return t
+
+
 def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table:
     first = results[0]
     best = max(r["throughput_tok_s"] for r in results)

@@ -145,6 +145,23 @@ class HardwareSpec(BaseModel):
     gpu: GPUSpec
     cpu: CPUSpec
     link: LinkSpec
+    # Per task kind, measured by `tg calibrate` from the executor's own tasks: a fixed cost (µs)
+    # and an effective bandwidth for the bytes the task moves (GB/s), replacing its resource's.
+    # On small shapes these, not the datasheet roofs, decide how long a task takes.
+    task_overhead_us: dict[str, float] = Field(default_factory=dict)
+    task_gbps: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("task_overhead_us", "task_gbps")
+    @classmethod
+    def _known_kinds(cls, value: dict[str, float]) -> dict[str, float]:
+        from taskgraph.work import KINDS
+
+        for kind, x in value.items():
+            if kind not in KINDS:
+                raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
+            if x < 0:
+                raise ValueError(f"{kind}: {x} is negative")
+        return value
 
 
 class WorkloadSpec(BaseModel):

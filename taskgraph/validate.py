@@ -1,0 +1,151 @@
+"""`tg validate`: simulate and execute the same graphs and say, task kind by task kind, where the
+model is wrong.
+
+Each (schedule, policy) pair is executed `repeats` times on the CPU backend (the run with the
+median decode-layer latency is kept: single runs on a shared machine move by ~10%) and simulated
+with the scenario's hardware profile, normally one `tg calibrate` wrote for this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from taskgraph.compiled import KIND_NAMES
+from taskgraph.specs import Scenario
+from taskgraph.trace import TraceRun
+
+
+@dataclass
+class PairResult:
+    schedule: str
+    policy: dict[str, Any]
+    simulated: dict[str, Any]
+    measured: dict[str, Any]
+    per_kind: dict[str, dict[str, float]]            # kind -> simulated/measured median (s)
+    traces: tuple[TraceRun, TraceRun] = field(repr=False, default=None)
+
+    @property
+    def layer_error(self) -> float:
+        return self.simulated["decode_layer_ms"] / self.measured["decode_layer_ms"] - 1
+
+    def to_json(self) -> dict[str, Any]:
+        keys = ("throughput_tok_s", "decode_layer_ms", "prefill_s", "decode_s", "utilization")
+        return {
+            "schedule": self.schedule, "policy": self.policy,
+            "simulated": {k: self.simulated[k] for k in keys},
+            "measured": {k: self.measured[k] for k in keys}
+            | {"max_abs_err": self.measured["max_abs_err"]},
+            "error": {
+                "decode_layer": round(self.layer_error, 4),
+                "throughput": round(self.simulated["throughput_tok_s"]
+                                    / self.measured["throughput_tok_s"] - 1, 4),
+                "per_task_median": {k: round(v["error"], 4) for k, v in self.per_kind.items()},
+            },
+        }
+
+
+def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[Scenario]:
+    """The (schedule, policy) pairs: each schedule at each micro-batch size (N fixed)."""
+    from taskgraph.simulation import for_schedule
+
+    out = []
+    for mu in mus:
+        if scenario.policy.N % mu:
+            continue
+        policy = scenario.policy.model_copy(update={"mu": mu})
+        for name in schedules:
+            sc, _ = for_schedule(scenario.model_copy(update={"policy": policy,
+                                                            "schedule": name}), name)
+            out.append(sc)
+    return out
+
+
+def validate_pair(sc: Scenario, repeats: int = 3) -> PairResult:
+    from taskgraph.execution import execute_scenario
+    from taskgraph.simulation import simulate_scenario
+
+    runs = [execute_scenario(sc, sc.schedule, device="cpu") for _ in range(repeats)]
+    runs.sort(key=lambda ex: ex.summary["decode_layer_ms"])
+    ex = runs[len(runs) // 2]
+    sim = simulate_scenario(sc, sc.schedule)
+    kinds = ex.program.column("kind")
+    per_kind = {}
+    for k in np.unique(kinds):
+        sel = kinds == k
+        meas = float(np.median(ex.run.durations[sel & ex.run.finished]))
+        pred = float(np.median(sim.run.durations[sel]))
+        per_kind[KIND_NAMES[k]] = {"simulated_s": pred, "measured_s": meas,
+                                   "error": pred / meas - 1 if meas else 0.0}
+    return PairResult(sc.schedule, sc.policy.model_dump(), sim.summary, ex.summary, per_kind,
+                      (sim.trace_run(f"{sc.schedule} mu={sc.policy.mu} simulated"),
+                       ex.trace_run(f"{sc.schedule} mu={sc.policy.mu} measured")))
+
+
+def validate(pairs: list[Scenario], repeats: int = 3,
+             progress: Callable[[int, int], None] | None = None) -> list[PairResult]:
+    results = []
+    for i, sc in enumerate(pairs):
+        results.append(validate_pair(sc, repeats))
+        if progress:
+            progress(i + 1, len(pairs))
+    return results
+
+
+def summary(results: list[PairResult]) -> dict[str, Any]:
+    """Accuracy across pairs: median |error| of decode-layer latency, and whether simulation and
+    measurement rank the schedules the same way at each micro-batch size."""
+    errors = [abs(r.layer_error) for r in results]
+    rankings = {}
+    for mu in sorted({r.policy["mu"] for r in results}):
+        group = [r for r in results if r.policy["mu"] == mu]
+        sim = [r.schedule for r in sorted(group, key=lambda r: r.simulated["decode_layer_ms"])]
+        meas = [r.schedule for r in sorted(group, key=lambda r: r.measured["decode_layer_ms"])]
+        rankings[f"mu={mu}"] = {"simulated": sim, "measured": meas, "same": sim == meas}
+    kinds: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.per_kind.items():
+            kinds.setdefault(k, []).append(v["error"])
+    return {
+        "pairs": len(results),
+        "median_abs_error_decode_layer": round(float(np.median(errors)), 4),
+        "max_abs_error_decode_layer": round(float(np.max(errors)), 4),
+        "ranking": rankings,
+        "per_task_median_error": {k: round(float(np.median(v)), 4) for k, v in kinds.items()},
+    }
+
+
+def parity_plot(results: list[PairResult], out: str | Path) -> Path:
+    """Predicted vs measured decode-layer latency, one point per pair, y = x and a ±10% band."""
+    from taskgraph.plots import _pyplot
+
+    plt = _pyplot()
+    meas = np.array([r.measured["decode_layer_ms"] for r in results])
+    pred = np.array([r.simulated["decode_layer_ms"] for r in results])
+    lo, hi = min(meas.min(), pred.min()) * 0.8, max(meas.max(), pred.max()) * 1.2
+    fig, ax = plt.subplots(figsize=(6.5, 6), dpi=120)
+    x = np.linspace(lo, hi, 10)
+    ax.fill_between(x, x * 0.9, x * 1.1, color="tab:green", alpha=0.15, label="±10%")
+    ax.plot(x, x, color="black", lw=1, label="y = x")
+    markers = {"S1": "o", "S2": "s", "S3": "^", "S4": "D"}
+    for r, m_, p_ in zip(results, meas, pred):
+        ax.scatter(m_, p_, marker=markers.get(r.schedule, "o"), s=50,
+                   label=f"{r.schedule} mu={r.policy['mu']} ({r.layer_error:+.0%})")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured decode-layer latency (ms)")
+    ax.set_ylabel("simulated decode-layer latency (ms)")
+    errs = np.abs(pred / meas - 1)
+    ax.set_title(f"tg validate: median |error| {np.median(errs):.1%} over {len(results)} pairs",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
