@@ -107,7 +107,7 @@ def test_execute_cli_json_and_trace(tmp_path, capsys):
                  "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["measured"] and out["tokens_match"]
-    assert out["max_abs_err"] == 0.0 and out["steps"] == 2
+    assert out["max_abs_err"] < 1e-4 and out["steps"] == 2     # fp32 tolerance
     assert {"throughput_tok_s", "prefill_s", "decode_s", "decode_layer_ms", "utilization",
             "tasks", "wall_s", "policy"} <= out.keys()
     loaded = load_trace(trace)
