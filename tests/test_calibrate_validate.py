@@ -1,0 +1,68 @@
+"""tg calibrate and tg validate on the CPU backend (small, so CI can run them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from taskgraph.cli import main  # noqa: E402
+from taskgraph.scenario import load_scenario  # noqa: E402
+from taskgraph.tracecheck import check_trace, load_trace  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "cpu.yaml"
+    assert main(["calibrate", "scenarios/tiny.yaml", "--out", str(path), "--json"]) == 0
+    return path
+
+
+def test_calibration_is_a_hardware_profile(profile):
+    sc = load_scenario("scenarios/tiny.yaml", [f"hardware={profile}"])
+    hw = sc.hardware
+    assert hw.gpu.tflops > 0 and hw.cpu.mem_gbps > 0 and hw.link.h2d_gbps > 0
+    # per-kind costs fitted from the executor's own tasks, for every kind it ran
+    assert {"PreAttn", "PostAttn", "CPUAttn", "GPUAttn", "D3"} <= hw.task_overhead_us.keys()
+    # usable as a base with overrides, too
+    sc = load_scenario("scenarios/tiny.yaml", [f"hardware.file={profile}",
+                                               "hardware.link.h2d_gbps=1"])
+    assert sc.hardware.link.h2d_gbps == 1
+
+
+def test_validate_end_to_end(profile, tmp_path, capsys):
+    trace, plot = tmp_path / "v.json.gz", tmp_path / "parity.png"
+    assert main(["validate", "scenarios/tiny.yaml", "--set", f"hardware={profile}",
+                 "--set", "workload.gen_len=2", "--schedules", "S1,S3", "--mu", "2",
+                 "--repeats", "1", "--trace", str(trace), "--plot", str(plot), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"simulated", "measured", "error", "accuracy", "pairs"} <= out.keys()
+    assert {"decode_layer", "per_task_median"} <= out["error"].keys()
+    assert len(out["pairs"]) == 2 and out["accuracy"]["pairs"] == 2
+    assert all(p["measured"]["max_abs_err"] < 1e-4 for p in out["pairs"])
+    loaded = load_trace(trace)
+    assert check_trace(loaded) == []
+    procs = sorted(e["args"]["name"] for e in loaded["traceEvents"]
+                   if e["name"] == "process_name")
+    assert procs == ["1. S1 mu=2 simulated", "2. S1 mu=2 measured", "3. S3 mu=2 simulated",
+                     "4. S3 mu=2 measured"]
+    assert plot.stat().st_size > 10_000
+
+
+def test_validate_and_calibrate_bad_input(capsys, tmp_path):
+    assert main(["validate", "scenarios/tiny.yaml", "--mu", "two"]) == 2
+    assert "--mu" in capsys.readouterr().err
+    assert main(["validate", "scenarios/tiny.yaml", "--mu", "3"]) == 2
+    assert "divides policy.N" in capsys.readouterr().err
+    assert main(["validate", "scenarios/tiny.yaml", "--schedules", "S9"]) == 2
+    assert "S9" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "p.json")]) == 2
+    assert ".yaml" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "CUDA backend" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngpu: {name: g}\n")
+    assert main(["simulate", "scenarios/tiny.yaml", "--set", f"hardware={bad}"]) == 2
+    assert "hardware.gpu" in capsys.readouterr().err
