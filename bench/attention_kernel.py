@@ -9,22 +9,12 @@ All three give the same numbers (checked here); the fastest is the one `decode_a
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from taskgraph.exec.calibrate import best_time
 
 from taskgraph.kernels.ops import (decode_attention, decode_attention_grouped,
                                    decode_attention_repeat)
-
-
-def _best(fn, repeat=5):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -36,9 +26,9 @@ def main() -> None:
         q = torch.randn(B, n_q, d)
         k = torch.randn(B, T, n_kv, d)
         v = torch.randn(B, T, n_kv, d)
-        ours = _best(lambda: decode_attention(q, k, v))
-        grouped = _best(lambda: decode_attention_grouped(q, k, v))
-        repeat = _best(lambda: decode_attention_repeat(q, k, v))
+        ours = best_time(lambda: decode_attention(q, k, v))
+        grouped = best_time(lambda: decode_attention_grouped(q, k, v))
+        repeat = best_time(lambda: decode_attention_repeat(q, k, v))
         ref = decode_attention(q, k, v)
         diff = max((decode_attention_grouped(q, k, v) - ref).abs().max().item(),
                    (decode_attention_repeat(q, k, v) - ref).abs().max().item())

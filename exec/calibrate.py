@@ -25,7 +25,8 @@ from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, Scenario
 
 
-def _best(fn: Callable[[], Any], repeat: int = 5) -> float:
+def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
+    """Seconds of the fastest of `repeat` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeat):
@@ -41,23 +42,23 @@ def measure_rates(progress: Callable[[str], None] | None = None) -> dict[str, fl
     out: dict[str, float] = {}
     say("matrix multiply")
     a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    out["gemm_flops"] = 2 * 1024 * 2048 * 2048 / _best(lambda: a @ b)
+    out["gemm_flops"] = 2 * 1024 * 2048 * 2048 / best_time(lambda: a @ b)
     say("memory bandwidth")
     src = torch.randn(32 * 1024 * 1024)            # 128 MB
     dst = torch.empty_like(src)
-    out["mem_bytes_per_s"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    out["mem_bytes_per_s"] = 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src))
     say("attention")
     from taskgraph.kernels.ops import decode_attention
 
     q, k = torch.randn(32, 32, 128), torch.randn(32, 1024, 8, 128)
     v = torch.randn_like(k)
-    out["attn_bytes_per_s"] = 2 * k.numel() * 4 / _best(lambda: decode_attention(q, k, v))
+    out["attn_bytes_per_s"] = 2 * k.numel() * 4 / best_time(lambda: decode_attention(q, k, v))
     say("copies")
     page = torch.randn(4 * 1024 * 1024)             # 16 MB, a weight page
     dst = torch.empty_like(page)
-    out["memcpy_bytes_per_s"] = page.numel() * 4 / _best(lambda: dst.copy_(page))
+    out["memcpy_bytes_per_s"] = page.numel() * 4 / best_time(lambda: dst.copy_(page))
     tiny_src, tiny_dst = torch.randn(16), torch.empty(16)
-    out["copy_latency_s"] = _best(lambda: tiny_dst.copy_(tiny_src), repeat=50)
+    out["copy_latency_s"] = best_time(lambda: tiny_dst.copy_(tiny_src), repeat=50)
     return out
 
 

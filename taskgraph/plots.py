@@ -92,9 +92,14 @@ def roofline(scenario: Scenario, out: str | Path) -> Path:
                  f"mu={scenario.policy.mu}, N={scenario.policy.N}", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="lower right")
+    return save(fig, out)
+
+
+def save(fig, out: str | Path) -> Path:
+    """Lay out, write and close a figure."""
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out

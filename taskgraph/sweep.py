@@ -89,7 +89,7 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
 
 
 def _plot(rows, vary, path: Path) -> Path:
-    from taskgraph.plots import _pyplot
+    from taskgraph.plots import _pyplot, save
 
     plt = _pyplot()
     x_key, x_vals = vary[0]
@@ -115,10 +115,7 @@ def _plot(rows, vary, path: Path) -> Path:
     if len(vary) > 1:
         axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"policy search across {x_key}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def _is_number(text: str) -> bool:

@@ -120,7 +120,7 @@ def summary(results: list[PairResult]) -> dict[str, Any]:
 
 def parity_plot(results: list[PairResult], out: str | Path) -> Path:
     """Predicted vs measured decode-layer latency, one point per pair, y = x and a ±10% band."""
-    from taskgraph.plots import _pyplot
+    from taskgraph.plots import _pyplot, save
 
     plt = _pyplot()
     meas = np.array([r.measured["decode_layer_ms"] for r in results])
@@ -143,9 +143,4 @@ def parity_plot(results: list[PairResult], out: str | Path) -> Path:
                  fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)
