@@ -64,7 +64,8 @@ def measure_rates(progress: Callable[[str], None] | None = None) -> dict[str, fl
 
 def profile_from_rates(rates: dict[str, float], memory_gb: float,
                        fixed_us: dict[str, float] | None = None,
-                       kind_gbps: dict[str, float] | None = None) -> dict[str, Any]:
+                       kind_gbps: dict[str, float] | None = None,
+                       handoff_us: float = 0.0) -> dict[str, Any]:
     """A hardware profile (the `hardware:` mapping of a scenario) for the CPU backend."""
     name = f"CPU backend on {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     tflops = round(rates["gemm_flops"] / 1e12, 5)
@@ -81,6 +82,7 @@ def profile_from_rates(rates: dict[str, float], memory_gb: float,
                 "flops_eff": 1.0, "mem_eff": 1.0, "memcpy_gbps": link, "task_overhead_us": 0.0},
         "link": {"h2d_gbps": link, "d2h_gbps": link, "h2d_eff": 1.0, "d2h_eff": 1.0,
                  "latency_us": round(rates["copy_latency_s"] * 1e6, 2)},
+        "handoff_us": round(float(handoff_us), 2),
         "task_overhead_us": {k: round(float(v), 2) for k, v in sorted(fixed.items())},
         "task_gbps": {k: round(float(v), 4) for k, v in sorted((kind_gbps or {}).items())},
     }
@@ -92,16 +94,19 @@ FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S4") for mu in (1, 2, 4)
 
 
 def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float
-              ) -> tuple[dict[str, float], dict[str, float], dict[str, Any]]:
+              ) -> tuple[dict[str, float], dict[str, float], float, dict[str, Any]]:
     """Per task kind, ``time = fixed + bytes / rate`` fitted by least squares to the executor's
     own measured tasks over :data:`FIT_RUNS`. Returns fixed costs (µs), rates (GB/s; only where
-    task sizes varied enough to fit one) and per kind the samples' summary."""
+    task sizes varied enough to fit one), the hand-off time (µs: median delay between a task's
+    end and the start of a task on another stream that was waiting for it) and per kind the
+    samples' summary."""
     from taskgraph.compiled import KIND_NAMES
     from taskgraph.execution import execute_scenario
     from taskgraph.simulation import for_schedule
 
     base = CostModel(HardwareSpec.model_validate(profile_from_rates(rates, memory_gb)))
     samples: dict[str, list[tuple[float, float, float]]] = {}   # kind -> (bytes, base, measured)
+    gaps: list[float] = []
     for schedule, mu in FIT_RUNS:
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
@@ -114,6 +119,7 @@ def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float
         for i in np.flatnonzero(run.finished):
             samples.setdefault(KIND_NAMES[kinds[i]], []).append(
                 (float(nbytes[i]), float(roof[i]), float(run.durations[i])))
+        gaps += _handoff_gaps(prog, run)
     fixed, gbps, summary = {}, {}, {}
     for kind, rows in samples.items():
         x, roof, y = (np.array(c) for c in zip(*rows))
@@ -126,7 +132,28 @@ def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float
         else:                                  # one size: keep the measured roof, fit the rest
             fixed[kind] = max(0.0, float(np.median(y - roof)) * 1e6)
         summary[kind] = {"tasks": len(y), "median_us": float(np.median(y)) * 1e6}
-    return fixed, gbps, summary
+    handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
+    return fixed, gbps, handoff, summary
+
+
+def _handoff_gaps(prog, run) -> list[float]:
+    """Start minus predecessor end, for tasks whose start waited on another stream's task."""
+    gaps = []
+    stream = prog.column("stream")
+    last_end: dict[int, float] = {}
+    for t, base in zip(prog.seg_template, prog.seg_base):
+        tpl = prog.templates[t]
+        for pos, rels in enumerate(tpl.deps):
+            gid = int(base) + pos
+            sid = int(stream[gid])
+            prev = last_end.get(sid, 0.0)
+            last_end[sid] = run.end[gid]
+            if not rels or np.isnan(run.start[gid]):
+                continue
+            dep = max(run.end[gid + r] for r in rels)
+            if dep > prev:                     # the other stream, not this one, held it back
+                gaps.append(run.start[gid] - dep)
+    return gaps
 
 
 def calibrate(scenario: Scenario, progress: Callable[[str], None] | None = None
@@ -136,9 +163,10 @@ def calibrate(scenario: Scenario, progress: Callable[[str], None] | None = None
     rates = measure_rates(progress)
     if progress:
         progress("executor tasks")
-    fixed, gbps, per_kind = fit_tasks(scenario, rates, memory_gb)
-    return profile_from_rates(rates, memory_gb, fixed, gbps), {
-        "rates": rates, "fixed_us": fixed, "task_gbps": gbps, "tasks": per_kind}
+    fixed, gbps, handoff, per_kind = fit_tasks(scenario, rates, memory_gb)
+    return profile_from_rates(rates, memory_gb, fixed, gbps, handoff), {
+        "rates": rates, "fixed_us": fixed, "task_gbps": gbps, "handoff_us": handoff,
+        "tasks": per_kind}
 
 
 def _memory_gb() -> float:

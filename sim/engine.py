@@ -13,7 +13,8 @@ Durations are known, so a task's end time is fixed the moment it starts, and a t
 task still has an undecided predecessor parks it as blocked; whoever decides the last missing
 predecessor decides the blocked task too and schedules the timeout that ends it. A task costs at
 most one SimPy event (a stream that stays busy covers its busy period with one), and start times
-are exactly max(previous end on the stream, ends of the predecessors).
+are exactly max(previous end on the stream, ends of the predecessors + the hardware's hand-off
+time, the delay with which one stream sees another's task finish).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def simulate(program: Program, cost: CostModel,
     start = [0.0] * total
     end = [-1.0] * total + [0.0]   # a sentinel slot: "the task before the first", ended at 0
     blocked: dict[int, list] = {}   # undecided task id -> tasks parked on it
+    handoff = cost.handoff          # a dependency on another stream is seen this much later
     env = simpy.Environment()
 
     users: dict[int, int] = {}
@@ -71,9 +73,9 @@ def simulate(program: Program, cost: CostModel,
         report = progress if sid == 0 else None
         if rid in shared:
             env.process(_shared_stream(env, segments, dur, start, end, blocked, report,
-                                       shared[rid]))
+                                       shared[rid], handoff))
         else:
-            _exclusive_stream(env, segments, dur, start, end, blocked, report)()
+            _exclusive_stream(env, segments, dur, start, end, blocked, report, handoff)()
 
     interrupted = False
     # The run allocates ~2 short-lived objects per task and no reference cycles; without this the
@@ -127,13 +129,13 @@ def _park(blocked: dict, dep: int, entry: tuple) -> None:
         blocked[dep] = [there, entry]
 
 
-def _decided(env, gid: int, start, end, dur, blocked) -> None:
+def _decided(env, gid: int, start, end, dur, blocked, h: float) -> None:
     """Task `gid` has just been decided: decide what was parked on it and schedule the timeout
     that ends it (its delay is known only now)."""
     parked = blocked.pop(gid)
     if type(parked) is not list:
         parked = (parked,)
-    e_dep = end[gid]
+    e_dep = end[gid] + h
     for task, rels, i, ready, stream in parked:
         if ready is None:          # a shared-resource stream: wake it to acquire its resource
             stream.succeed()
@@ -147,18 +149,18 @@ def _decided(env, gid: int, start, end, dur, blocked) -> None:
             if e < 0.0:
                 _park(blocked, task + rels[i], (task, rels, i, ready, stream))
                 break
-            if e > ready:
-                ready = e
+            if e + h > ready:
+                ready = e + h
             i += 1
         else:
             start[task] = ready
             e = end[task] = ready + dur[task]
             env.timeout(e - env.now).callbacks.append(stream)
             if task in blocked:
-                _decided(env, task, start, end, dur, blocked)
+                _decided(env, task, start, end, dur, blocked, h)
 
 
-def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Callable:
+def _exclusive_stream(env, segments, dur, start, end, blocked, report, h: float) -> Callable:
     """A stream alone on its resource, as the callback that runs when its previous task ends:
     it decides the next task and schedules the timeout that ends it, or parks the task (the
     decider of its last missing predecessor then decides it and schedules that timeout).
@@ -196,17 +198,17 @@ def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Callab
                 else:
                     blocked[gid + r] = entry
                 return
-            if e > ready:
-                ready = e
+            if e + h > ready:
+                ready = e + h
         start[gid] = ready
         e = end[gid] = ready + dur[gid]
         if gid in blocked:
-            _decided(env, gid, start, end, dur, blocked)
+            _decided(env, gid, start, end, dur, blocked, h)
         while p < n:   # the rest of the busy period
             pos, rels = tasks[p]
             nxt = base + pos
             for r in rels:
-                if not 0.0 <= end[nxt + r] <= e:
+                if not 0.0 <= end[nxt + r] <= e - h:
                     break
             else:
                 p += 1
@@ -214,7 +216,7 @@ def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Callab
                 start[nxt] = e
                 e = end[nxt] = e + dur[nxt]
                 if nxt in blocked:
-                    _decided(env, nxt, start, end, dur, blocked)
+                    _decided(env, nxt, start, end, dur, blocked, h)
                 continue
             break
         timeout(e - now).callbacks.append(advance)
@@ -222,8 +224,8 @@ def _exclusive_stream(env, segments, dur, start, end, blocked, report) -> Callab
     return advance
 
 
-def _shared_stream(env, segments, dur, start, end, blocked, report, res: _SharedResource
-                   ) -> Iterator:
+def _shared_stream(env, segments, dur, start, end, blocked, report, res: _SharedResource,
+                   h: float) -> Iterator:
     timeout = env.timeout
     last = 0.0
     for d, (base, tasks) in enumerate(segments):
@@ -239,8 +241,8 @@ def _shared_stream(env, segments, dur, start, end, blocked, report, res: _Shared
                     _park(blocked, gid + r, (gid, rels, 0, None, ev))
                     yield ev
                     e = end[gid + r]
-                if e > ready:
-                    ready = e
+                if e + h > ready:
+                    ready = e + h
             if ready > env.now:
                 yield timeout(ready - env.now)
             req = res.lock.request()
@@ -249,6 +251,6 @@ def _shared_stream(env, segments, dur, start, end, blocked, report, res: _Shared
             start[gid] = begin
             last = end[gid] = res.free_at = begin + dur[gid]
             if gid in blocked:
-                _decided(env, gid, start, end, dur, blocked)
+                _decided(env, gid, start, end, dur, blocked, h)
             yield timeout(last - env.now)
             res.lock.release(req)

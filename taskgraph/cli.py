@@ -260,6 +260,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         t.add_row("decode attention", f"{r['attn_bytes_per_s'] / 1e9:.1f} GB/s")
         t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
         t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
+        t.add_row("hand-off between streams", f"{measured['handoff_us']:.1f} µs")
         for kind, info in measured["tasks"].items():
             rate = measured["task_gbps"].get(kind)
             t.add_row(f"{kind} ({info['tasks']} tasks)",

@@ -48,6 +48,7 @@ class CostModel:
         # resource's.
         self.kind_overhead = np.array([hw.task_overhead_us.get(k, np.nan) * 1e-6 for k in KINDS])
         self.kind_byte_rate = np.array([hw.task_gbps.get(k, np.nan) * 1e9 for k in KINDS])
+        self.handoff = hw.handoff_us * 1e-6
 
     def fixed(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
         """Fixed seconds per task: the kind's own if the profile has one, else the resource's."""

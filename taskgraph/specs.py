@@ -150,6 +150,9 @@ class HardwareSpec(BaseModel):
     # On small shapes these, not the datasheet roofs, decide how long a task takes.
     task_overhead_us: dict[str, float] = Field(default_factory=dict)
     task_gbps: dict[str, float] = Field(default_factory=dict)
+    # How long after a task ends a task on another stream waiting for it can start (an event's
+    # latency, a thread waking up). `tg calibrate` measures it.
+    handoff_us: float = Field(default=0.0, ge=0.0)
 
     @field_validator("task_overhead_us", "task_gbps")
     @classmethod

@@ -54,7 +54,8 @@ def scenarios(draw):
                         "memcpy_gbps": draw(st.floats(0.1, 50))},
                 "link": {"h2d_gbps": draw(st.floats(0.05, 64)),
                          "d2h_gbps": draw(st.floats(0.05, 64)),
-                         "latency_us": draw(st.floats(0, 20))}}
+                         "latency_us": draw(st.floats(0, 20))},
+                "handoff_us": draw(st.sampled_from([0.0, 0.0, 5.0, 50.0]))}
     return scenario_from_dict({"model": model, "hardware": hardware, "workload": workload,
                                "policy": policy, "schedule": schedule}, source="<hypothesis>")
 
@@ -72,12 +73,17 @@ def test_simulated_runs_keep_every_invariant(sc):
     assert run.finished.all()
     assert np.allclose(end - start, dur, rtol=1e-9, atol=1e-15)
 
-    # No task starts before its predecessors end (data and buffer-reuse edges alike).
+    # No task starts before its predecessors end (data and buffer-reuse edges alike), nor before
+    # the hardware's hand-off time has passed when the predecessor ran on another stream.
     edges = unrolled_edges(prog)
-    assert (start[edges[:, 1]] >= end[edges[:, 0]]).all()
+    stream = prog.column("stream")
+    other = stream[edges[:, 0]] != stream[edges[:, 1]]
+    handoff = sc.hardware.handoff_us * 1e-6
+    gap = start[edges[:, 1]] - end[edges[:, 0]]
+    assert (gap >= -1e-12).all()
+    assert (gap[other] >= handoff * (1 - 1e-9) - 1e-12).all()
 
     # Streams run in launch order, one task at a time; no two tasks overlap on one resource.
-    stream = prog.column("stream")
     for sid in range(len(prog.streams)):
         ids = np.flatnonzero(stream == sid)          # global ids are in launch order
         assert (start[ids[1:]] >= end[ids[:-1]]).all()
