@@ -248,27 +248,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
         + yaml.safe_dump(profile, sort_keys=False))
 
-    def human() -> None:
-        from rich.table import Table
-
-        r = measured["rates"]
-        t = Table(title=f"tg calibrate: wrote {args.out}", title_justify="left")
-        t.add_column("measured")
-        t.add_column("value", justify="right")
-        t.add_row("matrix multiply", f"{r['gemm_flops'] / 1e9:.1f} GFLOP/s")
-        t.add_row("memory copy", f"{r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
-        t.add_row("decode attention", f"{r['attn_bytes_per_s'] / 1e9:.1f} GB/s")
-        t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
-        t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
-        t.add_row("hand-off between streams", f"{measured['handoff_us']:.1f} µs")
-        for kind, info in measured["tasks"].items():
-            rate = measured["task_gbps"].get(kind)
-            t.add_row(f"{kind} ({info['tasks']} tasks)",
-                      f"{measured['fixed_us'][kind]:.0f} µs fixed"
-                      + (f" + bytes / {rate:.2f} GB/s" if rate else ""))
-        _console().print(t)
-
-    _emit(args, {"profile": profile, "measured": measured, "out": args.out}, human)
+    _emit(args, {"profile": profile, "measured": measured, "out": args.out},
+          lambda: _console().print(_tables().calibrate_table(measured, args.out)))
     return 0
 
 
@@ -313,7 +294,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     from taskgraph.limits import hardware_limit_tok_s
     from taskgraph.scenario import load_scenario
-    from taskgraph.search import brute_force, search, verify
+    from taskgraph.search import brute_force, brute_force_summary, search, verify
 
     if args.top < 1:
         raise TgError(f"--top must be at least 1, not {args.top}.")
@@ -328,7 +309,7 @@ def _search(args: argparse.Namespace) -> int:
     if args.brute_force:
         with _progress(not args.json, "brute force") as tick:
             grid = brute_force(scenario, progress=tick)
-        out["brute_force"] = _brute_force_summary(result, grid)
+        out["brute_force"] = brute_force_summary(result, grid)
     out["hardware_limit_tok_s"] = round(limit, 3)
     best = result.best
     out["best"]["throughput_tok_s"] = best.simulated_tok_s or best.predicted_tok_s
@@ -341,24 +322,6 @@ def _search(args: argparse.Namespace) -> int:
 
     _emit(args, out, human)
     return 0
-
-
-def _brute_force_summary(result, grid) -> dict[str, Any]:
-    """HRM's pick against the best of a simulated grid (the reviewers' question)."""
-    from dataclasses import asdict
-
-    best = grid[0]
-    hrm_pick = result.top[0] if not result.verified else max(
-        result.top, key=lambda c: c.predicted_tok_s)   # what HRM alone would have chosen
-    in_grid = max(grid, key=lambda c: c.predicted_tok_s)  # HRM's choice among the grid's
-    return {
-        "simulated": len(grid),
-        "best": asdict(best),
-        "hrm_pick_simulated_tok_s": hrm_pick.simulated_tok_s,
-        "loss_vs_best": round(1 - hrm_pick.simulated_tok_s / best.simulated_tok_s, 4),
-        "hrm_pick_in_grid_simulated_tok_s": in_grid.simulated_tok_s,
-        "loss_in_grid": round(1 - in_grid.simulated_tok_s / best.simulated_tok_s, 4),
-    }
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -377,24 +340,8 @@ def _sweep(args: argparse.Namespace) -> int:
         raise TgError(f"Every point of the sweep failed; the first: {failed[0]['error']}")
     paths = write_sweep(rows, vary, args.out)
 
-    def human() -> None:
-        from rich.table import Table
-
-        t = Table(title=f"tg sweep: {len(rows)} points, files {', '.join(map(str, paths))}",
-                  title_justify="left")
-        keys = [k for k, _ in vary]
-        for col in keys + ["tok/s", "sched", "N", "mu", "A_g", "r_w", "r_c", "binding"]:
-            t.add_column(col)
-        for r in rows:
-            if r["error"]:
-                t.add_row(*(str(r[k]) for k in keys), "infeasible", *[""] * 6, r["error"][:40])
-                continue
-            t.add_row(*(str(r[k]) for k in keys), f"{r['throughput_tok_s']:.1f}", r["schedule"],
-                      str(r["N"]), str(r["mu"]), str(r["A_g"]), f"{r['r_w']:g}", f"{r['r_c']:g}",
-                      r["binding"])
-        _console().print(t)
-
-    _emit(args, {"rows": rows, "files": [str(p) for p in paths]}, human)
+    _emit(args, {"rows": rows, "files": [str(p) for p in paths]},
+          lambda: _console().print(_tables().sweep_table(rows, vary, paths)))
     return 0
 
 

@@ -133,6 +133,41 @@ def _loss(x: float) -> str:
     return f"{x:.1%} below" if x > 0 else f"{-x:.1%} above" if x < 0 else "equal to"
 
 
+def sweep_table(rows: list[dict[str, Any]], vary, paths) -> Table:
+    t = Table(title=f"tg sweep: {len(rows)} points, files {', '.join(map(str, paths))}",
+              title_justify="left")
+    keys = [k for k, _ in vary]
+    for col in keys + ["tok/s", "sched", "N", "mu", "A_g", "r_w", "r_c", "binding"]:
+        t.add_column(col)
+    for r in rows:
+        if r["error"]:
+            t.add_row(*(str(r[k]) for k in keys), "infeasible", *[""] * 6, r["error"][:40])
+            continue
+        t.add_row(*(str(r[k]) for k in keys), f"{r['throughput_tok_s']:.1f}", r["schedule"],
+                  str(r["N"]), str(r["mu"]), str(r["A_g"]), f"{r['r_w']:g}", f"{r['r_c']:g}",
+                  r["binding"])
+    return t
+
+
+def calibrate_table(measured: dict[str, Any], out: str) -> Table:
+    r = measured["rates"]
+    t = Table(title=f"tg calibrate: wrote {out}", title_justify="left")
+    t.add_column("measured")
+    t.add_column("value", justify="right")
+    t.add_row("matrix multiply", f"{r['gemm_flops'] / 1e9:.1f} GFLOP/s")
+    t.add_row("memory copy", f"{r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
+    t.add_row("decode attention", f"{r['attn_bytes_per_s'] / 1e9:.1f} GB/s")
+    t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
+    t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
+    t.add_row("hand-off between streams", f"{measured['handoff_us']:.1f} µs")
+    for kind, info in measured["tasks"].items():
+        rate = measured["task_gbps"].get(kind)
+        t.add_row(f"{kind} ({info['tasks']} tasks)",
+                  f"{measured['fixed_us'][kind]:.0f} µs fixed"
+                  + (f" + bytes / {rate:.2f} GB/s" if rate else ""))
+    return t
+
+
 def check_table(checks: list[Check]) -> Table:
     failed = sum(not c.ok for c in checks)
     t = Table(title=f"expect: {len(checks) - failed} of {len(checks)} checks hold",

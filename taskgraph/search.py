@@ -200,6 +200,22 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = N
     return sorted(chosen, key=lambda c: -(c.simulated_tok_s or 0.0))
 
 
+def brute_force_summary(result: SearchResult, grid: list[Candidate]) -> dict[str, Any]:
+    """HRM's pick against the best of a simulated grid (the reviewers' question)."""
+    best = grid[0]
+    hrm_pick = result.top[0] if not result.verified else max(
+        result.top, key=lambda c: c.predicted_tok_s)   # what HRM alone would have chosen
+    in_grid = max(grid, key=lambda c: c.predicted_tok_s)  # HRM's choice among the grid's
+    return {
+        "simulated": len(grid),
+        "best": asdict(best),
+        "hrm_pick_simulated_tok_s": hrm_pick.simulated_tok_s,
+        "loss_vs_best": round(1 - hrm_pick.simulated_tok_s / best.simulated_tok_s, 4),
+        "hrm_pick_in_grid_simulated_tok_s": in_grid.simulated_tok_s,
+        "loss_in_grid": round(1 - in_grid.simulated_tok_s / best.simulated_tok_s, 4),
+    }
+
+
 @dataclass(frozen=True)
 class SimJob:
     """Simulate one scenario; returns its summary (picklable in and out)."""

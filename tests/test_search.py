@@ -167,3 +167,20 @@ def test_roofline_plot(tmp_path, capsys):
     attention = next(v for k, v in pts["intensities"].items() if k.startswith("attention"))
     assert attention < p1 < p2          # decode attention belongs on the CPU (the paper's point)
     assert main(["roofline", "scenarios/t4.yaml", "--out", str(tmp_path / "r.svg")]) == 2
+
+
+def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
+    from taskgraph.search import brute_force, brute_force_summary
+
+    sc = tiny(workload={"gen_len": 2})
+    grid = Grid(mu=(1, 2), r_w=(0.0, 0.5), r_c=(0.0,), max_micro_batches=4)
+    simulated = brute_force(sc, grid, workers=1)
+    assert simulated and all(c.simulated_tok_s > 0 for c in simulated)
+    sims = [c.simulated_tok_s for c in simulated]
+    assert sims == sorted(sims, reverse=True)
+    result = verify(sc, search(sc, top=1, grid=grid, workers=1), workers=1)
+    report = brute_force_summary(result, simulated)
+    # the loss compares HRM's pick, simulated, with the best simulated policy of the grid
+    assert report["loss_vs_best"] == pytest.approx(
+        1 - result.best.simulated_tok_s / simulated[0].simulated_tok_s, abs=1e-4)
+    assert report["simulated"] == len(simulated)
