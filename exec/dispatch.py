@@ -18,13 +18,8 @@ import numpy as np
 import torch
 
 from taskgraph.compiled import KIND_NAMES, Program
-from taskgraph.errors import TgError
 from taskgraph.exec.runtime import Runtime
 from taskgraph.sim.engine import SimRun
-
-
-class TaskFailed(TgError):
-    pass
 
 
 def execute(program: Program, runtime: Runtime, delay: Callable[[int], float] | None = None,
@@ -94,8 +89,6 @@ def _threaded(program: Program, runtime: Runtime, delay, progress) -> SimRun:
     unfinished = np.isnan(end)
     start[unfinished] = np.nan
     run = SimRun(program, end - start, start, end, interrupted or bool(failure),
-                 time.perf_counter() - t0)
+                 time.perf_counter() - t0, failure[0] if failure else None)
     run.durations[unfinished] = 0.0
-    if failure:
-        run.failure = failure[0]
     return run

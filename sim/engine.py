@@ -42,6 +42,7 @@ class SimRun:
     end: np.ndarray
     interrupted: bool
     wall_s: float
+    failure: BaseException | None = None     # what stopped an executed run, if a task failed
 
     @property
     def finished(self) -> np.ndarray:

@@ -217,7 +217,7 @@ def _execute(args: argparse.Namespace) -> int:
         ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
-    failure = getattr(ex, "failure", None)
+    failure = ex.run.failure
     if failure is not None:
         raise TgError(f"A task failed during execution ({type(failure).__name__}: {failure}); "
                       + (f"the trace in {args.trace} shows what ran before it." if args.trace

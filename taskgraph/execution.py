@@ -86,8 +86,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
     summary["device"] = dev
     summary["measured"] = True
-    failure = getattr(run, "failure", None)
-    if failure is None and not run.interrupted:
+    if not run.interrupted:
         ref = reference_forward(w, prompts, p.mu, plan.G)
         summary["max_abs_err"] = float((runtime.logits - ref.logits).abs().max())
         summary["tokens_match"] = bool(torch.equal(runtime.tokens, ref.tokens))
@@ -95,7 +94,4 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         summary["max_abs_err"] = None
         summary["tokens_match"] = None
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    execution = Execution(plan, program, run, summary)
-    if failure is not None:
-        execution.failure = failure
-    return execution
+    return Execution(plan, program, run, summary)
