@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -229,24 +229,21 @@ class SimJob:
 
 
 def run_jobs(jobs: list, workers: int | None = None,
-             progress: Callable[[int, int], None] | None = None) -> Iterable:
+             progress: Callable[[int, int], None] | None = None) -> list:
     """Run jobs (objects with a ``run()`` method) on every local core, results in job order."""
     workers = min(workers or os.cpu_count() or 1, len(jobs))
-    if workers <= 1:
+    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    try:
+        pending = [pool.submit(_run, job) for job in jobs] if pool else jobs
         results = []
-        for i, job in enumerate(jobs):
-            results.append(job.run())
+        for i, item in enumerate(pending):
+            results.append(item.result() if pool else item.run())
             if progress:
                 progress(i + 1, len(jobs))
         return results
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_run, job) for job in jobs]
-        results = []
-        for i, f in enumerate(futures):
-            results.append(f.result())
-            if progress:
-                progress(i + 1, len(jobs))
-        return results
+    finally:
+        if pool:
+            pool.shutdown()
 
 
 def _run(job):
