@@ -93,7 +93,7 @@ def profile_from_rates(rates: dict[str, float], memory_gb: float,
 FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S4") for mu in (1, 2, 4))
 
 
-def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float
+def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float, repeats: int = 2
               ) -> tuple[dict[str, float], dict[str, float], float, dict[str, Any]]:
     """Per task kind, ``time = fixed + bytes / rate`` fitted by least squares to the executor's
     own measured tasks over :data:`FIT_RUNS`. Returns fixed costs (µs), rates (GB/s; only where
@@ -107,7 +107,7 @@ def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float
     base = CostModel(HardwareSpec.model_validate(profile_from_rates(rates, memory_gb)))
     samples: dict[str, list[tuple[float, float, float]]] = {}   # kind -> (bytes, base, measured)
     gaps: list[float] = []
-    for schedule, mu in FIT_RUNS:
+    for schedule, mu in FIT_RUNS * repeats:      # medians over repeats: runs are noisy
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
         ex = execute_scenario(sc, schedule, device="cpu")
