@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _trace_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--gantt", metavar="PNG", help="draw a Gantt chart of two layers of decode "
+                   "step 2 (one row per stream) to PNG")
     c.add_argument("--trace", metavar="PATH",
                    help="write a Perfetto trace (.json or .json.gz) to PATH")
     c.add_argument("--trace-steps", default="2", metavar="N|all",
@@ -145,6 +147,7 @@ def _simulate(args: argparse.Namespace) -> int:
         sim = simulate_scenario(scenario, args.schedule, progress=tick)
     if args.trace:
         _write_trace(args, [sim.trace_run()], sim.summary)
+    _gantt(args, [sim.trace_run(f"{sim.summary['schedule']} simulated")])
     _emit(args, sim.summary, lambda: _console().print(_tables().simulate_table(sim.summary)))
     return _interrupted(sim.summary)
 
@@ -178,6 +181,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.trace:
         _write_trace(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()],
                      {"scenario": scenario.name})
+    _gantt(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()])
     out: dict[str, Any] = {"results": results}
     checks = evaluate(scenario.expect, {n: s.summary for n, s in sims.items()}) if args.check else []
     if args.check:
@@ -217,6 +221,7 @@ def _execute(args: argparse.Namespace) -> int:
         ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
+    _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])
     failure = ex.run.failure
     if failure is not None:
         raise TgError(f"A task failed during execution ({type(failure).__name__}: {failure}); "
@@ -431,6 +436,18 @@ def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> 
     if not getattr(args, "json", False):
         _console().print(f"wrote {args.trace}: {slices:,} task slices "
                          "(open it at https://ui.perfetto.dev)")
+
+
+def _gantt(args: argparse.Namespace, runs: list) -> None:
+    if not getattr(args, "gantt", None):
+        return
+    if not args.gantt.endswith(".png"):
+        raise TgError(f"--gantt '{args.gantt}' must be a .png file.")
+    from taskgraph.plots import gantt
+
+    gantt(runs, args.gantt)
+    if not args.json:
+        _console().print(f"wrote {args.gantt}")
 
 
 def _interrupted(summary: dict[str, Any]) -> int:

@@ -103,3 +103,50 @@ def save(fig, out: str | Path) -> Path:
     fig.savefig(out)
     _pyplot().close(fig)
     return out
+
+
+_KIND_COLORS = {
+    "PreAttn": "#6baed6", "PostAttn": "#2171b5", "GPUAttn": "#08519c", "LMHead": "#9ecae1",
+    "Prefill": "#4292c6", "CPUAttn": "#fd8d3c", "W_CtoPin": "#fdd0a2", "D1": "#9e9ac8",
+    "D2": "#74c476", "D3": "#238b45", "D4": "#a1d99b", "KVOut": "#bcbddc",
+}
+
+
+def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
+    """A Gantt chart of decode step `step`, first `layers` layers, for each run (a
+    :class:`taskgraph.trace.TraceRun`): one row per stream, one shared time axis."""
+    from taskgraph.compiled import KIND_NAMES
+
+    plt = _pyplot()
+    windows = []
+    for run in runs:
+        prog = run.program
+        sel = (prog.step == min(step, prog.plan.G)) & (prog.column("layer") < layers) \
+            & ~np.isnan(run.end)
+        if not sel.any():
+            raise TgError(f"The run '{run.label}' has no finished task in decode step {step}.")
+        windows.append(sel)
+    span = max(float(np.nanmax(r.end[w]) - np.nanmin(r.start[w])) for r, w in zip(runs, windows))
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + 1.6 * len(runs)), dpi=110,
+                             squeeze=False, sharex=True)
+    seen: dict[str, Any] = {}
+    for ax, run, sel in zip(axes[:, 0], runs, windows):
+        prog = run.program
+        t0 = float(np.nanmin(run.start[sel]))
+        kinds, streams = prog.column("kind"), prog.column("stream")
+        for gid in np.flatnonzero(sel):
+            kind = KIND_NAMES[kinds[gid]]
+            row = len(prog.streams) - 1 - int(streams[gid])
+            bar = ax.barh(row, (run.end[gid] - run.start[gid]) * 1e3,
+                          left=(run.start[gid] - t0) * 1e3, height=0.7,
+                          color=_KIND_COLORS.get(kind, "grey"), lw=0)
+            seen.setdefault(kind, bar)
+        ax.set_yticks(range(len(prog.streams)), list(reversed(prog.streams)), fontsize=8)
+        ax.set_title(f"{run.label}: decode step {min(step, prog.plan.G)}, layers 0-{layers - 1}",
+                     fontsize=9, loc="left")
+        ax.set_xlim(0, span * 1e3)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms from the window's first task")
+    fig.legend(list(seen.values()), list(seen), loc="upper right", fontsize=7, ncol=6)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return save(fig, out)

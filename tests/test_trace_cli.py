@@ -165,3 +165,13 @@ def test_multi_gpu_aggregates_and_splits_memory():
     assert four["memory"]["gpu_peak_gb"] == pytest.approx(one["memory"]["gpu_peak_gb"] / 4, rel=1e-5)
     assert four["decode_layer_ms"] < one["decode_layer_ms"]
     assert np.isfinite(four["throughput_tok_s"])
+
+
+def test_gantt_chart(tmp_path, capsys):
+    out = tmp_path / "g.png"
+    assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S1,S3", "--gantt", str(out),
+                 "--json"]) == 0
+    assert out.stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["simulate", "scenarios/tiny.yaml", "--gantt", str(tmp_path / "g.svg")]) == 2
+    assert ".png" in capsys.readouterr().err
