@@ -137,8 +137,9 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
         for gid in np.flatnonzero(sel):
             kind = KIND_NAMES[kinds[gid]]
             row = len(prog.streams) - 1 - int(streams[gid])
-            bar = ax.barh(row, (run.end[gid] - run.start[gid]) * 1e3,
-                          left=(run.start[gid] - t0) * 1e3, height=0.7,
+            # Sub-pixel tasks (a 0.1 ms attention next to 10 ms layers) still get a visible bar.
+            width = max(run.end[gid] - run.start[gid], span / 600)
+            bar = ax.barh(row, width * 1e3, left=(run.start[gid] - t0) * 1e3, height=0.7,
                           color=_KIND_COLORS.get(kind, "grey"), lw=0)
             seen.setdefault(kind, bar)
         ax.set_yticks(range(len(prog.streams)), list(reversed(prog.streams)), fontsize=8)
