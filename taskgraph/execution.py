@@ -53,6 +53,23 @@ def pick_device(name: str) -> str:
     return name
 
 
+def _check_host_memory(need: float) -> None:
+    """On the CPU backend the "GPU" buffers live in this machine's memory too."""
+    import os
+
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > 0.9 * have:
+        raise TgError(
+            f"The CPU backend keeps the whole run in this machine's memory: it needs "
+            f"{need / 1e9:.1f} GB and {have / 1e9:.1f} GB is free. Execute a smaller model "
+            "(scenarios/tiny.yaml, scenarios/small.yaml) or fewer layers and sequences "
+            "(--set model.L=2 --set policy.N=...)."
+        )
+
+
 def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
                      weights_path: str | None = None, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None) -> Execution:
@@ -68,6 +85,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
     check_fits(memory, plan.schedule.name)
+    if dev == "cpu":
+        _check_host_memory(memory.gpu_total + memory.cpu_total)
     program = compile_plan(plan)
     m, p = scenario.model, scenario.policy
     dtype = {4: torch.float32, 2: torch.bfloat16 if dev == "cpu" else torch.float16}.get(

@@ -155,3 +155,10 @@ def test_a_failing_task_stops_the_run_and_keeps_what_ran():
     run = execute(program, rt)
     assert run.interrupted and "out of memory" in str(run.failure)
     assert 0 < run.finished.sum() < program.total
+
+
+def test_a_model_too_big_for_this_machine_gets_a_clear_error(capsys):
+    from taskgraph.cli import main
+
+    assert main(["execute", "scenarios/t4.yaml", "--device", "cpu"]) == 2
+    assert "CPU backend keeps the whole run in this machine's memory" in capsys.readouterr().err
