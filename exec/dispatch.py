@@ -1,18 +1,30 @@
-"""Dispatch: one thread per stream walks that stream's tasks in launch order.
+"""Dispatch: the compiled graph run on a device's queues, one host thread per stream.
 
-A task waits for its predecessors (the compiled program's dependencies; earlier tasks of its own
-stream are implied by the order), runs, and records its start and end on a monotonic clock
-relative to the run's start. This is the executor's CPU backend: threads stand in for CUDA
-streams and copies are memcpy, so every schedule runs, and is checked, on a machine without a
-GPU. A failing task or Ctrl-C stops every stream; what finished is returned all the same, so an
+Each graph stream has one host thread walking its tasks in launch order. Tasks of device streams
+(``gpu``, ``h2d``, ``h2d_kv``, ``d2h``) are *enqueued* on that stream's device queue; tasks of host
+streams (``cpu``, ``pin``) run on the thread. Two devices implement the queues:
+:class:`CudaDevice` (torch.cuda streams and events) and :class:`HostDevice` (the CPU backend: a
+queue runs work as it is enqueued, an event is the host time it was recorded), so every schedule
+runs, and is checked against the reference, on a machine without a GPU. The rules (SPEC 8):
+
+* a device task waits for a device predecessor with ``stream.wait_event(done[pred])``, and since a
+  queue cannot wait on an event not yet recorded, first for the host-side flag that says the
+  predecessor's event *has been* recorded;
+* a device task waits for a host predecessor on the host (it must have finished);
+* a host task that reads what a device task produced synchronises on that task's event first;
+* no global barrier anywhere: one event per task, recorded on the task's own stream, which also
+  times it.
+
+A failing task or Ctrl-C stops every stream; what finished is returned all the same, so an
 interrupted run still leaves a trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -21,34 +33,131 @@ from taskgraph.compiled import KIND_NAMES, Program
 from taskgraph.exec.runtime import Runtime
 from taskgraph.sim.engine import SimRun
 
+HOST_STREAMS = frozenset({"cpu", "pin"})
 
-def execute(program: Program, runtime: Runtime, delay: Callable[[int], float] | None = None,
+
+class Device(Protocol):
+    """What dispatch needs from a device: queues and events."""
+
+    def stream(self, name: str) -> Any: ...
+    def on(self, stream: Any) -> Any: ...              # context manager: enqueue onto `stream`
+    def event(self) -> Any: ...
+    def record(self, event: Any, stream: Any) -> None: ...
+    def wait(self, stream: Any, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+    def seconds_between(self, earlier: Any, later: Any) -> float: ...
+    def finish(self) -> None: ...
+
+
+class HostDevice:
+    """The CPU backend: "device" queues run work as it is enqueued, on the stream's thread.
+
+    Waiting on an event that was never recorded is the one mistake dispatch must not make (on a
+    CUDA stream it silently does nothing), so here it fails loudly."""
+
+    def stream(self, name: str) -> str:
+        return name
+
+    def on(self, stream: str):
+        return contextlib.nullcontext()
+
+    def event(self) -> list[float | None]:
+        return [None]
+
+    def record(self, event, stream) -> None:
+        event[0] = time.perf_counter()
+
+    def wait(self, stream, event) -> None:
+        assert event[0] is not None, "waited on an event that was never recorded"
+
+    def synchronize(self, event) -> None:
+        assert event[0] is not None, "synchronised on an event that was never recorded"
+
+    def seconds_between(self, earlier, later) -> float:
+        return later[0] - earlier[0]
+
+    def finish(self) -> None:
+        pass
+
+
+class CudaDevice:
+    """The real thing: torch.cuda streams and timing events."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def stream(self, name: str):
+        return self.torch.cuda.Stream()
+
+    def on(self, stream):
+        return self.torch.cuda.stream(stream)
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def record(self, event, stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event) -> None:
+        event.synchronize()
+
+    def seconds_between(self, earlier, later) -> float:
+        return earlier.elapsed_time(later) / 1e3
+
+    def finish(self) -> None:
+        self.torch.cuda.synchronize()
+
+
+def execute(program: Program, runtime: Runtime, device: Device | None = None,
+            delay: Callable[[int], float] | None = None,
             progress: Callable[[int], None] | None = None) -> SimRun:
-    """Run every task of `program` for real. `delay(task_id)` seconds are slept before a task
-    starts (to shake out races in tests); `progress(segment)` is called as the first stream
-    enters each segment."""
-    # Several stream threads on a few cores: one intra-op thread per op, or torch's own thread
-    # pool oversubscribes the cores (measured: 2x slower and twice as noisy on 2 cores).
+    """Run every task of `program` for real on `device` (default: the CPU backend). Times come
+    from events recorded on each task's own stream (device tasks) and a monotonic clock aligned to
+    the same origin (host tasks). `delay(task_id)` seconds are slept before a task starts (to
+    shake out races in tests); `progress(segment)` is called as the first stream enters each
+    segment."""
+    if device is None:
+        device = HostDevice()
+    if not isinstance(device, HostDevice):
+        return _execute(program, runtime, device, delay, progress)
+    # On the CPU backend every stream thread shares a few cores: one intra-op thread per op, or
+    # torch's own thread pool oversubscribes them (measured: 2x slower, twice as noisy).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _threaded(program, runtime, delay, progress)
+        return _execute(program, runtime, device, delay, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _threaded(program: Program, runtime: Runtime, delay, progress) -> SimRun:
+def _execute(program: Program, runtime: Runtime, device: Device, delay, progress) -> SimRun:
     total = program.total
-    done = [threading.Event() for _ in range(total)]
-    start = np.full(total, np.nan)
-    end = np.full(total, np.nan)
+    streams = program.streams
+    queues = {s: device.stream(s) for s in streams if s not in HOST_STREAMS}
+    recorded = [threading.Event() for _ in range(total)]   # device: enqueued; host: finished
+    begin_ev = [None] * total
+    done_ev = [None] * total
+    host_start = np.full(total, np.nan)
+    host_end = np.full(total, np.nan)
     stop = threading.Event()
     failure: list[BaseException] = []
-    kinds = program.column("kind")
-    steps, layers, index = program.step, program.column("layer"), program.column("index")
+    kinds, steps = program.column("kind"), program.step
+    layers, index = program.column("layer"), program.column("index")
+    on_device = np.array([s not in HOST_STREAMS for s in streams])[program.column("stream")]
+
+    origin = device.event()
+    first = next(iter(queues.values()), None)
+    device.finish()
+    if first is not None:
+        device.record(origin, first)
     t0 = time.perf_counter()
 
-    def stream(sid: int) -> None:
+    def run_stream(sid: int) -> None:
+        name = streams[sid]
+        queue = queues.get(name)
         try:
             for d, (t, base) in enumerate(zip(program.seg_template, program.seg_base)):
                 if sid == 0 and progress is not None:
@@ -56,24 +165,38 @@ def _threaded(program: Program, runtime: Runtime, delay, progress) -> SimRun:
                 for pos, rels in program.templates[t].by_stream[sid]:
                     gid = int(base) + pos
                     for r in rels:
-                        while not done[gid + r].wait(0.05):
+                        dep = gid + r
+                        while not recorded[dep].wait(0.05):
                             if stop.is_set():
                                 return
+                        if on_device[dep]:
+                            if queue is not None:
+                                device.wait(queue, done_ev[dep])
+                            else:
+                                device.synchronize(done_ev[dep])
                     if stop.is_set():
                         return
                     if delay is not None:
                         time.sleep(delay(gid))
-                    start[gid] = time.perf_counter() - t0
-                    runtime.run(int(steps[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
-                                int(index[gid]))
-                    end[gid] = time.perf_counter() - t0
-                    done[gid].set()
+                    args = (int(steps[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
+                            int(index[gid]))
+                    if queue is None:
+                        host_start[gid] = time.perf_counter() - t0
+                        runtime.run(*args)
+                        host_end[gid] = time.perf_counter() - t0
+                    else:
+                        begin_ev[gid], done_ev[gid] = device.event(), device.event()
+                        with device.on(queue):
+                            device.record(begin_ev[gid], queue)
+                            runtime.run(*args)
+                            device.record(done_ev[gid], queue)
+                    recorded[gid].set()
         except BaseException as err:          # noqa: BLE001 - reported after the run
             failure.append(err)
             stop.set()
 
-    threads = [threading.Thread(target=stream, args=(sid,), name=f"tg-{s}", daemon=True)
-               for sid, s in enumerate(program.streams)]
+    threads = [threading.Thread(target=run_stream, args=(sid,), daemon=True,
+                                name=f"tg-{s}") for sid, s in enumerate(streams)]
     for th in threads:
         th.start()
     interrupted = False
@@ -86,6 +209,12 @@ def _threaded(program: Program, runtime: Runtime, delay, progress) -> SimRun:
         stop.set()
         for th in threads:
             th.join(5)
+    device.finish()
+    start, end = host_start.copy(), host_end.copy()
+    for gid in np.flatnonzero(on_device):
+        if done_ev[gid] is not None and recorded[gid].is_set():
+            start[gid] = device.seconds_between(origin, begin_ev[gid])
+            end[gid] = device.seconds_between(origin, done_ev[gid])
     unfinished = np.isnan(end)
     start[unfinished] = np.nan
     run = SimRun(program, end - start, start, end, interrupted or bool(failure),

@@ -35,7 +35,7 @@ class Runtime:
         self.plan, self.m, self.w, self.device = plan, m, weights, device
         self.mu, self.n, self.L, self.G = p.mu, plan.n, m.L, plan.G
         self.P = prompts.shape[1]
-        self.prompts = prompts
+        self.prompts = prompts.to(device)
         dtype = weights.embed.dtype
         numel = weights.layer_numel
         self.cut, self.pages = _page_elements(plan, numel)
@@ -72,15 +72,20 @@ class Runtime:
         self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
         self.attn_host = [host(self.mu, m.h) for _ in range(self.n)]
         self.attn = [dev(self.mu, m.h) for _ in range(self.n)]
-        # Outputs.
-        self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long)
-        self.logits = torch.zeros(self.n * self.mu, m.V, dtype=dtype)
-        self.hidden = torch.zeros(self.n * self.mu, m.h, dtype=dtype)
+        # Outputs stay on the device until the run ends (reading them back mid-run would stall
+        # a stream).
+        self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
+        self.logits = dev(self.n * self.mu, m.V)
+        self.hidden = dev(self.n * self.mu, m.h)
 
     # --- the tasks ---------------------------------------------------------------------------
 
     def run(self, step: int, kind: str, layer: int, index: int) -> None:
         getattr(self, "_" + kind)(step, layer, index)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, logits, hidden) on the host, once the run has finished."""
+        return self.tokens.cpu(), self.logits.cpu(), self.hidden.cpu()
 
     def _view(self, step: int, layer: int) -> LayerView:
         return LayerView(self.m, self.resident[layer], self.halves[(step * self.L + layer) % 2])
@@ -90,7 +95,7 @@ class Runtime:
 
     def _Prefill(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
-        x = self.embed[self.prompts[rows].to(self.device)] if l == 0 else self.x_prefill[j]
+        x = self.embed[self.prompts[rows]] if l == 0 else self.x_prefill[j]
         out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m)
         self.x_prefill[j].copy_(out)
         slot = self._slot(s, l, j)
@@ -100,25 +105,25 @@ class Runtime:
     def _KVOut(self, s: int, l: int, j: int) -> None:
         slot = self._slot(s, l, j)
         cols = slice(0, self.P) if s == 0 else slice(self.P + s - 1, self.P + s)
-        self.k_cache[l][j][:, cols].copy_(self.k_slot[slot][:, cols])
-        self.v_cache[l][j][:, cols].copy_(self.v_slot[slot][:, cols])
+        self.k_cache[l][j][:, cols].copy_(self.k_slot[slot][:, cols], non_blocking=True)
+        self.v_cache[l][j][:, cols].copy_(self.v_slot[slot][:, cols], non_blocking=True)
 
     def _LMHead(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         x = self.x_prefill[j][:, -1] if s == 0 else self.x[j]
         out = lm_head(x, self.final_norm, self.head)
         tok = out.argmax(-1)
-        self.tokens[rows, s] = tok.cpu()
+        self.tokens[rows, s] = tok
         if s == self.G:
-            self.logits[rows] = out.cpu()
-            self.hidden[rows] = x.cpu()
+            self.logits[rows] = out
+            self.hidden[rows] = x
         self.x[j].copy_(self.embed[tok])
 
     def _PreAttn(self, s: int, l: int, j: int) -> None:
         self.qkv[j].copy_(pre_attention(self.x[j], self.norms[l][0], self._view(s, l)))
 
     def _D1(self, s: int, l: int, j: int) -> None:
-        self.qkv_host[j].copy_(self.qkv[j])
+        self.qkv_host[j].copy_(self.qkv[j], non_blocking=True)
 
     def _CPUAttn(self, s: int, l: int, j: int) -> None:
         q, k, v = split_qkv(self.qkv_host[j], self.m)
@@ -128,12 +133,12 @@ class Runtime:
         self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1]))
 
     def _D2(self, s: int, l: int, j: int) -> None:
-        self.attn[j].copy_(self.attn_host[j])
+        self.attn[j].copy_(self.attn_host[j], non_blocking=True)
 
     def _D4(self, s: int, l: int, j: int) -> None:
         slot, pos = self._slot(s, l, j), self.P + s - 1
-        self.k_slot[slot][:, :pos].copy_(self.k_cache[l][j][:, :pos])
-        self.v_slot[slot][:, :pos].copy_(self.v_cache[l][j][:, :pos])
+        self.k_slot[slot][:, :pos].copy_(self.k_cache[l][j][:, :pos], non_blocking=True)
+        self.v_slot[slot][:, :pos].copy_(self.v_cache[l][j][:, :pos], non_blocking=True)
 
     def _GPUAttn(self, s: int, l: int, j: int) -> None:
         q, k, v = split_qkv(self.qkv[j], self.m)

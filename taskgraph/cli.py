@@ -239,7 +239,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if not args.out.endswith((".yaml", ".yml")):
         raise TgError(f"--out '{args.out}' must be a .yaml file (a hardware profile).")
-    pick_device(args.device)
+    if pick_device(args.device) != "cpu":
+        raise TgError("tg calibrate measures the CPU backend so far; GPU calibration (CUDA "
+                      "events, pinned copies) is not built yet. Use --device cpu.")
     from taskgraph.exec.calibrate import calibrate
 
     scenario = load_scenario(args.scenario, args.overrides)
@@ -262,7 +264,7 @@ def _validate(args: argparse.Namespace) -> int:
     from taskgraph.execution import pick_device
     from taskgraph.validate import pairs_for, parity_plot, summary, validate
 
-    pick_device(args.device)
+    device = pick_device(args.device)
     scenario = _load(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCHEDULES]
@@ -279,7 +281,7 @@ def _validate(args: argparse.Namespace) -> int:
     if not pairs:
         raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")
     with _progress(not args.json, "validating") as tick:
-        results = validate(pairs, args.repeats, progress=tick)
+        results = validate(pairs, args.repeats, device=device, progress=tick)
     accuracy = summary(results)
     if args.trace:
         _write_trace(args, [run for r in results for run in r.traces],

@@ -1,7 +1,7 @@
 """`tg validate`: simulate and execute the same graphs and say, task kind by task kind, where the
 model is wrong.
 
-Each (schedule, policy) pair is executed `repeats` times on the CPU backend (the run with the
+Each (schedule, policy) pair is executed `repeats` times (the run with the
 median decode-layer latency is kept: single runs on a shared machine move by ~10%) and simulated
 with the scenario's hardware profile, normally one `tg calibrate` wrote for this machine.
 """
@@ -64,11 +64,11 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
     return out
 
 
-def validate_pair(sc: Scenario, repeats: int = 3) -> PairResult:
+def validate_pair(sc: Scenario, repeats: int = 3, device: str = "cpu") -> PairResult:
     from taskgraph.execution import execute_scenario
     from taskgraph.simulation import simulate_scenario
 
-    runs = [execute_scenario(sc, sc.schedule, device="cpu") for _ in range(repeats)]
+    runs = [execute_scenario(sc, sc.schedule, device=device) for _ in range(repeats)]
     runs.sort(key=lambda ex: ex.summary["decode_layer_ms"])
     ex = runs[len(runs) // 2]
     sim = simulate_scenario(sc, sc.schedule)
@@ -85,11 +85,11 @@ def validate_pair(sc: Scenario, repeats: int = 3) -> PairResult:
                        ex.trace_run(f"{sc.schedule} mu={sc.policy.mu} measured")))
 
 
-def validate(pairs: list[Scenario], repeats: int = 3,
+def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
              progress: Callable[[int, int], None] | None = None) -> list[PairResult]:
     results = []
     for i, sc in enumerate(pairs):
-        results.append(validate_pair(sc, repeats))
+        results.append(validate_pair(sc, repeats, device))
         if progress:
             progress(i + 1, len(pairs))
     return results

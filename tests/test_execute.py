@@ -47,9 +47,10 @@ def _run(schedule, N, mu, r_w, r_c, steps=3, delay=None, model=None):
 def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_w, r_c):
     run, rt, ref = _run(schedule, N, mu, r_w, r_c)
     assert not run.interrupted and run.finished.all()
-    assert torch.equal(rt.tokens, ref.tokens)
-    torch.testing.assert_close(rt.logits, ref.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rt.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+    tokens, logits, hidden = rt.outputs()
+    assert torch.equal(tokens, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref.hidden, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("schedule", ["S1", "S2", "S4"])
@@ -61,8 +62,9 @@ def test_random_delays_do_not_change_the_numbers(schedule):
         return delays.setdefault(gid, rng.random() * 0.003)
 
     run, rt, ref = _run(schedule, 8, 2, 0.0, 0.0, steps=2, delay=delay)
-    assert torch.equal(rt.tokens, ref.tokens)
-    torch.testing.assert_close(rt.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    tokens, logits, _ = rt.outputs()
+    assert torch.equal(tokens, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_without_the_weight_reuse_edges_the_check_fails(monkeypatch):
@@ -93,7 +95,7 @@ def test_without_the_weight_reuse_edges_the_check_fails(monkeypatch):
     rt = Runtime(plan, w, prompts, torch.device("cpu"))
     execute(program, rt, delay=slow_readers)
     ref = reference_forward(w, prompts, 2, 2)
-    assert not torch.allclose(rt.logits, ref.logits, rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(rt.outputs()[1], ref.logits, rtol=1e-3, atol=1e-3)
 
 
 def test_execute_cli_json_and_trace(tmp_path, capsys):
