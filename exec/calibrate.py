@@ -73,6 +73,7 @@ def profile_from_rates(rates: dict[str, float], memory_gb: float,
     fixed = fixed_us or {}
     return {
         "name": name,
+        "calibrated": f"{platform.node()} on {time.strftime('%Y-%m-%d %H:%M')} (CPU backend)",
         "gpu": {"name": "CPU (executes the GPU streams)", "count": 1, "memory_gb": memory_gb,
                 "usable_fraction": 0.8, "mem_gbps": round(rates["mem_bytes_per_s"] / 1e9, 3),
                 "tflops": tflops, "flops_eff": 1.0, "mem_eff": 1.0, "task_overhead_us": 0.0},

@@ -277,6 +277,11 @@ def _validate(args: argparse.Namespace) -> int:
         raise TgError(f"--mu must be comma-separated integers, not '{args.mu}'.") from None
     if args.repeats < 1:
         raise TgError(f"--repeats must be at least 1, not {args.repeats}.")
+    if scenario.hardware.calibrated is None and not args.json:
+        _console().print(
+            f"[yellow]warning:[/yellow] hardware '{scenario.hardware.name}' holds datasheet "
+            "figures, not this machine's: the errors below compare two different machines. Run "
+            "`tg calibrate --out P.yaml` and pass `--set hardware=P.yaml`.")
     pairs = pairs_for(scenario, names, mus)
     if not pairs:
         raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")

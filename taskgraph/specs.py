@@ -145,6 +145,8 @@ class HardwareSpec(BaseModel):
     gpu: GPUSpec
     cpu: CPUSpec
     link: LinkSpec
+    # Where and when `tg calibrate` measured this profile (None: datasheet figures).
+    calibrated: str | None = None
     # Per task kind, measured by `tg calibrate` from the executor's own tasks: a fixed cost (µs)
     # and an effective bandwidth for the bytes the task moves (GB/s), replacing its resource's.
     # On small shapes these, not the datasheet roofs, decide how long a task takes.

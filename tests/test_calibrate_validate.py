@@ -23,6 +23,7 @@ def profile(tmp_path_factory):
 def test_calibration_is_a_hardware_profile(profile):
     sc = load_scenario("scenarios/tiny.yaml", [f"hardware={profile}"])
     hw = sc.hardware
+    assert hw.calibrated and "CPU backend" in hw.calibrated
     assert hw.gpu.tflops > 0 and hw.cpu.mem_gbps > 0 and hw.link.h2d_gbps > 0
     # per-kind costs fitted from the executor's own tasks, for every kind it ran
     assert {"PreAttn", "PostAttn", "CPUAttn", "GPUAttn", "D3"} <= hw.task_overhead_us.keys()
