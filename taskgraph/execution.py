@@ -7,28 +7,23 @@ This is the library entry point behind `tg execute`. It needs PyTorch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from taskgraph.builder import Plan, make_plan
-from taskgraph.compiled import Program, compile_plan
+from taskgraph.builder import make_plan
+from taskgraph.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.sim.engine import SimRun
 from taskgraph.sim.metrics import summarize
+from taskgraph.simulation import Simulation
 from taskgraph.specs import Scenario
 from taskgraph.trace import TraceRun
 
 
-@dataclass
-class Execution:
-    plan: Plan
-    program: Program
-    run: SimRun
-    summary: dict[str, Any]
+class Execution(Simulation):
+    """An executed run: the same fields as a simulated one, traced as "measured"."""
 
     def trace_run(self, label: str = "measured") -> TraceRun:
-        return TraceRun(label, self.program, self.run.start, self.run.end)
+        return super().trace_run(label)
 
 
 def _torch():
@@ -116,4 +111,4 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         summary["max_abs_err"] = None
         summary["tokens_match"] = None
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(plan, program, run, summary)
+    return Execution(plan, program, memory, run, summary)
