@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -37,8 +38,17 @@ def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
 
 
 def measure_rates(progress: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Microbenchmarks: FLOP/s, memory, attention and memcpy bandwidth (bytes/s), copy latency."""
-    say = progress or (lambda _: None)
+    """Microbenchmarks: FLOP/s, memory, attention and memcpy bandwidth (bytes/s), copy latency,
+    each on one thread as the executor's CPU backend runs every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_rates(progress or (lambda _: None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_rates(say: Callable[[str], None]) -> dict[str, float]:
     out: dict[str, float] = {}
     say("matrix multiply")
     a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
@@ -65,7 +75,8 @@ def measure_rates(progress: Callable[[str], None] | None = None) -> dict[str, fl
 def profile_from_rates(rates: dict[str, float], memory_gb: float,
                        fixed_us: dict[str, float] | None = None,
                        kind_gbps: dict[str, float] | None = None,
-                       handoff_us: float = 0.0) -> dict[str, Any]:
+                       handoff_us: float = 0.0,
+                       slowdown: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """A hardware profile (the `hardware:` mapping of a scenario) for the CPU backend."""
     name = f"CPU backend on {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     tflops = round(rates["gemm_flops"] / 1e12, 5)
@@ -86,55 +97,165 @@ def profile_from_rates(rates: dict[str, float], memory_gb: float,
         "handoff_us": round(float(handoff_us), 2),
         "task_overhead_us": {k: round(float(v), 2) for k, v in sorted(fixed.items())},
         "task_gbps": {k: round(float(v), 4) for k, v in sorted((kind_gbps or {}).items())},
-    }
+    } | ({"interference": {"slowdown": slowdown}} if slowdown else {})
 
 
-#: Policies the fit runs: several micro-batch sizes so that task sizes vary, and a CPU- and a
-#: GPU-attention schedule so that every task kind is seen.
-FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S4") for mu in (1, 2, 4))
+#: Policies the fit runs: several micro-batch sizes so that task sizes vary, and every schedule,
+#: so that every task kind is seen both alone (S3 overlaps little) and overlapped (S1 overlaps
+#: most), which is what separates a task's cost from the interference it suffers.
+FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S2", "S3", "S4") for mu in (1, 2, 4))
+
+#: Resources whose slowdown is fitted: the compute streams. Copies' fitted costs include the
+#: interference they meet on average (they are seldom alone, so it cannot be separated).
+SLOWED = ("gpu", "cpu")
+
+
+@dataclass
+class _Samples:
+    """The executor's measured decode-and-prefill tasks of one kind, pooled over the fit runs."""
+
+    resource: int
+    nbytes: list[float] = field(default_factory=list)
+    roof: list[float] = field(default_factory=list)         # roofline seconds at base rates
+    measured: list[float] = field(default_factory=list)
+    busy: list[np.ndarray] = field(default_factory=list)    # per resource: share of it busy
+
+    def array(self, name: str) -> np.ndarray:
+        return np.array(getattr(self, name))
+
+    def slowed(self, factors: np.ndarray) -> np.ndarray:
+        """Per task, 1 + its slowdown under `factors` (one per aggressor resource)."""
+        return 1.0 + np.array(self.busy).reshape(-1, len(RESOURCES)) @ factors
+
+
+@dataclass
+class TaskFit:
+    """What :func:`fit_tasks` found: per task kind a fixed cost (µs) and, where task sizes varied
+    enough to fit one, an effective bandwidth (GB/s); the hand-off between streams (µs); how much
+    each compute resource slows down while another resource is busy; per kind a summary."""
+
+    fixed_us: dict[str, float]
+    gbps: dict[str, float]
+    handoff_us: float
+    slowdown: dict[str, dict[str, float]]
+    tasks: dict[str, dict[str, float]]
 
 
 def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float, repeats: int = 2
-              ) -> tuple[dict[str, float], dict[str, float], float, dict[str, Any]]:
-    """Per task kind, ``time = fixed + bytes / rate`` fitted by least squares to the executor's
-    own measured tasks over :data:`FIT_RUNS`. Returns fixed costs (µs), rates (GB/s; only where
-    task sizes varied enough to fit one), the hand-off time (µs: median delay between a task's
-    end and the start of a task on another stream that was waiting for it) and per kind the
-    samples' summary."""
+              ) -> TaskFit:
+    """Per task kind ``time = (fixed + bytes / rate) x (1 + sum over resources r of a_r x f_r)``,
+    f_r the fraction of the task during which resource r was busy, fitted to the executor's own
+    measured tasks over :data:`FIT_RUNS`: first each compute resource's factors a
+    (:func:`_fit_slowdown`), then the kinds' costs on the durations with the slowdown divided
+    out. The hand-off is the median
+    delay between a task's end and the start of a task on another stream waiting for it."""
     from taskgraph.compiled import KIND_NAMES
     from taskgraph.execution import execute_scenario
+    from taskgraph.sim.interference import busy_fractions
     from taskgraph.simulation import for_schedule
 
     base = CostModel(HardwareSpec.model_validate(profile_from_rates(rates, memory_gb)))
-    samples: dict[str, list[tuple[float, float, float]]] = {}   # kind -> (bytes, base, measured)
+    samples: dict[str, _Samples] = {}
     gaps: list[float] = []
-    for schedule, mu in FIT_RUNS * repeats:      # medians over repeats: runs are noisy
+    for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
         ex = execute_scenario(sc, schedule, device="cpu")
         prog, run = ex.program, ex.run
         ctx = prog.context(prog.step)
         nbytes = prog.column("nbytes") + prog.column("bytes_per_ctx") * ctx
-        roof = prog.durations(base) - base.fixed(prog.column("resource"), prog.column("kind"))
-        kinds = prog.column("kind")
+        resource, kinds = prog.column("resource"), prog.column("kind")
+        roof = prog.durations(base) - base.fixed(resource, kinds)
+        busy = busy_fractions(run.start, run.end, resource)
         for i in np.flatnonzero(run.finished):
-            samples.setdefault(KIND_NAMES[kinds[i]], []).append(
-                (float(nbytes[i]), float(roof[i]), float(run.durations[i])))
+            s = samples.setdefault(KIND_NAMES[kinds[i]], _Samples(int(resource[i])))
+            s.nbytes.append(float(nbytes[i]))
+            s.roof.append(float(roof[i]))
+            s.measured.append(float(run.durations[i]))
+            s.busy.append(busy[i])
         gaps += _handoff_gaps(prog, run)
-    fixed, gbps, summary = {}, {}, {}
-    for kind, rows in samples.items():
-        x, roof, y = (np.array(c) for c in zip(*rows))
-        slope = 0.0
-        if x.std() > 0.05 * x.mean():        # sizes vary: fit a rate
-            slope, intercept = np.polyfit(x, y, 1)
+    slowdown = _fit_slowdown(samples)
+    fixed, gbps = {}, {}
+    for kind, smp in samples.items():
+        by = slowdown.get(RESOURCES[smp.resource], {})
+        factors = np.array([by.get(r, 0.0) for r in RESOURCES])
+        fixed_s, slope = _fit_cost(smp.array("nbytes"), smp.array("roof"),
+                                   smp.array("measured") / smp.slowed(factors))
+        fixed[kind] = fixed_s * 1e6
         if slope > 0:
             gbps[kind] = 1 / slope / 1e9
-            fixed[kind] = max(0.0, float(np.median(y - x * slope)) * 1e6)
-        else:                                  # one size: keep the measured roof, fit the rest
-            fixed[kind] = max(0.0, float(np.median(y - roof)) * 1e6)
-        summary[kind] = {"tasks": len(y), "median_us": float(np.median(y)) * 1e6}
+    summary = {k: {"tasks": len(s.measured), "median_us": float(np.median(s.measured)) * 1e6}
+               for k, s in samples.items()}
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
-    return fixed, gbps, handoff, summary
+    return TaskFit(fixed, gbps, handoff, slowdown, summary)
+
+
+def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float, float]:
+    """(fixed seconds, seconds per byte) of one kind: a line through (bytes, time) where sizes
+    vary, refitted without the first fit's outliers (preempted tasks), else the measured roofline
+    time plus a fixed cost (slope 0: the roof is kept)."""
+    slope = 0.0
+    if x.std() > 0.05 * x.mean():
+        keep = np.ones(len(x), dtype=bool)
+        for _ in range(2):
+            slope, intercept = np.polyfit(x[keep], alone[keep], 1)
+            keep = _inliers(alone - (intercept + slope * x))
+    if slope > 0:
+        return max(0.0, float(np.median(alone - x * slope))), float(slope)
+    return max(0.0, float(np.median(alone - roof))), 0.0
+
+
+def _inliers(resid: np.ndarray) -> np.ndarray:
+    """Residuals within four robust standard deviations (1.4826 MAD) of their median."""
+    mid = np.median(resid)
+    return np.abs(resid - mid) <= 4 * 1.4826 * np.median(np.abs(resid - mid)) + 1e-15
+
+
+def _fit_slowdown(samples: dict[str, _Samples]) -> dict[str, dict[str, float]]:
+    """Per compute resource, the factors a_r with ``measured / alone - 1 = sum a_r f_r`` by least
+    squares over its tasks, ``alone`` being each kind's cost fitted on its tasks that ran with
+    every other resource idle. Outliers of a first fit are left out of the next (a task the OS
+    preempts takes several times as long, and a few of those would decide a least-squares fit),
+    so are resources that overlapped these tasks too little to tell (under 5 tasks' worth);
+    factors are kept non-negative."""
+    out = {}
+    for r in SLOWED:
+        ratio, busy = [], []
+        for smp in samples.values():
+            if RESOURCES[smp.resource] != r:
+                continue
+            x, roof, y = smp.array("nbytes"), smp.array("roof"), smp.array("measured")
+            f = np.array(smp.busy).reshape(-1, len(RESOURCES))
+            calm = f.sum(axis=1) < 0.15
+            if calm.sum() < 10:
+                continue
+            fixed_s, slope = _fit_cost(x[calm], roof[calm], y[calm])
+            ratio.append(y / (fixed_s + (x * slope if slope > 0 else roof)) - 1)
+            busy.append(f)
+        if not ratio:
+            continue
+        ratio, busy = np.concatenate(ratio), np.concatenate(busy)
+        cols = [a for a in range(len(RESOURCES)) if busy[:, a].sum() >= 5]
+        keep = np.ones(len(ratio), dtype=bool)
+        for _ in range(3):                     # refit without the outliers of the last fit
+            coef = _nonnegative_lstsq(busy[keep][:, cols], ratio[keep])
+            keep = _inliers(ratio - busy[:, cols] @ coef)
+        out[r] = {RESOURCES[a]: round(float(c), 4) for a, c in zip(cols, coef) if c > 0}
+    return out
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: columns whose coefficient comes out negative
+    are dropped (set to 0) and the rest refitted."""
+    coef = np.zeros(a.shape[1])
+    cols = list(range(a.shape[1]))
+    while cols:
+        c = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (c >= 0).all():
+            coef[cols] = c
+            break
+        cols = [i for i, x in zip(cols, c) if x >= 0]
+    return coef
 
 
 def _handoff_gaps(prog, run) -> list[float]:
@@ -164,10 +285,11 @@ def calibrate(scenario: Scenario, progress: Callable[[str], None] | None = None
     rates = measure_rates(progress)
     if progress:
         progress("executor tasks")
-    fixed, gbps, handoff, per_kind = fit_tasks(scenario, rates, memory_gb)
-    return profile_from_rates(rates, memory_gb, fixed, gbps, handoff), {
-        "rates": rates, "fixed_us": fixed, "task_gbps": gbps, "handoff_us": handoff,
-        "tasks": per_kind}
+    fit = fit_tasks(scenario, rates, memory_gb)
+    profile = profile_from_rates(rates, memory_gb, fit.fixed_us, fit.gbps, fit.handoff_us,
+                                 fit.slowdown)
+    return profile, {"rates": rates, "fixed_us": fit.fixed_us, "task_gbps": fit.gbps,
+                     "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks}
 
 
 def _memory_gb() -> float:

@@ -50,11 +50,13 @@ class SimRun:
 
 
 def simulate(program: Program, cost: CostModel,
-             progress: Callable[[int], None] | None = None) -> SimRun:
-    """Run `program` on the resources of `cost`. `progress(segment)` is called as the GPU
-    stream enters each segment. Ctrl-C stops the run and returns what had finished."""
+             progress: Callable[[int], None] | None = None,
+             durations: np.ndarray | None = None) -> SimRun:
+    """Run `program` on the resources of `cost`, each task taking `durations` seconds (default:
+    the cost model's). `progress(segment)` is called as the GPU stream enters each segment.
+    Ctrl-C stops the run and returns what had finished."""
     t0 = time.perf_counter()
-    dur_arr = program.durations(cost)
+    dur_arr = program.durations(cost) if durations is None else durations
     dur = dur_arr.tolist()
     total = program.total
     start = [0.0] * total

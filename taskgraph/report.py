@@ -48,9 +48,7 @@ def execute_table(r: dict[str, Any]) -> Table:
 
 
 def validate_table(results, accuracy: dict[str, Any], scenario) -> Table:
-    ranks = "; ".join(f"{k}: {'same' if v['same'] else 'DIFFERENT'} "
-                      f"(measured {' < '.join(v['measured'])})"
-                      for k, v in accuracy["ranking"].items())
+    ranks = "; ".join(f"{k}: {_ranking(v)}" for k, v in accuracy["ranking"].items())
     t = Table(title=f"tg validate {scenario.name} on {scenario.hardware.name}: median |error| "
                     f"{accuracy['median_abs_error_decode_layer']:.1%} over "
                     f"{accuracy['pairs']} pairs", title_justify="left",
@@ -58,16 +56,28 @@ def validate_table(results, accuracy: dict[str, Any], scenario) -> Table:
                       "median error: " + ", ".join(f"{k} {v:+.0%}" for k, v in
                                                    accuracy["per_task_median_error"].items()),
               caption_justify="left")
-    for col in ("pair", "measured ms/layer", "simulated ms/layer", "error", "measured tok/s",
-                "simulated tok/s", "vs reference"):
+    for col in ("pair", "measured ms/layer", "repeats' range", "simulated ms/layer", "error",
+                "measured tok/s", "simulated tok/s", "vs reference"):
         t.add_column(col, justify="left" if col == "pair" else "right")
     for r in results:
+        lo, hi = r.measured_range
         t.add_row(f"{r.schedule} mu={r.policy['mu']}", f"{r.measured['decode_layer_ms']:.2f}",
+                  f"{lo:.1f}-{hi:.1f}",
                   f"{r.simulated['decode_layer_ms']:.2f}", f"{r.layer_error:+.1%}",
                   f"{r.measured['throughput_tok_s']:.1f}",
                   f"{r.simulated['throughput_tok_s']:.1f}",
                   "exact" if r.measured.get("tokens_match") else "DIFFERS")
     return t
+
+
+def _ranking(v: dict[str, Any]) -> str:
+    order = f"measured {' < '.join(v['measured'])}"
+    if v["same"]:
+        return f"same ({order})"
+    if v["agree"]:
+        return (f"same where the repeats tell schedules apart ({order}; not told apart: "
+                f"{', '.join(v['unresolved'])})")
+    return f"DIFFERENT ({order}, simulated {' < '.join(v['simulated'])})"
 
 
 def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table:
@@ -160,6 +170,9 @@ def calibrate_table(measured: dict[str, Any], out: str) -> Table:
     t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
     t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
     t.add_row("hand-off between streams", f"{measured['handoff_us']:.1f} µs")
+    for victim, by in measured.get("slowdown", {}).items():
+        t.add_row(f"{victim} tasks slowed while busy", ", ".join(
+            f"{r} +{x:.0%}" for r, x in by.items() if x > 0) or "-")
     for kind, info in measured["tasks"].items():
         rate = measured["task_gbps"].get(kind)
         t.add_row(f"{kind} ({info['tasks']} tasks)",

@@ -14,7 +14,8 @@ from taskgraph.compiled import Program, compile_plan
 from taskgraph.cost import CostModel
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.schedules import SCHEDULES
-from taskgraph.sim.engine import SimRun, simulate
+from taskgraph.sim.engine import SimRun
+from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
 from taskgraph.specs import Scenario
 from taskgraph.trace import TraceRun
@@ -43,7 +44,7 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     program = compile_plan(plan)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
-    run = simulate(program, CostModel(scenario.hardware), tick)
+    run = simulate_with_interference(program, CostModel(scenario.hardware), tick)
     summary = summarize(run, memory)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, program, memory, run, summary)

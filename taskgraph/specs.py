@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from taskgraph.schedules import RESOURCES
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 Positive = Field(gt=0)
@@ -138,6 +140,36 @@ class LinkSpec(BaseModel):
     latency_us: float = Field(default=10.0, ge=0.0)
 
 
+class InterferenceSpec(BaseModel):
+    """Tasks slowing down the tasks they overlap on other resources: cores, memory bandwidth and
+    caches that two streams share.
+
+    ``slowdown[victim][aggressor] = a``: a task on resource `victim` takes ``duration x (1 + sum
+    of a x f)``, where f is the fraction of its run during which resource `aggressor` is busy. On
+    the CPU backend every stream is a thread on the same few cores and memory, so everything
+    slows everything; on a real machine CPU attention competes with pinned memcpy and DMA for
+    host memory. `tg calibrate` fits the factors from the executor's own tasks."""
+
+    model_config = _STRICT
+
+    slowdown: dict[str, dict[str, float]]
+
+    @field_validator("slowdown")
+    @classmethod
+    def _resources(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for victim, by in value.items():
+            for name in (victim, *by):
+                if name not in RESOURCES:
+                    raise ValueError(f"unknown resource '{name}' (known: {', '.join(RESOURCES)})")
+            for name, x in by.items():
+                if name == victim:
+                    raise ValueError(f"'{victim}' cannot slow itself down (its tasks run one at "
+                                     "a time)")
+                if x < 0:
+                    raise ValueError(f"slowdown of '{victim}' by '{name}' is {x}; it must be >= 0")
+        return value
+
+
 class HardwareSpec(BaseModel):
     model_config = _STRICT
 
@@ -155,6 +187,8 @@ class HardwareSpec(BaseModel):
     # How long after a task ends a task on another stream waiting for it can start (an event's
     # latency, a thread waking up). `tg calibrate` measures it.
     handoff_us: float = Field(default=0.0, ge=0.0)
+    # Compute slowed down by copies that overlap it (None: not modelled).
+    interference: InterferenceSpec | None = None
 
     @field_validator("task_overhead_us", "task_gbps")
     @classmethod

@@ -1,9 +1,12 @@
 """`tg validate`: simulate and execute the same graphs and say, task kind by task kind, where the
 model is wrong.
 
-Each (schedule, policy) pair is executed `repeats` times (the run with the
-median decode-layer latency is kept: single runs on a shared machine move by ~10%) and simulated
-with the scenario's hardware profile, normally one `tg calibrate` wrote for this machine.
+Each (schedule, policy) pair is executed `repeats` times (the run with the median decode-layer
+latency is kept: single runs on a shared machine move by ~10%) and simulated with the scenario's
+hardware profile, normally one `tg calibrate` wrote for this machine. The executions go in rounds,
+every pair once per round, so that a machine whose speed drifts during validation shifts every
+pair alike rather than whichever ran last. The spread of a pair's repeats says which differences
+between schedules the measurement resolves at all.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class PairResult:
     measured: dict[str, Any]
     per_kind: dict[str, dict[str, float]]            # kind -> simulated/measured median (s)
     traces: tuple[TraceRun, TraceRun] = field(repr=False, default=None)
+    measured_range: tuple[float, float] = (0.0, 0.0)  # fastest, slowest repeat (ms per layer)
 
     @property
     def layer_error(self) -> float:
@@ -38,7 +42,8 @@ class PairResult:
             "schedule": self.schedule, "policy": self.policy,
             "simulated": {k: self.simulated[k] for k in keys},
             "measured": {k: self.measured[k] for k in keys}
-            | {"max_abs_err": self.measured["max_abs_err"]},
+            | {"max_abs_err": self.measured["max_abs_err"],
+               "decode_layer_ms_range": list(self.measured_range)},
             "error": {
                 "decode_layer": round(self.layer_error, 4),
                 "throughput": round(self.simulated["throughput_tok_s"]
@@ -64,13 +69,25 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
     return out
 
 
-def validate_pair(sc: Scenario, repeats: int = 3, device: str = "cpu") -> PairResult:
+def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
+             progress: Callable[[int, int], None] | None = None) -> list[PairResult]:
+    """Execute every pair `repeats` times in interleaved rounds, simulate each once."""
     from taskgraph.execution import execute_scenario
+
+    runs: list[list] = [[] for _ in pairs]
+    for r in range(repeats):
+        for i, sc in enumerate(pairs):
+            runs[i].append(execute_scenario(sc, sc.schedule, device=device))
+            if progress:
+                progress(r * len(pairs) + i + 1, repeats * len(pairs))
+    return [_compare(sc, executions) for sc, executions in zip(pairs, runs)]
+
+
+def _compare(sc: Scenario, executions: list) -> PairResult:
     from taskgraph.simulation import simulate_scenario
 
-    runs = [execute_scenario(sc, sc.schedule, device=device) for _ in range(repeats)]
-    runs.sort(key=lambda ex: ex.summary["decode_layer_ms"])
-    ex = runs[len(runs) // 2]
+    executions = sorted(executions, key=lambda ex: ex.summary["decode_layer_ms"])
+    ex = executions[len(executions) // 2]
     sim = simulate_scenario(sc, sc.schedule)
     kinds = ex.program.column("kind")
     per_kind = {}
@@ -80,31 +97,40 @@ def validate_pair(sc: Scenario, repeats: int = 3, device: str = "cpu") -> PairRe
         pred = float(np.median(sim.run.durations[sel]))
         per_kind[KIND_NAMES[k]] = {"simulated_s": pred, "measured_s": meas,
                                    "error": pred / meas - 1 if meas else 0.0}
+    spread = (executions[0].summary["decode_layer_ms"], executions[-1].summary["decode_layer_ms"])
     return PairResult(sc.schedule, sc.policy.model_dump(), sim.summary, ex.summary, per_kind,
                       (sim.trace_run(f"{sc.schedule} mu={sc.policy.mu} simulated"),
-                       ex.trace_run(f"{sc.schedule} mu={sc.policy.mu} measured")))
+                       ex.trace_run(f"{sc.schedule} mu={sc.policy.mu} measured")), spread)
 
 
-def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
-             progress: Callable[[int, int], None] | None = None) -> list[PairResult]:
-    results = []
-    for i, sc in enumerate(pairs):
-        results.append(validate_pair(sc, repeats, device))
-        if progress:
-            progress(i + 1, len(pairs))
-    return results
+def ranking(group: list[PairResult]) -> dict[str, Any]:
+    """How simulation and measurement order the schedules of one micro-batch size. ``same``: the
+    two orders are identical. Two schedules whose repeats overlap (the slower one's fastest run
+    beat the faster one's slowest) are not ordered by the measurement at all; ``agree`` says
+    whether simulation orders every pair the measurement does order the same way, and
+    ``unresolved`` lists the others."""
+    sim = [r.schedule for r in sorted(group, key=lambda r: r.simulated["decode_layer_ms"])]
+    meas = [r.schedule for r in sorted(group, key=lambda r: r.measured["decode_layer_ms"])]
+    agree, unresolved = True, []
+    for i, a in enumerate(group):
+        for b in group[i + 1:]:
+            (a_lo, a_hi), (b_lo, b_hi) = a.measured_range, b.measured_range
+            if a_hi < b_lo or b_hi < a_lo:
+                meas_a_first = a_hi < b_lo
+                sim_a_first = a.simulated["decode_layer_ms"] < b.simulated["decode_layer_ms"]
+                agree &= meas_a_first == sim_a_first
+            else:
+                unresolved.append(f"{a.schedule}~{b.schedule}")
+    return {"simulated": sim, "measured": meas, "same": sim == meas, "agree": agree,
+            "unresolved": unresolved}
 
 
 def summary(results: list[PairResult]) -> dict[str, Any]:
-    """Accuracy across pairs: median |error| of decode-layer latency, and whether simulation and
-    measurement rank the schedules the same way at each micro-batch size."""
+    """Accuracy across pairs: median |error| of decode-layer latency, and how simulation and
+    measurement rank the schedules at each micro-batch size (:func:`ranking`)."""
     errors = [abs(r.layer_error) for r in results]
-    rankings = {}
-    for mu in sorted({r.policy["mu"] for r in results}):
-        group = [r for r in results if r.policy["mu"] == mu]
-        sim = [r.schedule for r in sorted(group, key=lambda r: r.simulated["decode_layer_ms"])]
-        meas = [r.schedule for r in sorted(group, key=lambda r: r.measured["decode_layer_ms"])]
-        rankings[f"mu={mu}"] = {"simulated": sim, "measured": meas, "same": sim == meas}
+    rankings = {f"mu={mu}": ranking([r for r in results if r.policy["mu"] == mu])
+                for mu in sorted({r.policy["mu"] for r in results})}
     kinds: dict[str, list[float]] = {}
     for r in results:
         for k, v in r.per_kind.items():

@@ -68,3 +68,26 @@ def test_validate_and_calibrate_bad_input(capsys, tmp_path):
     bad.write_text("name: x\ngpu: {name: g}\n")
     assert main(["simulate", "scenarios/tiny.yaml", "--set", f"hardware={bad}"]) == 2
     assert "hardware.gpu" in capsys.readouterr().err
+
+
+def _pair(schedule, measured, simulated, spread):
+    from taskgraph.validate import PairResult
+
+    return PairResult(schedule, {"mu": 1}, {"decode_layer_ms": simulated},
+                      {"decode_layer_ms": measured}, {},
+                      measured_range=(measured - spread, measured + spread))
+
+
+def test_ranking_counts_only_orders_the_measurement_resolves():
+    from taskgraph.validate import ranking
+
+    # S1 and S2 overlap in their repeats; S3 is clearly slower than both.
+    group = [_pair("S1", 10.0, 12.0, 1.0), _pair("S2", 10.5, 11.0, 1.0),
+             _pair("S3", 20.0, 25.0, 1.0)]
+    r = ranking(group)
+    assert not r["same"] and r["agree"] and r["unresolved"] == ["S1~S2"]
+    # The simulation putting S3 first contradicts a resolved order.
+    group[2] = _pair("S3", 20.0, 5.0, 1.0)
+    r = ranking(group)
+    assert not r["agree"]
+    assert ranking([_pair("S1", 1.0, 1.0, 0.1), _pair("S2", 2.0, 2.0, 0.1)])["same"]

@@ -56,6 +56,10 @@ def scenarios(draw):
                          "d2h_gbps": draw(st.floats(0.05, 64)),
                          "latency_us": draw(st.floats(0, 20))},
                 "handoff_us": draw(st.sampled_from([0.0, 0.0, 5.0, 50.0]))}
+    if draw(st.booleans()):
+        hardware["interference"] = {"slowdown": {
+            "gpu": {"cpu": draw(st.floats(0, 2)), "h2d": draw(st.floats(0, 2))},
+            "cpu": {"gpu": draw(st.floats(0, 2)), "pin": draw(st.floats(0, 2))}}}
     return scenario_from_dict({"model": model, "hardware": hardware, "workload": workload,
                                "policy": policy, "schedule": schedule}, source="<hypothesis>")
 
