@@ -49,6 +49,12 @@ def execute_table(r: dict[str, Any]) -> Table:
 
 def validate_table(results, accuracy: dict[str, Any], scenario) -> Table:
     ranks = "; ".join(f"{k}: {_ranking(v)}" for k, v in accuracy["ranking"].items())
+    shift = accuracy.get("speed_shift")
+    if shift is not None:
+        ranks += (f". Nearly every task kind is simulated {abs(shift):.0%} "
+                  f"{'slower' if shift > 0 else 'faster'} than measured: this machine ran at "
+                  "another speed than when it was calibrated; calibrate again just before "
+                  "validating")
     t = Table(title=f"tg validate {scenario.name} on {scenario.hardware.name}: median |error| "
                     f"{accuracy['median_abs_error_decode_layer']:.1%} over "
                     f"{accuracy['pairs']} pairs", title_justify="left",

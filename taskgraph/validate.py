@@ -141,32 +141,48 @@ def summary(results: list[PairResult]) -> dict[str, Any]:
         "max_abs_error_decode_layer": round(float(np.max(errors)), 4),
         "ranking": rankings,
         "per_task_median_error": {k: round(float(np.median(v)), 4) for k, v in kinds.items()},
+        "speed_shift": _speed_shift([float(np.median(v)) for v in kinds.values()]),
     }
 
 
+def _speed_shift(kind_errors: list[float]) -> float | None:
+    """The median per-kind error when at least 80% of the task kinds err the same way by over 5%:
+    the signature of a machine that ran at another speed than when it was calibrated (the same
+    factor on everything), not of a model error (which hits some kinds and not others)."""
+    errors = np.array(kind_errors)
+    for sign in (1, -1):
+        if (sign * errors > 0.05).mean() >= 0.8:
+            return round(float(np.median(errors)), 4)
+    return None
+
+
 def parity_plot(results: list[PairResult], out: str | Path) -> Path:
-    """Predicted vs measured decode-layer latency, one point per pair, y = x and a ±10% band."""
+    """Predicted vs measured decode-layer latency, one point per pair (the bar: the fastest and
+    slowest of its repeats), y = x and a ±10% band."""
     from taskgraph.plots import _pyplot, save
 
     plt = _pyplot()
     meas = np.array([r.measured["decode_layer_ms"] for r in results])
     pred = np.array([r.simulated["decode_layer_ms"] for r in results])
-    lo, hi = min(meas.min(), pred.min()) * 0.8, max(meas.max(), pred.max()) * 1.2
+    top = max(r.measured_range[1] for r in results)
+    lo, hi = min(meas.min(), pred.min()) * 0.8, max(meas.max(), pred.max(), top) * 1.1
     fig, ax = plt.subplots(figsize=(6.5, 6), dpi=120)
     x = np.linspace(lo, hi, 10)
     ax.fill_between(x, x * 0.9, x * 1.1, color="tab:green", alpha=0.15, label="±10%")
     ax.plot(x, x, color="black", lw=1, label="y = x")
     markers = {"S1": "o", "S2": "s", "S3": "^", "S4": "D"}
     for r, m_, p_ in zip(results, meas, pred):
-        ax.scatter(m_, p_, marker=markers.get(r.schedule, "o"), s=50,
-                   label=f"{r.schedule} mu={r.policy['mu']} ({r.layer_error:+.0%})")
+        fast, slow = r.measured_range
+        ax.errorbar(m_, p_, xerr=[[max(0.0, m_ - fast)], [max(0.0, slow - m_)]],
+                    marker=markers.get(r.schedule, "o"), markersize=7, capsize=3, linestyle="none",
+                    label=f"{r.schedule} mu={r.policy['mu']} ({r.layer_error:+.0%})")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured decode-layer latency (ms)")
     ax.set_ylabel("simulated decode-layer latency (ms)")
     errs = np.abs(pred / meas - 1)
-    ax.set_title(f"tg validate: median |error| {np.median(errs):.1%} over {len(results)} pairs",
-                 fontsize=10)
+    ax.set_title(f"tg validate: median |error| {np.median(errs):.1%} over {len(results)} pairs "
+                 "(bars: range of the repeats)", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
     return save(fig, out)

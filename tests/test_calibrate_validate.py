@@ -91,3 +91,13 @@ def test_ranking_counts_only_orders_the_measurement_resolves():
     r = ranking(group)
     assert not r["agree"]
     assert ranking([_pair("S1", 1.0, 1.0, 0.1), _pair("S2", 2.0, 2.0, 0.1)])["same"]
+
+
+def test_a_machine_speed_shift_is_told_from_model_error():
+    from taskgraph.validate import _speed_shift
+
+    # every kind 20-50% slow: the machine changed speed
+    assert _speed_shift([0.2, 0.3, 0.5, 0.25, 0.4]) == pytest.approx(0.3)
+    assert _speed_shift([-0.2, -0.3, -0.25, -0.1, 0.01]) == pytest.approx(-0.2)
+    # some kinds off, others right: a model error, no shift to report
+    assert _speed_shift([0.3, -0.02, 0.01, 0.4, -0.2]) is None
