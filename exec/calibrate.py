@@ -213,34 +213,39 @@ def _inliers(resid: np.ndarray) -> np.ndarray:
 
 def _fit_slowdown(samples: dict[str, _Samples]) -> dict[str, dict[str, float]]:
     """Per compute resource, the factors a_r with ``measured / alone - 1 = sum a_r f_r`` by least
-    squares over its tasks, ``alone`` being each kind's cost fitted on its tasks that ran with
-    every other resource idle. Outliers of a first fit are left out of the next (a task the OS
-    preempts takes several times as long, and a few of those would decide a least-squares fit),
-    so are resources that overlapped these tasks too little to tell (under 5 tasks' worth);
-    factors are kept non-negative."""
+    squares over its tasks. ``alone`` is each kind's cost fitted first on its tasks that ran with
+    every other resource (nearly) idle, then, alternating with the factors, on all its tasks with
+    the slowdown divided out (tasks "nearly" alone were slowed a little too). Outliers of a fit
+    are left out of the next (a task the OS preempts takes several times as long, and a few of
+    those would decide a least-squares fit), so are resources that overlapped these tasks too
+    little to tell (under 5 tasks' worth); factors are kept non-negative."""
     out = {}
     for r in SLOWED:
-        ratio, busy = [], []
-        for smp in samples.values():
-            if RESOURCES[smp.resource] != r:
-                continue
-            x, roof, y = smp.array("nbytes"), smp.array("roof"), smp.array("measured")
-            f = np.array(smp.busy).reshape(-1, len(RESOURCES))
-            calm = f.sum(axis=1) < 0.15
-            if calm.sum() < 10:
-                continue
-            fixed_s, slope = _fit_cost(x[calm], roof[calm], y[calm])
-            ratio.append(y / (fixed_s + (x * slope if slope > 0 else roof)) - 1)
-            busy.append(f)
-        if not ratio:
+        kinds = [s for s in samples.values()
+                 if RESOURCES[s.resource] == r
+                 and (np.array(s.busy).reshape(-1, len(RESOURCES)).sum(axis=1) < 0.15).sum() >= 10]
+        if not kinds:
             continue
-        ratio, busy = np.concatenate(ratio), np.concatenate(busy)
+        busy = np.concatenate([np.array(s.busy).reshape(-1, len(RESOURCES)) for s in kinds])
         cols = [a for a in range(len(RESOURCES)) if busy[:, a].sum() >= 5]
-        keep = np.ones(len(ratio), dtype=bool)
-        for _ in range(3):                     # refit without the outliers of the last fit
-            coef = _nonnegative_lstsq(busy[keep][:, cols], ratio[keep])
-            keep = _inliers(ratio - busy[:, cols] @ coef)
-        out[r] = {RESOURCES[a]: round(float(c), 4) for a, c in zip(cols, coef) if c > 0}
+        factors = np.zeros(len(RESOURCES))
+        for round_ in range(3):
+            ratio = []
+            for s in kinds:
+                x, roof, y = s.array("nbytes"), s.array("roof"), s.array("measured")
+                f = np.array(s.busy).reshape(-1, len(RESOURCES))
+                fit_on = f.sum(axis=1) < 0.15 if round_ == 0 else np.ones(len(y), dtype=bool)
+                fixed_s, slope = _fit_cost(x[fit_on], roof[fit_on],
+                                           (y / s.slowed(factors))[fit_on])
+                ratio.append(y / (fixed_s + (x * slope if slope > 0 else roof)) - 1)
+            ratio = np.concatenate(ratio)
+            keep = np.ones(len(ratio), dtype=bool)
+            for _ in range(3):                 # refit without the outliers of the last fit
+                coef = _nonnegative_lstsq(busy[keep][:, cols], ratio[keep])
+                keep = _inliers(ratio - busy[:, cols] @ coef)
+            factors = np.zeros(len(RESOURCES))
+            factors[cols] = coef
+        out[r] = {RESOURCES[a]: round(float(factors[a]), 4) for a in cols if factors[a] > 0}
     return out
 
 
