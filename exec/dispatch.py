@@ -21,7 +21,7 @@ interrupted run still leaves a trace.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -40,7 +40,7 @@ class Device(Protocol):
     """What dispatch needs from a device: queues and events."""
 
     def stream(self, name: str) -> Any: ...
-    def on(self, stream: Any) -> Any: ...              # context manager: enqueue onto `stream`
+    def launch(self, stream: Any, work: Callable[[], None]) -> None: ...  # enqueue onto `stream`
     def event(self) -> Any: ...
     def record(self, event: Any, stream: Any) -> None: ...
     def wait(self, stream: Any, event: Any) -> None: ...
@@ -58,8 +58,8 @@ class HostDevice:
     def stream(self, name: str) -> str:
         return name
 
-    def on(self, stream: str):
-        return contextlib.nullcontext()
+    def launch(self, stream, work: Callable[[], None]) -> None:
+        work()
 
     def event(self) -> list[float | None]:
         return [None]
@@ -89,8 +89,9 @@ class CudaDevice:
     def stream(self, name: str):
         return self.torch.cuda.Stream()
 
-    def on(self, stream):
-        return self.torch.cuda.stream(stream)
+    def launch(self, stream, work: Callable[[], None]) -> None:
+        with self.torch.cuda.stream(stream):
+            work()
 
     def event(self):
         return self.torch.cuda.Event(enable_timing=True)
@@ -186,10 +187,9 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
                         host_end[gid] = time.perf_counter() - t0
                     else:
                         begin_ev[gid], done_ev[gid] = device.event(), device.event()
-                        with device.on(queue):
-                            device.record(begin_ev[gid], queue)
-                            runtime.run(*args)
-                            device.record(done_ev[gid], queue)
+                        device.record(begin_ev[gid], queue)
+                        device.launch(queue, functools.partial(runtime.run, *args))
+                        device.record(done_ev[gid], queue)
                     recorded[gid].set()
         except BaseException as err:          # noqa: BLE001 - reported after the run
             failure.append(err)

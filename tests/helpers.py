@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import queue
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -44,3 +47,84 @@ def unrolled_edges(program: Program) -> np.ndarray:
             dst = int(base) + b["order"]
             pairs.append((src, dst))
     return np.array(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+class _QueuedEvent:
+    def __init__(self):
+        self.recorded = False
+        self.done = threading.Event()
+        self.t: float | None = None
+
+
+class QueuedHostDevice:
+    """CUDA's stream semantics on the CPU, for tests of the dispatcher's CUDA path without a GPU.
+
+    Each device stream is a queue worked by its own thread, so a launch returns at once and the
+    work runs later, as a kernel does on a GPU stream. An event completes when its queue reaches
+    it; a queue told to wait on an event stalls there until the event completes; waiting on an
+    event never recorded fails, where CUDA would silently not wait. ``jitter()`` seconds are
+    slept before each piece of work, so that queues drift apart as a busy GPU's would. Errors in
+    queued work are raised by :meth:`finish`."""
+
+    def __init__(self, jitter=None):
+        self.jitter = jitter
+        self.queues: list = []
+        self.errors: list[BaseException] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for q in self.queues:
+            q.put(None)
+
+    def stream(self, name):
+        q = queue.SimpleQueue()
+        threading.Thread(target=self._work, args=(q,), daemon=True, name=f"queue-{name}").start()
+        self.queues.append(q)
+        return q
+
+    def _work(self, q) -> None:
+        while (item := q.get()) is not None:
+            try:
+                item()
+            except BaseException as err:      # noqa: BLE001 - raised by finish()
+                self.errors.append(err)
+
+    def launch(self, stream, work) -> None:
+        def run():
+            if self.jitter is not None:
+                time.sleep(self.jitter())
+            work()
+
+        stream.put(run)
+
+    def event(self):
+        return _QueuedEvent()
+
+    def record(self, event, stream) -> None:
+        def reach():
+            event.t = time.perf_counter()
+            event.done.set()
+
+        event.recorded = True
+        stream.put(reach)
+
+    def wait(self, stream, event) -> None:
+        assert event.recorded, "waited on an event that was never recorded"
+        stream.put(event.done.wait)
+
+    def synchronize(self, event) -> None:
+        assert event.recorded, "synchronised on an event that was never recorded"
+        event.done.wait()
+
+    def seconds_between(self, earlier, later) -> float:
+        return later.t - earlier.t
+
+    def finish(self) -> None:
+        for q in self.queues:
+            drained = threading.Event()
+            q.put(drained.set)
+            drained.wait()
+        if self.errors:
+            raise self.errors[0]

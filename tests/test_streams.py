@@ -1,5 +1,6 @@
 """The dispatcher's event protocol: on the CPU backend's device in CI (which fails on a wait for
-an unrecorded event), and on CUDA where there is a GPU."""
+an unrecorded event), on a CPU device with CUDA's asynchronous stream semantics (queues worked by
+their own threads), and on CUDA where there is a GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # 
 from taskgraph.kernels.weights import synthetic_weights  # noqa: E402
 from taskgraph.trace import TraceRun, Window, write_trace  # noqa: E402
 from taskgraph.tracecheck import check_trace, load_trace  # noqa: E402
-from tests.helpers import tiny  # noqa: E402
+from tests.helpers import QueuedHostDevice, tiny  # noqa: E402
 
 
 class CountingDevice(HostDevice):
@@ -55,6 +56,38 @@ def test_stream_protocol_reproduces_the_reference(schedule, tmp_path):
     path = tmp_path / "t.json"
     write_trace(path, [TraceRun("measured", program, run.start, run.end)], Window(None))
     assert check_trace(load_trace(path)) == []
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+def test_asynchronous_queues_reproduce_the_reference(schedule):
+    """Launches return before the work runs, queues drift apart: the events the dispatcher
+    records and waits on are all that orders the work, as on a GPU."""
+    plan, program, rt, ref = _setup(schedule)
+    rng = random.Random(11)
+    with QueuedHostDevice(jitter=lambda: rng.random() * 0.002) as dev:
+        run = execute(program, rt, dev)
+    assert run.finished.all() and run.failure is None
+    tokens, logits, _ = rt.outputs()
+    assert torch.equal(tokens, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert (run.durations >= 0).all()
+
+
+class ForgetfulDevice(QueuedHostDevice):
+    """A dispatcher bug made on purpose: host tasks do not wait for the device work they read."""
+
+    def synchronize(self, event):
+        pass
+
+
+def test_asynchronous_queues_catch_a_missing_synchronisation():
+    """The same omission on the CPU backend's synchronous device goes unnoticed (the work is
+    done at launch); with asynchronous queues the CPU attention reads a hidden state the device
+    has not copied yet, and the result is wrong."""
+    plan, program, rt, ref = _setup("S3")
+    with ForgetfulDevice(jitter=lambda: 0.002) as dev:
+        execute(program, rt, dev)
+    assert not torch.allclose(rt.outputs()[1], ref.logits, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
