@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from taskgraph.exec.calibrate import best_time
+from taskgraph.exec.microbench import best_time
 
 from taskgraph.kernels.ops import (decode_attention, decode_attention_grouped,
                                    decode_attention_repeat)

@@ -1,103 +1,22 @@
 """`tg calibrate`: measure what the cost model needs on this machine and write a hardware profile.
 
-Rates come from microbenchmarks at sizes where they are rates, not overheads: a large matrix
-multiply (FLOP/s), a large copy (memory bandwidth), decode attention over a long context (the
-bandwidth CPU attention achieves), and copies the size of weight pages (the "link": on the CPU
-backend a transfer is a memcpy). Fixed per-task costs are fitted from the executor's own measured
-tasks, which include everything a microbenchmark leaves out (dispatch, Python, small-op
-overheads): per resource, the median of measured time minus roofline time.
-
-On the CPU backend the "GPU" is this CPU too: the profile describes the machine tg executes on.
+Rates come from microbenchmarks (:mod:`taskgraph.exec.microbench`). Per-task costs, the hand-off
+between streams and the interference between resources are fitted to the executor's own measured
+tasks, which include everything a microbenchmark leaves out (dispatch, Python, small-op overheads,
+contention).
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from taskgraph.cost import CostModel
+from taskgraph.exec.microbench import base_profile, measure
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, Scenario
-
-
-def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
-    """Seconds of the fastest of `repeat` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def measure_rates(progress: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Microbenchmarks: FLOP/s, memory, attention and memcpy bandwidth (bytes/s), copy latency,
-    each on one thread as the executor's CPU backend runs every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _measure_rates(progress or (lambda _: None))
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure_rates(say: Callable[[str], None]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    say("matrix multiply")
-    a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    out["gemm_flops"] = 2 * 1024 * 2048 * 2048 / best_time(lambda: a @ b)
-    say("memory bandwidth")
-    src = torch.randn(32 * 1024 * 1024)            # 128 MB
-    dst = torch.empty_like(src)
-    out["mem_bytes_per_s"] = 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src))
-    say("attention")
-    from taskgraph.kernels.ops import decode_attention
-
-    q, k = torch.randn(32, 32, 128), torch.randn(32, 1024, 8, 128)
-    v = torch.randn_like(k)
-    out["attn_bytes_per_s"] = 2 * k.numel() * 4 / best_time(lambda: decode_attention(q, k, v))
-    say("copies")
-    page = torch.randn(4 * 1024 * 1024)             # 16 MB, a weight page
-    dst = torch.empty_like(page)
-    out["memcpy_bytes_per_s"] = page.numel() * 4 / best_time(lambda: dst.copy_(page))
-    tiny_src, tiny_dst = torch.randn(16), torch.empty(16)
-    out["copy_latency_s"] = best_time(lambda: tiny_dst.copy_(tiny_src), repeat=50)
-    return out
-
-
-def profile_from_rates(rates: dict[str, float], memory_gb: float,
-                       fixed_us: dict[str, float] | None = None,
-                       kind_gbps: dict[str, float] | None = None,
-                       handoff_us: float = 0.0,
-                       slowdown: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
-    """A hardware profile (the `hardware:` mapping of a scenario) for the CPU backend."""
-    name = f"CPU backend on {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-    tflops = round(rates["gemm_flops"] / 1e12, 5)
-    link = round(rates["memcpy_bytes_per_s"] / 1e9, 3)
-    fixed = fixed_us or {}
-    return {
-        "name": name,
-        "calibrated": f"{platform.node()} on {time.strftime('%Y-%m-%d %H:%M')} (CPU backend)",
-        "gpu": {"name": "CPU (executes the GPU streams)", "count": 1, "memory_gb": memory_gb,
-                "usable_fraction": 0.8, "mem_gbps": round(rates["mem_bytes_per_s"] / 1e9, 3),
-                "tflops": tflops, "flops_eff": 1.0, "mem_eff": 1.0, "task_overhead_us": 0.0},
-        "cpu": {"name": platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
-                "memory_gb": memory_gb, "usable_fraction": 0.8,
-                "mem_gbps": round(rates["attn_bytes_per_s"] / 1e9, 3), "tflops": tflops,
-                "flops_eff": 1.0, "mem_eff": 1.0, "memcpy_gbps": link, "task_overhead_us": 0.0},
-        "link": {"h2d_gbps": link, "d2h_gbps": link, "h2d_eff": 1.0, "d2h_eff": 1.0,
-                 "latency_us": round(rates["copy_latency_s"] * 1e6, 2)},
-        "handoff_us": round(float(handoff_us), 2),
-        "task_overhead_us": {k: round(float(v), 2) for k, v in sorted(fixed.items())},
-        "task_gbps": {k: round(float(v), 4) for k, v in sorted((kind_gbps or {}).items())},
-    } | ({"interference": {"slowdown": slowdown}} if slowdown else {})
 
 
 #: Policies the fit runs: several micro-batch sizes so that task sizes vary, and every schedule,
@@ -146,31 +65,32 @@ class TaskFit:
     tasks: dict[str, dict[str, float]]
 
 
-def fit_tasks(scenario: Scenario, rates: dict[str, float], memory_gb: float, repeats: int = 2
+def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", repeats: int = 2
               ) -> TaskFit:
     """Per task kind ``time = (fixed + bytes / rate) x (1 + sum over resources r of a_r x f_r)``,
     f_r the fraction of the task during which resource r was busy, fitted to the executor's own
     measured tasks over :data:`FIT_RUNS`: first each compute resource's factors a
     (:func:`_fit_slowdown`), then the kinds' costs on the durations with the slowdown divided
-    out. The hand-off is the median
-    delay between a task's end and the start of a task on another stream waiting for it."""
+    out. The hand-off is the median delay between a task's end and the start of a task on
+    another stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
+    price the kinds whose sizes do not vary."""
     from taskgraph.compiled import KIND_NAMES
     from taskgraph.execution import execute_scenario
     from taskgraph.sim.interference import busy_fractions
     from taskgraph.simulation import for_schedule
 
-    base = CostModel(HardwareSpec.model_validate(profile_from_rates(rates, memory_gb)))
+    base_cost = CostModel(HardwareSpec.model_validate(base))
     samples: dict[str, _Samples] = {}
     gaps: list[float] = []
     for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
-        ex = execute_scenario(sc, schedule, device="cpu")
+        ex = execute_scenario(sc, schedule, device=device)
         prog, run = ex.program, ex.run
         ctx = prog.context(prog.step)
         nbytes = prog.column("nbytes") + prog.column("bytes_per_ctx") * ctx
         resource, kinds = prog.column("resource"), prog.column("kind")
-        roof = prog.durations(base) - base.fixed(resource, kinds)
+        roof = prog.durations(base_cost) - base_cost.fixed(resource, kinds)
         busy = busy_fractions(run.start, run.end, resource)
         for i in np.flatnonzero(run.finished):
             s = samples.setdefault(KIND_NAMES[kinds[i]], _Samples(int(resource[i])))
@@ -296,22 +216,18 @@ def _handoff_gaps(prog, run) -> list[float]:
     return gaps
 
 
-def calibrate(scenario: Scenario, progress: Callable[[str], None] | None = None
-              ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(hardware profile, measurements) for the CPU backend on this machine."""
-    memory_gb = round(_memory_gb(), 1)
-    rates = measure_rates(progress)
+def calibrate(scenario: Scenario, device: str = "cpu",
+              progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(hardware profile, measurements) for `device` ("cpu": the CPU backend, "cuda") here."""
+    rates = measure(device, progress)
+    base = base_profile(device, rates)
     if progress:
         progress("executor tasks")
-    fit = fit_tasks(scenario, rates, memory_gb)
-    profile = profile_from_rates(rates, memory_gb, fit.fixed_us, fit.gbps, fit.handoff_us,
-                                 fit.slowdown)
+    fit = fit_tasks(scenario, base, device)
+    profile = base | {
+        "handoff_us": round(fit.handoff_us, 2),
+        "task_overhead_us": {k: round(v, 2) for k, v in sorted(fit.fixed_us.items())},
+        "task_gbps": {k: round(v, 4) for k, v in sorted(fit.gbps.items())},
+    } | ({"interference": {"slowdown": fit.slowdown}} if fit.slowdown else {})
     return profile, {"rates": rates, "fixed_us": fit.fixed_us, "task_gbps": fit.gbps,
                      "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks}
-
-
-def _memory_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError, AttributeError):
-        return 16.0

@@ -165,20 +165,35 @@ def sweep_table(rows: list[dict[str, Any]], vary, paths) -> Table:
     return t
 
 
+#: How `tg calibrate` shows each rate it measured: label, scale, unit.
+_RATES = {
+    "gemm_flops": ("matrix multiply", 1e9, "GFLOP/s"),
+    "gpu_gemm_flops": ("GPU matrix multiply (fp16)", 1e12, "TFLOP/s"),
+    "cpu_gemm_flops": ("CPU matrix multiply", 1e9, "GFLOP/s"),
+    "gpu_mem_bytes_per_s": ("GPU memory copy", 1e9, "GB/s"),
+    "mem_bytes_per_s": ("memory copy", 1e9, "GB/s"),
+    "attn_bytes_per_s": ("decode attention (CPU)", 1e9, "GB/s"),
+    "memcpy_bytes_per_s": ("page copy (CPU backend: the link; CUDA: into pinned)", 1e9, "GB/s"),
+    "h2d_pinned_bytes_per_s": ("CPU->GPU from pinned memory", 1e9, "GB/s"),
+    "h2d_pageable_bytes_per_s": ("CPU->GPU from pageable memory", 1e9, "GB/s"),
+    "d2h_pinned_bytes_per_s": ("GPU->CPU to pinned memory", 1e9, "GB/s"),
+    "d2h_pageable_bytes_per_s": ("GPU->CPU to pageable memory", 1e9, "GB/s"),
+    "copy_latency_s": ("copy latency", 1e-6, "µs"),
+    "launch_s": ("kernel launch (host side)", 1e-6, "µs"),
+}
+
+
 def calibrate_table(measured: dict[str, Any], out: str) -> Table:
-    r = measured["rates"]
     t = Table(title=f"tg calibrate: wrote {out}", title_justify="left")
     t.add_column("measured")
     t.add_column("value", justify="right")
-    t.add_row("matrix multiply", f"{r['gemm_flops'] / 1e9:.1f} GFLOP/s")
-    t.add_row("memory copy", f"{r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
-    t.add_row("decode attention", f"{r['attn_bytes_per_s'] / 1e9:.1f} GB/s")
-    t.add_row("page copy (the CPU backend's link)", f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
-    t.add_row("copy latency", f"{r['copy_latency_s'] * 1e6:.1f} µs")
+    for key, value in measured["rates"].items():
+        label, scale, unit = _RATES[key]
+        t.add_row(label, f"{value / scale:.1f} {unit}")
     t.add_row("hand-off between streams", f"{measured['handoff_us']:.1f} µs")
     for victim, by in measured.get("slowdown", {}).items():
         t.add_row(f"{victim} tasks slowed while busy", ", ".join(
-            f"{r} +{x:.0%}" for r, x in by.items() if x > 0) or "-")
+            f"{name} +{x:.0%}" for name, x in by.items() if x > 0) or "-")
     for kind, info in measured["tasks"].items():
         rate = measured["task_gbps"].get(kind)
         t.add_row(f"{kind} ({info['tasks']} tasks)",
