@@ -173,7 +173,7 @@ _RATES = {
     "gpu_mem_bytes_per_s": ("GPU memory copy", 1e9, "GB/s"),
     "mem_bytes_per_s": ("memory copy", 1e9, "GB/s"),
     "attn_bytes_per_s": ("decode attention (CPU)", 1e9, "GB/s"),
-    "memcpy_bytes_per_s": ("page copy (CPU backend: the link; CUDA: into pinned)", 1e9, "GB/s"),
+    "memcpy_bytes_per_s": ("page copy (memcpy)", 1e9, "GB/s"),
     "h2d_pinned_bytes_per_s": ("CPU->GPU from pinned memory", 1e9, "GB/s"),
     "h2d_pageable_bytes_per_s": ("CPU->GPU from pageable memory", 1e9, "GB/s"),
     "d2h_pinned_bytes_per_s": ("GPU->CPU to pinned memory", 1e9, "GB/s"),
