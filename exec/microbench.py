@@ -73,7 +73,7 @@ def _host_rates(say: Progress, pinned_dst: bool = False) -> dict[str, float]:
     out["attn_bytes_per_s"] = 2 * k.numel() * 4 / best_time(lambda: decode_attention(q, k, v))
     say("copies")
     page = torch.randn(4 * 1024 * 1024)             # 16 MB, a weight page
-    dst = torch.empty_like(page, pin_memory=pinned_dst)
+    dst = torch.empty(page.shape, dtype=page.dtype, pin_memory=pinned_dst)
     out["memcpy_bytes_per_s"] = page.numel() * 4 / best_time(lambda: dst.copy_(page))
     tiny_src, tiny_dst = torch.randn(16), torch.empty(16)
     out["copy_latency_s"] = best_time(lambda: tiny_dst.copy_(tiny_src), repeat=50)
