@@ -1,8 +1,9 @@
-"""Benchmark: how much throughput does trusting HRM's pick lose against brute force?
+"""Benchmark: how much throughput does trusting the predicted pick lose against brute force?
 
-For each scenario: the HRM search over the full grid picks a policy, the simulator runs it; a
-coarse grid (6 micro-batch sizes x 5 r_w x 3 r_c, the largest, 3/4 and 1/2 the largest batch
-that fit) is simulated policy by policy; the loss is 1 - (HRM pick, simulated) / (best simulated).
+For each scenario: the search over the full grid picks a policy by prediction, the simulator
+runs it; a coarse grid (6 micro-batch sizes x 5 r_w x 3 r_c, the largest, 3/4 and 1/2 the
+largest batch that fit) is simulated policy by policy; the loss is 1 - (the pick, simulated) /
+(best simulated).
 MoE-Lightning's reviewers asked exactly this.
 
     python bench/search_vs_bruteforce.py [scenario.yaml ...]     (default: t4, l4, h100)
@@ -28,12 +29,12 @@ def main(paths: list[str]) -> int:
         best = grid[0]
         in_grid = max(grid, key=lambda c: c.predicted_tok_s)
         rows.append((sc.name, pick, best, in_grid, len(grid), time.perf_counter() - t0))
-        print(f"{sc.name}: HRM pick {pick.schedule} {pick.policy} predicted "
+        print(f"{sc.name}: predicted pick {pick.schedule} {pick.policy} predicted "
               f"{pick.predicted_tok_s:.2f}, simulated {pick.simulated_tok_s:.2f} tok/s; "
               f"brute-force best of {len(grid)} {best.schedule} {best.policy} simulated "
               f"{best.simulated_tok_s:.2f} tok/s", flush=True)
     print()
-    print(f"{'scenario':10} {'HRM pick sim':>13} {'BF best sim':>12} {'loss':>7} "
+    print(f"{'scenario':10} {'pick sim':>13} {'BF best sim':>12} {'loss':>7} "
           f"{'in-grid loss':>13} {'sims':>5} {'wall s':>7}")
     for name, pick, best, in_grid, n, wall in rows:
         loss = 1 - pick.simulated_tok_s / best.simulated_tok_s

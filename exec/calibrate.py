@@ -217,7 +217,8 @@ def _handoff_gaps(prog, run) -> list[float]:
 
 
 def calibrate(scenario: Scenario, device: str = "cpu",
-              progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+              progress: Callable[[str], None] | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(hardware profile, measurements) for `device` ("cpu": the CPU backend, "cuda") here."""
     rates = measure(device, progress)
     base = base_profile(device, rates)

@@ -105,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--verify", action="store_true",
                    help="simulate the top policies and re-rank them by simulated throughput")
     c.add_argument("--brute-force", action="store_true",
-                   help="also simulate a whole coarse grid and report what trusting HRM's pick "
-                        "costs against the best simulated policy")
+                   help="also simulate a whole coarse grid and report what trusting the "
+                        "predicted pick costs against the best simulated policy")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("sweep", _sweep, "re-run the policy search across hardware or workload values")

@@ -117,8 +117,8 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
                       f"{_policy(result.best.policy)}, bound by {result.binding}; hardware "
                       f"limit {limit:.0f} tok/s. " + " ".join(result.notes),
               caption_justify="left")
-    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "HRM tok/s",
-                *(("sim tok/s",) if verified else ()), "HRM layer ms", "bound by"):
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "pred. tok/s",
+                *(("sim tok/s",) if verified else ()), "pred. layer ms", "bound by"):
         t.add_column(col, justify="left" if col in ("sched", "bound by") else "right")
     for i, c in enumerate(result.top, 1):
         p = c.policy
@@ -133,10 +133,11 @@ def brute_force_table(grid, summary: dict[str, Any]) -> Table:
     loss, in_grid = summary["loss_vs_best"], summary["loss_in_grid"]
     t = Table(title=f"brute force: {summary['simulated']} policies of a coarse grid simulated",
               title_justify="left",
-              caption=f"HRM's pick simulates at {summary['hrm_pick_simulated_tok_s']:.2f} tok/s: "
-                      f"{_loss(loss)} the best simulated policy; among the grid's own policies "
-                      f"HRM's favourite is {_loss(in_grid)} the best.", caption_justify="left")
-    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "sim tok/s", "HRM tok/s"):
+              caption=f"The search's pick simulates at {summary['hrm_pick_simulated_tok_s']:.2f} "
+                      f"tok/s: {_loss(loss)} the best simulated policy; among the grid's own "
+                      f"policies the predicted favourite is {_loss(in_grid)} the best.",
+              caption_justify="left")
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "sim tok/s", "pred. tok/s"):
         t.add_column(col, justify="left" if col == "sched" else "right")
     for i, c in enumerate(grid, 1):
         p = c.policy

@@ -201,7 +201,7 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = N
 
 
 def brute_force_summary(result: SearchResult, grid: list[Candidate]) -> dict[str, Any]:
-    """HRM's pick against the best of a simulated grid (the reviewers' question)."""
+    """The predicted pick against the best of a simulated grid (the reviewers' question)."""
     best = grid[0]
     hrm_pick = result.top[0] if not result.verified else max(
         result.top, key=lambda c: c.predicted_tok_s)   # what HRM alone would have chosen
