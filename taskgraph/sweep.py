@@ -94,7 +94,7 @@ def _plot(rows, vary, path: Path) -> Path:
     plt = _pyplot()
     x_key, x_vals = vary[0]
     series = vary[1][1] if len(vary) > 1 else [None]
-    panels = (("throughput_tok_s", "best throughput (tok/s, HRM)"), ("r_w", "r_w: weights on GPU"),
+    panels = (("throughput_tok_s", "best throughput (tok/s, predicted)"), ("r_w", "r_w: weights on GPU"),
               ("r_c", "r_c: KV cache on GPU"), ("A_g", "A_g: attention on GPU"),
               ("mu", "mu (micro-batch)"), ("N", "N (batch)"))
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), dpi=110)
