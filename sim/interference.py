@@ -5,8 +5,8 @@ cannot be known when the task starts (the engine fixes a task's end at its start
 is simulated, each slowed task's duration is recomputed from what overlapped it in that run, and
 the run is simulated again with the new durations until no duration moves by more than ``tol``.
 A pass that moves durations more than the one before (the iteration oscillates) switches to
-damped steps, half-way between old and new. Scenarios without an ``interference``
-profile never come here.
+damped steps, half-way between old and new. Scenarios without an ``interference`` profile are
+simulated once, as before.
 """
 
 from __future__ import annotations

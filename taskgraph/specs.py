@@ -187,7 +187,7 @@ class HardwareSpec(BaseModel):
     # How long after a task ends a task on another stream waiting for it can start (an event's
     # latency, a thread waking up). `tg calibrate` measures it.
     handoff_us: float = Field(default=0.0, ge=0.0)
-    # Compute slowed down by copies that overlap it (None: not modelled).
+    # Tasks slowed down by what overlaps them on other resources (None: not modelled).
     interference: InterferenceSpec | None = None
 
     @field_validator("task_overhead_us", "task_gbps")
