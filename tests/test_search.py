@@ -53,6 +53,7 @@ def test_prediction_follows_the_launch_order(path, overrides):
         pred = predict(sc, SCHEDULES[name])
         sim = simulate_scenario(sc, name).summary
         assert pred.decode_layer_ms[0] == pytest.approx(sim["decode_layer_ms"], rel=0.05), name
+        assert pred.prefill_s[0] == pytest.approx(sim["prefill_s"], rel=0.06), name
 
 
 def test_search_returns_only_feasible_runnable_policies():
