@@ -36,20 +36,28 @@ AGGRESSORS = (("gpu",), ("cpu",), ("h2d", "d2h", "pin"))
 
 @dataclass
 class _Samples:
-    """The executor's measured decode-and-prefill tasks of one kind, pooled over the fit runs."""
+    """The executor's measured decode-and-prefill tasks of one kind, pooled over the fit runs
+    (one chunk of arrays per run)."""
 
     resource: int
-    nbytes: list[float] = field(default_factory=list)
-    roof: list[float] = field(default_factory=list)         # roofline seconds at base rates
-    measured: list[float] = field(default_factory=list)
-    busy: list[np.ndarray] = field(default_factory=list)    # per resource: share of it busy
+    chunks: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+    def add(self, **columns: np.ndarray) -> None:
+        for name, values in columns.items():
+            self.chunks.setdefault(name, []).append(values)
 
     def array(self, name: str) -> np.ndarray:
-        return np.array(getattr(self, name))
+        """``nbytes``, ``roof`` (roofline seconds at base rates), ``measured`` (seconds) or
+        ``busy`` (tasks x resources: the share of each task each resource was busy)."""
+        return np.concatenate(self.chunks[name])
+
+    def calm(self) -> np.ndarray:
+        """Tasks that ran with every other resource (nearly) idle."""
+        return self.array("busy").sum(axis=1) < 0.15
 
     def slowed(self, factors: np.ndarray) -> np.ndarray:
         """Per task, 1 + its slowdown under `factors` (one per aggressor resource)."""
-        return 1.0 + np.array(self.busy).reshape(-1, len(RESOURCES)) @ factors
+        return 1.0 + self.array("busy") @ factors
 
 
 @dataclass
@@ -92,12 +100,12 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         resource, kinds = prog.column("resource"), prog.column("kind")
         roof = prog.durations(base_cost) - base_cost.fixed(resource, kinds)
         busy = busy_fractions(run.start, run.end, resource)
-        for i in np.flatnonzero(run.finished):
-            s = samples.setdefault(KIND_NAMES[kinds[i]], _Samples(int(resource[i])))
-            s.nbytes.append(float(nbytes[i]))
-            s.roof.append(float(roof[i]))
-            s.measured.append(float(run.durations[i]))
-            s.busy.append(busy[i])
+        for k in np.unique(kinds):
+            sel = (kinds == k) & run.finished
+            if sel.any():
+                smp = samples.setdefault(KIND_NAMES[k], _Samples(int(resource[sel][0])))
+                smp.add(nbytes=nbytes[sel], roof=roof[sel], measured=run.durations[sel],
+                        busy=busy[sel])
         gaps += _handoff_gaps(prog, run)
     slowdown = _fit_slowdown(samples)
     fixed, gbps = {}, {}
@@ -109,8 +117,9 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         fixed[kind] = fixed_s * 1e6
         if slope > 0:
             gbps[kind] = 1 / slope / 1e9
-    summary = {k: {"tasks": len(s.measured), "median_us": float(np.median(s.measured)) * 1e6}
-               for k, s in samples.items()}
+    measured = {k: s.array("measured") for k, s in samples.items()}
+    summary = {k: {"tasks": len(m), "median_us": float(np.median(m)) * 1e6}
+               for k, m in measured.items()}
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
     return TaskFit(fixed, gbps, handoff, slowdown, summary)
 
@@ -152,20 +161,17 @@ def _fit_slowdown(samples: dict[str, _Samples]) -> dict[str, dict[str, float]]:
     out = {}
     for r in SLOWED:
         kinds = [s for s in samples.values()
-                 if RESOURCES[s.resource] == r
-                 and (np.array(s.busy).reshape(-1, len(RESOURCES)).sum(axis=1) < 0.15).sum() >= 10]
+                 if RESOURCES[s.resource] == r and s.calm().sum() >= 10]
         if not kinds:
             continue
-        design = np.concatenate([np.array(s.busy).reshape(-1, len(RESOURCES)) for s in kinds]
-                                ) @ groups
+        design = np.concatenate([s.array("busy") for s in kinds]) @ groups
         cols = [g for g in range(len(AGGRESSORS)) if design[:, g].sum() >= 5]
         factors = np.zeros(len(RESOURCES))
         for round_ in range(3):
             ratio = []
             for s in kinds:
                 x, roof, y = s.array("nbytes"), s.array("roof"), s.array("measured")
-                calm = np.array(s.busy).reshape(-1, len(RESOURCES)).sum(axis=1) < 0.15
-                fit_on = calm if round_ == 0 else np.ones(len(y), dtype=bool)
+                fit_on = s.calm() if round_ == 0 else np.ones(len(y), dtype=bool)
                 fixed_s, slope = _fit_cost(x[fit_on], roof[fit_on],
                                            (y / s.slowed(factors))[fit_on])
                 ratio.append(y / (fixed_s + (x * slope if slope > 0 else roof)) - 1)

@@ -119,8 +119,7 @@ def _check_fit_recovers(a_cpu, a_h2d, seed):
     busy[:, 2] = rng.uniform(0, 1, n) * (rng.uniform(0, 1, n) < 0.6)
     y = alone * (1 + a_cpu * busy[:, 1] + a_h2d * busy[:, 2]) * rng.normal(1, 0.1, n)
     y[rng.choice(n, 10, replace=False)] *= 5                      # preempted by the OS
-    smp.nbytes, smp.roof, smp.measured = list(x), list(x / 5e9), list(y)
-    smp.busy = list(busy)
+    smp.add(nbytes=x, roof=x / 5e9, measured=y, busy=busy)
     got = _fit_slowdown({"PostAttn": smp})["gpu"]
     assert got.get("cpu", 0.0) == pytest.approx(a_cpu, abs=0.15)
     assert got.get("h2d", 0.0) == pytest.approx(a_h2d, abs=0.15)
