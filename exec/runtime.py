@@ -19,23 +19,38 @@ import math
 import torch
 
 from taskgraph.builder import Plan
-from taskgraph.kernels.ops import (LayerView, decode_attention, lm_head, post_attention,
-                                   pre_attention, prefill_layer, split_qkv)
+from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, lm_head,
+                                   post_attention, pre_attention, prefill_layer, rotate_qkv,
+                                   split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.work import WEIGHT_SECTIONS
 
 
 class Runtime:
-    """Buffers for one plan on one device, and :meth:`run` for any task."""
+    """Buffers for one plan on one device, and :meth:`run` for any task.
+
+    Prompts are right-padded to the longest, P tokens: ``prompt_lens`` gives each sequence's own
+    length (default: all P). Every sequence owns cache columns [0, P) for its prompt (the
+    columns past its length are masked out) and column P + s - 1 for decode step s, while RoPE
+    uses its own position, length + s - 1; so copies stay contiguous and results are those of
+    an unpadded run. ``record_logits`` keeps every step's logits (for checking against another
+    implementation)."""
 
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
-                 device: torch.device, pin_memory: bool = False):
+                 device: torch.device, pin_memory: bool = False,
+                 prompt_lens: torch.Tensor | None = None, record_logits: bool = False):
         sc = plan.scenario
         m, p = sc.model, sc.policy
         self.plan, self.m, self.w, self.device = plan, m, weights, device
         self.mu, self.n, self.L, self.G = p.mu, plan.n, m.L, plan.G
         self.P = prompts.shape[1]
         self.prompts = prompts.to(device)
+        lens = (torch.full((prompts.shape[0],), self.P) if prompt_lens is None
+                else prompt_lens.cpu().long())
+        self.ragged = bool((lens < self.P).any())
+        self.lens = [lens[j * self.mu:(j + 1) * self.mu].to(device) for j in range(self.n)]
+        self.lens_host = [lens[j * self.mu:(j + 1) * self.mu] for j in range(self.n)]
+        self.rope = Rope(m, device)
         dtype = weights.embed.dtype
         numel = weights.layer_numel
         self.cut, self.pages = _page_elements(plan, numel)
@@ -65,18 +80,19 @@ class Runtime:
         self.k_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         self.v_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         # Activations per micro-batch.
-        width = m.h + 2 * m.h_kv
+        width = m.q_dim + 2 * m.h_kv
         self.x_prefill = [dev(self.mu, self.P, m.h) for _ in range(self.n)]
         self.x = [dev(self.mu, m.h) for _ in range(self.n)]
         self.qkv = [dev(self.mu, width) for _ in range(self.n)]
         self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
-        self.attn_host = [host(self.mu, m.h) for _ in range(self.n)]
-        self.attn = [dev(self.mu, m.h) for _ in range(self.n)]
+        self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
+        self.attn = [dev(self.mu, m.q_dim) for _ in range(self.n)]
         # Outputs stay on the device until the run ends (reading them back mid-run would stall
         # a stream).
         self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
         self.logits = dev(self.n * self.mu, m.V)
         self.hidden = dev(self.n * self.mu, m.h)
+        self.step_logits = dev(self.n * self.mu, self.G + 1, m.V) if record_logits else None
 
     # --- the tasks ---------------------------------------------------------------------------
 
@@ -96,7 +112,8 @@ class Runtime:
     def _Prefill(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         x = self.embed[self.prompts[rows]] if l == 0 else self.x_prefill[j]
-        out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m)
+        out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m, self.rope,
+                                  self.lens[j] if self.ragged else None)
         self.x_prefill[j].copy_(out)
         slot = self._slot(s, l, j)
         self.k_slot[slot][:, :self.P].copy_(k)
@@ -110,17 +127,26 @@ class Runtime:
 
     def _LMHead(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
-        x = self.x_prefill[j][:, -1] if s == 0 else self.x[j]
-        out = lm_head(x, self.final_norm, self.head)
+        if s == 0:     # each prompt's last token
+            x = self.x_prefill[j][torch.arange(self.mu, device=self.device), self.lens[j] - 1]
+        else:
+            x = self.x[j]
+        out = lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps)
         tok = out.argmax(-1)
         self.tokens[rows, s] = tok
+        if self.step_logits is not None:
+            self.step_logits[rows, s] = out
         if s == self.G:
             self.logits[rows] = out
             self.hidden[rows] = x
         self.x[j].copy_(self.embed[tok])
 
     def _PreAttn(self, s: int, l: int, j: int) -> None:
-        self.qkv[j].copy_(pre_attention(self.x[j], self.norms[l][0], self._view(s, l)))
+        qkv = pre_attention(self.x[j], self.norms[l][0], self._view(s, l))
+        self.qkv[j].copy_(rotate_qkv(qkv, self.lens[j] + (s - 1), self.rope, self.m))
+
+    def _mask(self, lens: torch.Tensor, columns: int) -> torch.Tensor | None:
+        return decode_mask(lens, self.P, columns) if self.ragged else None
 
     def _D1(self, s: int, l: int, j: int) -> None:
         self.qkv_host[j].copy_(self.qkv[j], non_blocking=True)
@@ -130,7 +156,8 @@ class Runtime:
         pos = self.P + s - 1
         K, V = self.k_cache[l][j], self.v_cache[l][j]
         K[:, pos], V[:, pos] = k, v
-        self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1]))
+        self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
+                                                 self._mask(self.lens_host[j], pos + 1)))
 
     def _D2(self, s: int, l: int, j: int) -> None:
         self.attn[j].copy_(self.attn_host[j], non_blocking=True)
@@ -145,7 +172,8 @@ class Runtime:
         slot, pos = self._slot(s, l, j), self.P + s - 1
         K, V = self.k_slot[slot], self.v_slot[slot]
         K[:, pos], V[:, pos] = k, v
-        self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1]))
+        self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
+                                            self._mask(self.lens[j], pos + 1)))
 
     def _PostAttn(self, s: int, l: int, j: int) -> None:
         self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],

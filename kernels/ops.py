@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from taskgraph.errors import TgError
 from taskgraph.kernels.weights import Section, layer_sections
 from taskgraph.specs import ModelSpec
-
-EPS = 1e-5
 
 
 class LayerView:
@@ -38,34 +37,75 @@ class LayerView:
         return flat.view(s.shape)
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, as transformers does."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Rope:
+    """Rotary position embedding (the rotate-half form of Llama/Mixtral), with linear position
+    scaling. cos/sin are computed in fp32 and cast to the activations' dtype, as transformers
+    does, so bf16 runs round where it rounds."""
+
+    def __init__(self, m: ModelSpec, device: torch.device | str = "cpu"):
+        if m.rope_type not in ("default", "linear"):
+            raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default and "
+                          "linear RoPE scalings only.")
+        d = m.d
+        self.inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
+                                                               device=device) / d))
+        self.scale = 1.0 / m.rope_scaling_factor
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated."""
+        freqs = (positions.float() * self.scale).unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)        # [..., T, 1, d]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
 
 
 def pre_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView) -> torch.Tensor:
-    """RMSNorm + QKV projection: x [..., h] -> [..., h + 2 h_kv] (q | k | v)."""
-    y = rmsnorm(x, norm)
+    """RMSNorm + QKV projection: x [..., h] -> [..., q_dim + 2 h_kv] (q | k | v), unrotated."""
+    y = rmsnorm(x, norm, W.m.rms_norm_eps)
     return torch.cat([y @ W["q"].T, y @ W["k"].T, y @ W["v"].T], dim=-1)
 
 
 def split_qkv(qkv: torch.Tensor, m: ModelSpec) -> tuple[torch.Tensor, ...]:
-    q, k, v = qkv.split([m.h, m.h_kv, m.h_kv], dim=-1)
+    q, k, v = qkv.split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
     shape = qkv.shape[:-1]
     return (q.reshape(*shape, m.n_q, m.d), k.reshape(*shape, m.n_kv, m.d),
             v.reshape(*shape, m.n_kv, m.d))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def rotate_qkv(qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, m: ModelSpec
+               ) -> torch.Tensor:
+    """q | k | v with RoPE applied to q and k at each row's position (v untouched): the form
+    that crosses to attention and whose K lands in the cache."""
+    q, k, v = split_qkv(qkv, m)
+    shape = qkv.shape[:-1]
+    return torch.cat([rope(q, positions).reshape(*shape, -1),
+                      rope(k, positions).reshape(*shape, -1), v.reshape(*shape, -1)], dim=-1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query decode attention of one new token per sequence.
 
     q [B, n_q, d]; k, v [B, T, n_kv, d] (the whole cache, new token included) -> [B, n_q * d].
+    `mask` [B, T] (True: attend) hides cache columns a sequence does not own (the padding after
+    a shorter prompt); None attends to every column.
     ``scaled_dot_product_attention`` with ``enable_gqa`` reads each K/V head once per group; it
     measured 3-10x faster than the alternatives below on this machine's CPU
     (bench/attention_kernel.py), so it is the kernel.
     """
     B, n_q, d = q.shape
+    if mask is not None:
+        mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                         enable_gqa=True)
+                                         attn_mask=mask, enable_gqa=True)
     return out.reshape(B, n_q * d)
 
 
@@ -90,10 +130,11 @@ def decode_attention_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
-    """Top-k routed SwiGLU experts (Mixtral): x [T, h] -> [T, h]."""
-    logits = x @ W["router"].T
-    top, idx = logits.topk(m.k, dim=-1)
-    gates = top.softmax(-1)
+    """Top-k routed SwiGLU experts (Mixtral): x [T, h] -> [T, h]. The router's softmax runs in
+    fp32 over all experts, then the top k are renormalised, as transformers does."""
+    probs = (x @ W["router"].T).float().softmax(-1)
+    top, idx = probs.topk(m.k, dim=-1)
+    gates = (top / top.sum(-1, keepdim=True)).to(x.dtype)
     out = torch.zeros_like(x)
     for e in idx.unique().tolist():
         rows, slot = (idx == e).nonzero(as_tuple=True)
@@ -105,22 +146,41 @@ def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,
                    m: ModelSpec) -> torch.Tensor:
-    """O projection + residual + RMSNorm + router + experts + residual: x, attn [T, h]."""
+    """O projection + residual + RMSNorm + router + experts + residual: x [T, h], attn
+    [T, q_dim]."""
     x = x + attn @ W["o"].T
-    return x + moe(rmsnorm(x, norm), W, m)
+    return x + moe(rmsnorm(x, norm, m.rms_norm_eps), W, m)
 
 
 def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: LayerView,
-                  m: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer over whole prompts: x [B, P, h] -> (x, k, v) with k, v [B, P, n_kv, d]."""
+                  m: ModelSpec, rope: Rope, lens: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer over whole prompts: x [B, P, h] -> (x, k, v) with k, v [B, P, n_kv, d], k
+    rotated. Prompts shorter than P (`lens` [B]) are right-padded: their padding columns are
+    masked out of every real token's attention and their outputs are ignored."""
     B, P, _ = x.shape
-    q, k, v = split_qkv(pre_attention(x, norms[0], W), m)
+    positions = torch.arange(P, device=x.device)
+    q, k, v = split_qkv(rotate_qkv(pre_attention(x, norms[0], W), positions, rope, m), m)
+    mask = None
+    if lens is not None:
+        cols = torch.arange(P, device=x.device)
+        causal = cols[None, :] <= cols[:, None]                          # [P, P]
+        mask = (causal[None] & (cols[None, None, :] < lens[:, None, None]))[:, None]
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=True, enable_gqa=True)
-    attn = attn.transpose(1, 2).reshape(B * P, m.h)
+                                          attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    attn = attn.transpose(1, 2).reshape(B * P, m.q_dim)
     out = post_attention(x.reshape(B * P, m.h), attn, norms[1], W, m)
     return out.reshape(B, P, m.h), k, v
 
 
-def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    return rmsnorm(x, final_norm) @ head.T
+def decode_mask(lens: torch.Tensor, P: int, columns: int) -> torch.Tensor:
+    """Which of the first `columns` cache columns each sequence attends to in decode: its own
+    prompt (columns below its length, of the P reserved for prompts) and every generated token
+    (columns P and up). [B, columns] bool."""
+    cols = torch.arange(columns, device=lens.device)
+    return (cols[None, :] < lens[:, None]) | (cols[None, :] >= P)
+
+
+def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, eps: float
+            ) -> torch.Tensor:
+    return rmsnorm(x, final_norm, eps) @ head.T

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgraph.kernels.ops import (LayerView, decode_attention, lm_head, post_attention,
-                                   pre_attention, prefill_layer, split_qkv)
+from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, lm_head,
+                                   post_attention, pre_attention, prefill_layer, rotate_qkv,
+                                   split_qkv)
 from taskgraph.kernels.weights import ModelWeights
 
 
@@ -30,9 +31,15 @@ def synthetic_prompts(N: int, prompt_len: int, vocab: int, seed: int = 0) -> tor
     return torch.randint(0, vocab, (N, prompt_len), generator=torch.Generator().manual_seed(seed))
 
 
-def reference_forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int) -> Generation:
+def reference_forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
+                      prompt_lens: torch.Tensor | None = None) -> Generation:
+    """Prompts [N, P], right-padded where `prompt_lens` [N] says a prompt is shorter (the cache
+    layout of :class:`taskgraph.exec.runtime.Runtime`)."""
     m = w.model
     N, P = prompts.shape
+    lens_all = torch.full((N,), P) if prompt_lens is None else prompt_lens.long()
+    ragged = bool((lens_all < P).any())
+    rope = Rope(m)
     empty = torch.empty(0, dtype=w.layers[0].dtype)
     views = [LayerView(m, flat, empty) for flat in w.layers]
     tokens = torch.empty(N, steps + 1, dtype=torch.long)
@@ -40,22 +47,27 @@ def reference_forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: in
     hidden = torch.empty(N, m.h, dtype=w.embed.dtype)
     for j in range(0, N, mu):
         rows = slice(j, j + mu)
+        lens = lens_all[rows]
         K = [torch.zeros(mu, P + steps, m.n_kv, m.d, dtype=w.embed.dtype) for _ in range(m.L)]
         V = [torch.zeros_like(k) for k in K]
         x = w.embed[prompts[rows]]
         for l in range(m.L):
-            x, K[l][:, :P], V[l][:, :P] = prefill_layer(x, w.norms[l], views[l], m)
-        out = lm_head(x[:, -1], w.final_norm, w.lm_head)
+            x, K[l][:, :P], V[l][:, :P] = prefill_layer(x, w.norms[l], views[l], m, rope,
+                                                        lens if ragged else None)
+        out = lm_head(x[torch.arange(mu), lens - 1], w.final_norm, w.lm_head, m.rms_norm_eps)
         tokens[rows, 0] = out.argmax(-1)
         x = w.embed[tokens[rows, 0]]
         for s in range(1, steps + 1):
             pos = P + s - 1
+            mask = decode_mask(lens, P, pos + 1) if ragged else None
             for l in range(m.L):
-                q, k, v = split_qkv(pre_attention(x, w.norms[l][0], views[l]), m)
+                qkv = rotate_qkv(pre_attention(x, w.norms[l][0], views[l]), lens + (s - 1), rope,
+                                 m)
+                q, k, v = split_qkv(qkv, m)
                 K[l][:, pos], V[l][:, pos] = k, v
-                attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1])
+                attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1], mask)
                 x = post_attention(x, attn, w.norms[l][1], views[l], m)
-            out = lm_head(x, w.final_norm, w.lm_head)
+            out = lm_head(x, w.final_norm, w.lm_head, m.rms_norm_eps)
             tokens[rows, s] = out.argmax(-1)
             hidden[rows] = x
             x = w.embed[tokens[rows, s]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,8 +33,8 @@ class Section:
 
 def layer_sections(m: ModelSpec) -> list[Section]:
     """The matrices of one layer in flat order (rows are output features)."""
-    shapes = [("q", (m.h, m.h)), ("k", (m.h_kv, m.h)), ("v", (m.h_kv, m.h)), ("o", (m.h, m.h)),
-              ("router", (m.E, m.h))]
+    shapes = [("q", (m.q_dim, m.h)), ("k", (m.h_kv, m.h)), ("v", (m.h_kv, m.h)),
+              ("o", (m.h, m.q_dim)), ("router", (m.E, m.h))]
     for e in range(m.E):
         shapes += [(f"w1.{e}", (m.h_i, m.h)), (f"w3.{e}", (m.h_i, m.h)), (f"w2.{e}", (m.h, m.h_i))]
     out, offset = [], 0
@@ -74,57 +75,107 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
         layers.append(flat.to(dtype))
     norms = [(1 + 0.1 * torch.randn(m.h, generator=g), 1 + 0.1 * torch.randn(m.h, generator=g))
              for _ in range(m.L)]
+    embed = torch.randn(m.V, m.h, generator=g).to(dtype)
+    head = (torch.randn(m.V, m.h, generator=g) / m.h ** 0.5).to(dtype)
     return ModelWeights(
         model=m, layers=layers, norms=[(a.to(dtype), b.to(dtype)) for a, b in norms],
-        embed=torch.randn(m.V, m.h, generator=g).to(dtype),
-        final_norm=torch.ones(m.h, dtype=dtype),
-        lm_head=(torch.randn(m.V, m.h, generator=g) / m.h ** 0.5).to(dtype))
+        embed=embed, final_norm=torch.ones(m.h, dtype=dtype),
+        lm_head=embed if m.tie_word_embeddings else head)
+
+
+_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+          "o": "self_attn.o_proj", "router": "block_sparse_moe.gate"}
+
+
+def _tensor_name(layer: int, section: str) -> str:
+    base = _NAMES.get(section) or "block_sparse_moe.experts.{1}.{0}".format(*section.split("."))
+    return f"model.layers.{layer}.{base}.weight"
+
+
+def checkpoint_index(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: from ``model.safetensors.index.json``
+    when the checkpoint is sharded, else from the files' own headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    index_file = folder / "model.safetensors.index.json"
+    if folder.is_dir() and index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise TgError(f"'{index_file}' is not a safetensors index (a JSON object with a "
+                          "weight_map).") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
+    if not files or not all(f.is_file() for f in files):
+        raise TgError(f"No .safetensors files in '{folder}'.")
+    index: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                index.update({name: f for name in handle.keys()})
+        except Exception as err:      # noqa: BLE001 - safetensors raises several kinds
+            raise TgError(f"'{f}' is not a readable safetensors file ({err}).") from None
+    return index
 
 
 def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.float32
                              ) -> ModelWeights:
-    """Weights from a Hugging Face Mixtral checkpoint folder (``*.safetensors``, possibly
-    sharded) whose shapes match `m`."""
+    """Weights of the first ``m.L`` layers of a Hugging Face Mixtral checkpoint (a folder of
+    ``*.safetensors``, sharded with ``model.safetensors.index.json`` or not) whose shapes match
+    `m`, converted to `dtype`.
+
+    Tensors are read one at a time through memory-mapped ``safe_open`` handles and copied into
+    each layer's flat vector, so peak host memory is the weights the run keeps plus one tensor,
+    not the checkpoint. A tied checkpoint (``m.tie_word_embeddings``) shares one matrix between
+    embedding and LM head."""
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
     except ImportError:
         raise TgError("Loading checkpoints needs safetensors: pip install safetensors.") from None
     folder = Path(path)
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
-    if not files:
-        raise TgError(f"No .safetensors files in '{folder}'.")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    index = checkpoint_index(folder)
+    handles: dict[Path, Any] = {}
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in tensors:
+    def read(name: str, shape: tuple[int, ...], out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        file = index.get(name)
+        if file is None:
             raise TgError(f"Checkpoint '{folder}' has no tensor '{name}'; tg reads Mixtral "
-                          "(model.layers.N.block_sparse_moe.experts.E.w1 ...) names.")
-        t = tensors[name]
+                          "tensor names (model.layers.N.block_sparse_moe.experts.E.w1.weight "
+                          "...).")
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        t = handles[file].get_tensor(name)
         if tuple(t.shape) != shape:
             raise TgError(f"Checkpoint tensor '{name}' has shape {tuple(t.shape)}, but the "
                           f"scenario's model needs {shape}.")
-        return t.to(dtype)
+        if out is None:
+            return t.to(dtype)
+        out.copy_(t.reshape(-1))
+        return out
 
-    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-             "o": "self_attn.o_proj", "router": "block_sparse_moe.gate"}
     sections = layer_sections(m)
+    numel = sections[-1].offset + sections[-1].size
     layers, norms = [], []
     for i in range(m.L):
-        p = f"model.layers.{i}."
-        parts = []
+        flat = torch.empty(numel, dtype=dtype)
         for s in sections:
-            base = names.get(s.name) or "block_sparse_moe.experts.{1}.{0}".format(
-                *s.name.split("."))
-            parts.append(get(p + base + ".weight", s.shape).reshape(-1))
-        layers.append(torch.cat(parts))
-        norms.append((get(p + "input_layernorm.weight", (m.h,)),
-                      get(p + "post_attention_layernorm.weight", (m.h,))))
-    return ModelWeights(model=m, layers=layers, norms=norms,
-                        embed=get("model.embed_tokens.weight", (m.V, m.h)),
-                        final_norm=get("model.norm.weight", (m.h,)),
-                        lm_head=get("lm_head.weight", (m.V, m.h)))
+            read(_tensor_name(i, s.name), s.shape, flat[s.offset:s.offset + s.size])
+        layers.append(flat)
+        p = f"model.layers.{i}."
+        norms.append((read(p + "input_layernorm.weight", (m.h,)),
+                      read(p + "post_attention_layernorm.weight", (m.h,))))
+    embed = read("model.embed_tokens.weight", (m.V, m.h))
+    if m.tie_word_embeddings:
+        head = embed
+    elif "lm_head.weight" not in index:
+        raise TgError(f"Checkpoint '{folder}' has no 'lm_head.weight' and its config does not "
+                      "tie the LM head to the embedding (tie_word_embeddings is false).")
+    else:
+        head = read("lm_head.weight", (m.V, m.h))
+    handles.clear()
+    return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
+                        final_norm=read("model.norm.weight", (m.h,)), lm_head=head)
 
 
 def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
@@ -134,20 +185,21 @@ def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
     m = w.model
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm,
-           "lm_head.weight": w.lm_head}
-    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-             "o": "self_attn.o_proj", "router": "block_sparse_moe.gate"}
+    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
+    if not m.tie_word_embeddings:
+        out["lm_head.weight"] = w.lm_head
     for i, flat in enumerate(w.layers):
-        p = f"model.layers.{i}."
         for s in layer_sections(m):
-            base = names.get(s.name) or "block_sparse_moe.experts.{1}.{0}".format(
-                *s.name.split("."))
-            out[p + base + ".weight"] = flat[s.offset:s.offset + s.size].reshape(s.shape).clone()
+            out[_tensor_name(i, s.name)] = flat[s.offset:s.offset + s.size].reshape(
+                s.shape).clone()
+        p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"], out[p + "post_attention_layernorm.weight"] = w.norms[i]
     save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({
         "hidden_size": m.h, "intermediate_size": m.h_i, "num_hidden_layers": m.L,
         "num_attention_heads": m.n_q, "num_key_value_heads": m.n_kv,
-        "num_local_experts": m.E, "num_experts_per_tok": m.k, "vocab_size": m.V}))
+        "num_local_experts": m.E, "num_experts_per_tok": m.k, "vocab_size": m.V,
+        "head_dim": m.d, "rope_theta": m.rope_theta, "rms_norm_eps": m.rms_norm_eps,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "torch_dtype": str(w.embed.dtype).removeprefix("torch.")}))
     return folder

@@ -16,7 +16,8 @@ MODELS: dict[str, dict[str, Any]] = {
                          V=32000),
     "mixtral-8x22b": dict(name="mixtral-8x22b", h=6144, h_i=16384, L=56, n_q=48, n_kv=8, E=8, k=2,
                           V=32768),
-    "dbrx": dict(name="dbrx", h=6144, h_i=10752, L=40, n_q=48, n_kv=8, E=16, k=4, V=100352),
+    "dbrx": dict(name="dbrx", h=6144, h_i=10752, L=40, n_q=48, n_kv=8, E=16, k=4, V=100352,
+                 rope_theta=500000.0, architecture="dbrx"),
     # Small enough for tests and the CPU executor, which computes in fp32 (4-byte weights).
     "tiny": dict(name="tiny", h=256, h_i=512, L=4, n_q=8, n_kv=2, E=8, k=2, V=1024,
                  dtype_bytes=4),

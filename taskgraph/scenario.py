@@ -68,29 +68,59 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
 
 
 def model_from_hf_config(path: str | Path) -> dict[str, Any]:
-    """Model fields from a Hugging Face ``config.json`` (Mixtral or DBRX field names)."""
+    """Model fields from a Hugging Face ``config.json`` (Mixtral or DBRX field names): the
+    shapes, and every field that changes what the model computes (RoPE theta and scaling, norm
+    epsilon, head_dim, tied embeddings, sliding window, activation, dtype)."""
     path = Path(path)
     cfg = _read_json(path)
     try:
         if "d_model" in cfg:  # DBRX
-            ffn, attn = cfg.get("ffn_config", {}), cfg.get("attn_config", {})
-            return dict(name=cfg.get("_name_or_path", path.stem) or path.stem,
-                        h=cfg["d_model"], h_i=ffn["ffn_hidden_size"], L=cfg["n_layers"],
-                        n_q=cfg["n_heads"], n_kv=attn["kv_n_heads"], E=ffn["moe_num_experts"],
-                        k=ffn["moe_top_k"], V=cfg["vocab_size"])
-        return dict(name=cfg.get("_name_or_path", path.stem) or path.stem,
-                    h=cfg["hidden_size"], h_i=cfg["intermediate_size"],
-                    L=cfg["num_hidden_layers"], n_q=cfg["num_attention_heads"],
-                    n_kv=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-                    E=cfg["num_local_experts"], k=cfg["num_experts_per_tok"],
-                    V=cfg["vocab_size"])
-    except KeyError as missing:
+            ffn, attn = cfg.get("ffn_config") or {}, cfg.get("attn_config") or {}
+            fields = dict(h=cfg["d_model"], h_i=ffn["ffn_hidden_size"], L=cfg["n_layers"],
+                          n_q=cfg["n_heads"], n_kv=attn["kv_n_heads"],
+                          E=ffn["moe_num_experts"], k=ffn["moe_top_k"], V=cfg["vocab_size"],
+                          rope_theta=attn.get("rope_theta", 10000.0), architecture="dbrx")
+        else:
+            fields = dict(h=cfg["hidden_size"], h_i=cfg["intermediate_size"],
+                          L=cfg["num_hidden_layers"], n_q=cfg["num_attention_heads"],
+                          n_kv=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                          E=cfg["num_local_experts"], k=cfg["num_experts_per_tok"],
+                          V=cfg["vocab_size"], **_rope_fields(cfg, path))
+            for ours, theirs in (("head_dim", "head_dim"), ("rms_norm_eps", "rms_norm_eps"),
+                                 ("sliding_window", "sliding_window"),
+                                 ("hidden_act", "hidden_act")):
+                if cfg.get(theirs) is not None:
+                    fields[ours] = cfg[theirs]
+        fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    except (KeyError, TypeError, AttributeError) as missing:
         raise TgError(
-            f"Model config '{path}' lacks the field {missing}; tg reads Mixtral-style "
-            "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
-            "num_key_value_heads, num_local_experts, num_experts_per_tok, vocab_size) and "
-            "DBRX-style config.json files."
+            f"Model config '{path}' lacks the field {missing} or holds it in the wrong form; tg "
+            "reads Mixtral-style (hidden_size, intermediate_size, num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok, "
+            "vocab_size) and DBRX-style config.json files."
         ) from None
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    if dtype is not None:
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if dtype not in sizes:
+            raise TgError(f"Model config '{path}': dtype '{dtype}' is not one tg runs "
+                          "(float32, bfloat16, float16).")
+        fields.update(dtype=dtype, dtype_bytes=sizes[dtype])
+    name = cfg.get("_name_or_path") or path.parent.name or path.stem
+    return dict(name=str(name), **fields)
+
+
+def _rope_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """RoPE theta and scaling from either transformers 4's (rope_theta, rope_scaling) or 5's
+    (rope_parameters) spelling."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 1e6))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
+    if kind == "linear":
+        out["rope_scaling_factor"] = params.get("factor", 1.0)
+    return out
 
 
 # --- overrides -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from taskgraph.schedules import RESOURCES
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 Positive = Field(gt=0)
 Efficiency = Field(gt=0.0, le=1.0)
@@ -35,11 +36,31 @@ class ModelSpec(BaseModel):
     k: int = Positive
     V: int = Positive
     dtype_bytes: int = Field(default=2, gt=0)
+    # What the weights are stored as (a checkpoint's torch_dtype); None: fp32 for 4-byte
+    # weights, bf16 (CPU) or fp16 (CUDA) for 2-byte ones. It must agree with dtype_bytes.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # Fields that change what the model computes but not how much work it is (read from a
+    # checkpoint's config.json; the defaults are Mixtral 8x7B's).
+    head_dim: int | None = Field(default=None, gt=0)      # None: h / n_q
+    rope_theta: float = Field(default=1e6, gt=0, allow_inf_nan=False)
+    rope_type: str = "default"           # HF rope_type; the executor computes default, linear
+    rope_scaling_factor: float = Field(default=1.0, gt=0, allow_inf_nan=False)   # linear
+    rms_norm_eps: float = Field(default=1e-5, gt=0, allow_inf_nan=False)
+    # The LM head reuses the token embedding (one matrix, counted once).
+    tie_word_embeddings: bool = False
+    # Attention sees only the last `sliding_window` tokens (None: every token).
+    sliding_window: int | None = Field(default=None, gt=0)
+    hidden_act: str = "silu"             # the experts' gate activation (SwiGLU: silu)
+    # Which layer structure the weights follow; the executor computes "mixtral" only.
+    architecture: Literal["mixtral", "dbrx"] = "mixtral"
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
-        if self.h % self.n_q:
+        if self.head_dim is None and self.h % self.n_q:
             raise ValueError(f"h = {self.h} is not a multiple of n_q = {self.n_q}")
+        if self.dtype is not None and _DTYPE_BYTES[self.dtype] != self.dtype_bytes:
+            raise ValueError(f"dtype {self.dtype} has {_DTYPE_BYTES[self.dtype]}-byte elements "
+                             f"but dtype_bytes = {self.dtype_bytes}")
         if self.n_q % self.n_kv:
             raise ValueError(f"n_q = {self.n_q} is not a multiple of n_kv = {self.n_kv}")
         if self.k > self.E:
@@ -49,7 +70,12 @@ class ModelSpec(BaseModel):
     @property
     def d(self) -> int:
         """Head dimension."""
-        return self.h // self.n_q
+        return self.head_dim or self.h // self.n_q
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention output): n_q heads of d, usually h."""
+        return self.n_q * self.d
 
     @property
     def h_kv(self) -> int:
@@ -60,11 +86,11 @@ class ModelSpec(BaseModel):
     # streamed tail of a layer is paged, so the order decides which tasks wait for which pages.
     @property
     def qkv_bytes(self) -> int:
-        return self.dtype_bytes * self.h * (self.h + 2 * self.h_kv)
+        return self.dtype_bytes * self.h * (self.q_dim + 2 * self.h_kv)
 
     @property
     def o_bytes(self) -> int:
-        return self.dtype_bytes * self.h * self.h
+        return self.dtype_bytes * self.q_dim * self.h
 
     @property
     def router_bytes(self) -> int:
@@ -81,8 +107,8 @@ class ModelSpec(BaseModel):
 
     @property
     def embed_bytes(self) -> int:
-        """Token embedding plus LM head (untied), kept on the GPU."""
-        return 2 * self.dtype_bytes * self.V * self.h
+        """Token embedding plus LM head (one matrix if tied), kept on the GPU."""
+        return (1 if self.tie_word_embeddings else 2) * self.dtype_bytes * self.V * self.h
 
     @property
     def model_bytes(self) -> int:

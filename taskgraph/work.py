@@ -103,23 +103,23 @@ class TaskWork:
     # Decode, one micro-batch of mu sequences, one layer.
     def _PreAttn(self) -> Work:
         m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
-        return Work(flops=2 * mu * m.h * (m.h + 2 * m.h_kv),
-                    bytes=m.qkv_bytes + b * mu * (2 * m.h + 2 * m.h_kv))
+        return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv),
+                    bytes=m.qkv_bytes + b * mu * (m.h + m.q_dim + 2 * m.h_kv))
 
     def _D1(self) -> Work:
         m = self.m
-        return Work(bytes=m.dtype_bytes * self.p.mu * (m.h + 2 * m.h_kv))
+        return Work(bytes=m.dtype_bytes * self.p.mu * (m.q_dim + 2 * m.h_kv))
 
     def _CPUAttn(self) -> Work:
         m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
-        return Work(flops_per_ctx=4 * mu * m.h, bytes_per_ctx=2 * b * mu * m.h_kv,
-                    bytes=b * mu * (2 * m.h + 2 * m.h_kv))
+        return Work(flops_per_ctx=4 * mu * m.q_dim, bytes_per_ctx=2 * b * mu * m.h_kv,
+                    bytes=b * mu * (2 * m.q_dim + 2 * m.h_kv))
 
     def _GPUAttn(self) -> Work:
         return self._CPUAttn()
 
     def _D2(self) -> Work:
-        return Work(bytes=self.m.dtype_bytes * self.p.mu * self.m.h)
+        return Work(bytes=self.m.dtype_bytes * self.p.mu * self.m.q_dim)
 
     def _D4(self) -> Work:
         # The part of the micro-batch's KV cache that is not kept on the GPU.
@@ -130,7 +130,7 @@ class TaskWork:
         m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
         tokens = mu
         return Work(
-            flops=2 * tokens * m.h * m.h + 2 * tokens * m.h * m.E
+            flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
             + 6 * tokens * m.k * m.h * m.h_i,
             bytes=m.o_bytes + m.router_bytes + m.experts_hit(tokens) * m.expert_bytes
             + b * tokens * (4 * m.h + 2 * m.k * m.h_i),
@@ -151,9 +151,9 @@ class TaskWork:
     def _Prefill(self) -> Work:
         m, mu, b, p = self.m, self.p.mu, self.m.dtype_bytes, self.w.context_prompt
         t = mu * p
-        flops = (2 * t * m.h * (m.h + 2 * m.h_kv) + 2 * t * m.h * m.h + 2 * t * m.h * m.E
-                 + 6 * t * m.k * m.h * m.h_i
-                 + 2 * mu * p * p * m.h)  # causal attention: half of 4*mu*p^2*h
+        flops = (2 * t * m.h * (m.q_dim + 2 * m.h_kv) + 2 * t * m.q_dim * m.h
+                 + 2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i
+                 + 2 * mu * p * p * m.q_dim)  # causal attention: half of 4*mu*p^2*q_dim
         return Work(flops=flops,
                     bytes=m.layer_bytes - (m.E - m.experts_hit(t)) * m.expert_bytes
                     + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))
