@@ -125,8 +125,8 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
     `m`, converted to `dtype`.
 
     Tensors are read one at a time through memory-mapped ``safe_open`` handles and copied into
-    each layer's flat vector, so peak host memory is the weights the run keeps plus one tensor,
-    not the checkpoint. A tied checkpoint (``m.tie_word_embeddings``) shares one matrix between
+    each layer's flat vector; the handles close after every layer, so peak host memory is the
+    weights the run keeps plus one layer's mapped pages, not the checkpoint. A tied checkpoint (``m.tie_word_embeddings``) shares one matrix between
     embedding and LM head."""
     try:
         from safetensors import safe_open
@@ -149,8 +149,8 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
         if tuple(t.shape) != shape:
             raise TgError(f"Checkpoint tensor '{name}' has shape {tuple(t.shape)}, but the "
                           f"scenario's model needs {shape}.")
-        if out is None:
-            return t.to(dtype)
+        if out is None:       # a copy: a tensor on the mapped file keeps all of it resident
+            return t.to(dtype, copy=True)
         out.copy_(t.reshape(-1))
         return out
 
@@ -165,6 +165,7 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
         p = f"model.layers.{i}."
         norms.append((read(p + "input_layernorm.weight", (m.h,)),
                       read(p + "post_attention_layernorm.weight", (m.h,))))
+        handles.clear()     # unmap: the pages read stay resident while a handle is open
     embed = read("model.embed_tokens.weight", (m.V, m.h))
     if m.tie_word_embeddings:
         head = embed

@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, help="decode steps to run (default: workload.gen_len)")
     c.add_argument("--weights", metavar="DIR", help="a Hugging Face Mixtral safetensors "
                    "checkpoint matching the model (default: synthetic weights, seeded)")
+    c.add_argument("--prompts", metavar="FILE.jsonl", help="requests to run, one JSON object "
+                   "a line: prompt_ids (or prompt text, with the checkpoint's tokenizer.json) "
+                   "and optional id, max_new_tokens (default: synthetic prompts)")
+    c.add_argument("--out", metavar="FILE.jsonl", help="write each request's generated tokens "
+                   "here (with --prompts)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -212,13 +217,16 @@ def _execute(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise TgError(f"--steps must be at least 1, not {args.steps}.")
+    if args.out and not args.prompts:
+        raise TgError("--out writes the tokens generated for --prompts; give a prompts file.")
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"workload.gen_len={args.steps}")
     args.overrides = overrides
     scenario = _load(args)
     with _progress(not args.json, "executing") as tick:
-        ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick)
+        ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick,
+                              prompts_path=args.prompts)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
     _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])
@@ -227,7 +235,22 @@ def _execute(args: argparse.Namespace) -> int:
         raise TgError(f"A task failed during execution ({type(failure).__name__}: {failure}); "
                       + (f"the trace in {args.trace} shows what ran before it." if args.trace
                          else "rerun with --trace to see what ran before it."))
-    _emit(args, ex.summary, lambda: _console().print(_tables().execute_table(ex.summary)))
+    outputs = ex.summary.get("outputs")
+    if args.out and outputs is not None:       # in the file, not repeated in the JSON
+        from taskgraph.exec.prompts import write_outputs
+
+        write_outputs(args.out, ex.summary.pop("outputs"))
+        ex.summary["out"] = args.out
+
+    def human() -> None:
+        console = _console()
+        console.print(_tables().execute_table(ex.summary))
+        if outputs is not None and not args.out:
+            for row in outputs[:5]:
+                console.print(f"  {row['id']}: {row.get('text', row['output_ids'])}")
+        _print_warnings(ex.summary)
+
+    _emit(args, ex.summary, human)
     return _interrupted(ex.summary)
 
 
@@ -455,6 +478,11 @@ def _gantt(args: argparse.Namespace, runs: list) -> None:
     gantt(runs, args.gantt)
     if not args.json:
         _console().print(f"wrote {args.gantt}")
+
+
+def _print_warnings(summary: dict[str, Any]) -> None:
+    for text in summary.get("warnings", []):
+        _console().print(f"[yellow]warning:[/yellow] {text}")
 
 
 def _interrupted(summary: dict[str, Any]) -> int:

@@ -7,7 +7,10 @@ This is the library entry point behind `tg execute`. It needs PyTorch.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
 
 from taskgraph.builder import make_plan
 from taskgraph.compiled import compile_plan
@@ -15,7 +18,7 @@ from taskgraph.errors import TgError
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import Simulation
-from taskgraph.specs import Scenario
+from taskgraph.specs import ModelSpec, Scenario
 from taskgraph.trace import TraceRun
 
 
@@ -64,51 +67,178 @@ def _check_host_memory(need: float) -> None:
         )
 
 
+# Fields of a checkpoint's config.json that change what is computed but not its shape: with
+# --weights they come from the checkpoint, whatever the scenario's model says.
+_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rms_norm_eps",
+                "tie_word_embeddings", "sliding_window", "hidden_act", "architecture", "dtype",
+                "dtype_bytes")
+_SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V")
+
+
+def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
+    """The scenario's model made to agree with a checkpoint's config.json: shapes must match,
+    the fields that change the math come from the checkpoint, and running fewer layers than it
+    holds is said, not silent. Returns the model and the warnings to show."""
+    from taskgraph.scenario import model_from_hf_config
+
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return model, [f"'{folder}' has no config.json: RoPE theta, norm epsilon and the other "
+                       "fields that change the math are the scenario's model's, unchecked."]
+    try:
+        ckpt = ModelSpec.model_validate(model_from_hf_config(config))
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise TgError(f"The checkpoint's config '{config}' is not a valid model: "
+                      f"{'.'.join(map(str, e['loc']))}: {e['msg']}.") from None
+    for field in _SHAPE_FIELDS:
+        if getattr(model, field) != getattr(ckpt, field):
+            raise TgError(f"model.{field} = {getattr(model, field)} in the scenario, but the "
+                          f"checkpoint '{folder}' has {getattr(ckpt, field)}; start the scenario's "
+                          f"model from it (model: {{hf_config: {config}}}).")
+    if model.L > ckpt.L:
+        raise TgError(f"model.L = {model.L}, but the checkpoint '{folder}' holds {ckpt.L} layers.")
+    warnings = []
+    if model.L < ckpt.L:
+        warnings.append(f"running the first {model.L} of the checkpoint's {ckpt.L} layers "
+                        f"(model.L = {model.L}): the tokens are not the full model's.")
+    changed = [f for f in _MATH_FIELDS if getattr(model, f) != getattr(ckpt, f)]
+    if changed:
+        warnings.append("taken from the checkpoint's config.json instead of the scenario: "
+                        + ", ".join(f"{f} = {getattr(ckpt, f)}" for f in changed) + ".")
+    return model.model_copy(update={f: getattr(ckpt, f) for f in _MATH_FIELDS}), warnings
+
+
+def check_computable(m: ModelSpec, context: int) -> None:
+    """Refuse what the kernels would compute differently from the model."""
+    if m.architecture != "mixtral":
+        raise TgError(f"model.architecture = {m.architecture}: tg execute computes Mixtral-style "
+                      "layers (RMSNorm, separate q/k/v, SwiGLU experts); DBRX checkpoints (fused "
+                      "Wqkv, LayerNorm, clipped QKV) can be simulated but not executed.")
+    if m.hidden_act != "silu":
+        raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
+                      "with SiLU only.")
+    if m.rope_type not in ("default", "linear"):
+        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default and linear "
+                      "RoPE scalings only.")
+    if m.sliding_window is not None and m.sliding_window < context:
+        raise TgError(f"model.sliding_window = {m.sliding_window} is shorter than the context "
+                      f"this run reaches ({context} tokens); tg's attention sees every token, "
+                      "so it would not compute this model. Use shorter prompts or fewer steps.")
+
+
+def _torch_dtype(torch, m: ModelSpec, dev: str) -> tuple[Any, list[str]]:
+    """Weights run in the checkpoint's dtype. Without one: fp32 for 4-byte weights, bf16 on the
+    CPU and fp16 on CUDA for 2-byte ones. A GPU without bf16 (T4) runs a bf16 checkpoint in
+    fp16, and says so."""
+    if m.dtype is not None:
+        dtype = getattr(torch, m.dtype)
+    elif m.dtype_bytes == 4:
+        dtype = torch.float32
+    elif m.dtype_bytes == 2:
+        dtype = torch.bfloat16 if dev == "cpu" else torch.float16
+    else:
+        raise TgError(f"model.dtype_bytes = {m.dtype_bytes}: the executor runs 4-byte (fp32) or "
+                      "2-byte (fp16/bf16) weights.")
+    if dev == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16, ["this GPU has no bf16: the bf16 weights run in fp16."]
+    return dtype, []
+
+
+def _for_requests(scenario: Scenario, schedule: str | None, requests: list) -> Scenario:
+    """The scenario resized to run these requests: N the request count rounded up to whole
+    micro-batches, and to as many as the schedule needs (the rest filler sequences, whose output
+    is dropped), prompts padded to the longest, as many decode steps as the longest request
+    needs."""
+    from taskgraph.schedules import SCHEDULES
+
+    count = len(requests)
+    mu = min(scenario.policy.mu, count)
+    needed = SCHEDULES[schedule or scenario.schedule].min_micro_batches
+    N = max(-(-count // mu), needed) * mu
+    lens = [len(r.prompt_ids) for r in requests]
+    workload = scenario.workload.model_copy(update=dict(
+        prompt_len=max(1, round(sum(lens) / count)), max_prompt_len=max(lens), padded=True,
+        gen_len=max(1, max(r.max_new_tokens for r in requests) - 1)))
+    return scenario.model_copy(update=dict(
+        workload=workload, policy=scenario.policy.model_copy(update=dict(N=N, mu=mu))))
+
+
 def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
                      weights_path: str | None = None, seed: int = 0,
-                     progress: Callable[[int, int], None] | None = None) -> Execution:
-    """Execute a scenario's schedule for real and compare it with the reference forward."""
+                     progress: Callable[[int, int], None] | None = None,
+                     prompts_path: str | None = None) -> Execution:
+    """Execute a scenario's schedule for real and compare it with the reference forward. With
+    `prompts_path`, run those requests (see :mod:`taskgraph.exec.prompts`) and put what each
+    generated in ``summary["outputs"]``."""
     torch = _torch()
-    from taskgraph.exec.dispatch import execute
+    from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
+    from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
     from taskgraph.exec.runtime import Runtime
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts
     from taskgraph.kernels.weights import load_mixtral_safetensors, synthetic_weights
 
     t0 = time.perf_counter()
     dev = pick_device(device)
+    warnings: list[str] = []
+    if weights_path:
+        model, warnings = checkpoint_model(scenario.model, weights_path)
+        scenario = scenario.model_copy(update={"model": model})
+    requests, tokenizer = None, None
+    if prompts_path:
+        tokenizer = load_tokenizer(weights_path)
+        requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,
+                                tokenizer)
+        scenario = _for_requests(scenario, schedule, requests)
+    m, p = scenario.model, scenario.policy
+    check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
+    dtype, more = _torch_dtype(torch, m, dev)
+    warnings += more
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
     check_fits(memory, plan.schedule.name)
     if dev == "cpu":
         _check_host_memory(memory.gpu_total + memory.cpu_total)
     program = compile_plan(plan)
-    m, p = scenario.model, scenario.policy
-    dtype = {4: torch.float32, 2: torch.bfloat16 if dev == "cpu" else torch.float16}.get(
-        m.dtype_bytes)
-    if dtype is None:
-        raise TgError(f"model.dtype_bytes = {m.dtype_bytes}: the executor runs 4-byte (fp32) or "
-                      "2-byte (fp16/bf16) weights.")
     w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
          else synthetic_weights(m, seed=seed, dtype=dtype))
-    prompts = synthetic_prompts(p.N, scenario.workload.context_prompt, m.V, seed=seed + 1)
-    runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda")
+    P = scenario.workload.context_prompt
+    if requests is None:
+        prompts, lens = synthetic_prompts(p.N, P, m.V, seed=seed + 1), None
+    else:
+        prompts = torch.zeros(p.N, P, dtype=torch.long)
+        lens = torch.ones(p.N, dtype=torch.long)      # fillers: one token
+        for i, r in enumerate(requests):
+            prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+            lens[i] = len(r.prompt_ids)
+    runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda",
+                      prompt_lens=lens)
     total = len(program.seg_template)
-    from taskgraph.exec.dispatch import CudaDevice, HostDevice
-
     run = execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
                   progress=(lambda d: progress(d, total)) if progress else None)
     summary = summarize(run, memory)
     # The hardware limit describes the modelled machine, not the one this ran on.
     del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
     summary["device"] = dev
+    summary["dtype"] = str(dtype).removeprefix("torch.")
     summary["measured"] = True
+    summary["max_abs_err"] = summary["tokens_match"] = None
     if not run.interrupted:
-        ref = reference_forward(w, prompts, p.mu, plan.G)   # on the host, sequentially
+        ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially
         tokens, logits, _ = runtime.outputs()
         summary["max_abs_err"] = float((logits.float() - ref.logits.float()).abs().max())
         summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
-    else:
-        summary["max_abs_err"] = None
-        summary["tokens_match"] = None
+        if requests is not None:
+            eos = eos_ids(weights_path)
+            summary["outputs"] = []
+            for i, r in enumerate(requests):
+                out = trim(tokens[i].tolist(), r.max_new_tokens, eos)
+                row = {"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": out}
+                if tokenizer is not None:
+                    row["text"] = tokenizer.decode(out, skip_special_tokens=True)
+                summary["outputs"].append(row)
+    if requests is not None:
+        summary["requests"] = len(requests)
+    summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Execution(plan, program, memory, run, summary)

@@ -44,6 +44,10 @@ def execute_table(r: dict[str, Any]) -> Table:
     ok = r["tokens_match"]
     t.add_row("vs reference", "not checked (run stopped early)" if ok is None else
               f"tokens {'identical' if ok else 'DIFFER'}, max |logit error| {r['max_abs_err']:.3g}")
+    t.add_row("weights", r["dtype"])
+    if "requests" in r:
+        t.add_row("requests", f"{r['requests']}" + (f", tokens written to {r['out']}"
+                                                    if r.get("out") else ""))
     return t
 
 

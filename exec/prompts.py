@@ -1,0 +1,150 @@
+"""Real requests for `tg execute`: a JSONL file of prompts in, a JSONL file of tokens out.
+
+An input line holds ``prompt_ids`` (token ids) or ``prompt`` (text, tokenized with the
+checkpoint's ``tokenizer.json`` through the `tokenizers` library), an optional ``id`` and an
+optional ``max_new_tokens``. An output line holds the request's ``id``, its ``prompt_ids``, the
+generated ``output_ids`` and, with a tokenizer, their ``text``. Generation is greedy and stops
+at a request's ``max_new_tokens`` or just after its first end-of-sequence token, as
+transformers' ``generate`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from taskgraph.errors import TgError
+
+
+class _Line(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | int | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "_Line":
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt (text) and prompt_ids (token ids)")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        return self
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str | int
+    prompt_ids: list[int]
+    max_new_tokens: int
+
+
+def load_tokenizer(folder: str | Path | None) -> Any | None:
+    """The checkpoint's ``tokenizer.json`` as a `tokenizers.Tokenizer`, or None if it has none."""
+    if folder is None:
+        return None
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TgError(f"'{path}' needs the tokenizers library: pip install tokenizers.") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:      # noqa: BLE001 - the library raises plain Exceptions
+        raise TgError(f"'{path}' is not a tokenizer file tokenizers can read ({err}).") from None
+
+
+def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
+                 tokenizer: Any | None = None) -> list[Request]:
+    """Requests from a JSONL file; every error names the line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise TgError(f"The prompts file '{path}' does not exist (or is not a file).")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TgError(f"The prompts file '{path}' is not UTF-8 text.") from None
+    requests: list[Request] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            line = _Line.model_validate(json.loads(raw))
+        except json.JSONDecodeError as err:
+            raise TgError(f"{where} is not a JSON object: {err.msg}.") from None
+        except ValidationError as err:
+            e = err.errors()[0]
+            field = ".".join(str(p) for p in e["loc"]) or "the line"
+            msg = e["msg"].removeprefix("Value error, ")
+            raise TgError(f"{where}: {field}: {msg}. A line looks like "
+                          '{"id": 1, "prompt_ids": [1, 415, 2936], "max_new_tokens": 16} or '
+                          '{"prompt": "Hello", ...}.') from None
+        if line.prompt is not None:
+            if tokenizer is None:
+                raise TgError(f"{where} gives prompt text, but the checkpoint has no "
+                              "tokenizer.json (pass --weights DIR with one, or give prompt_ids).")
+            ids = tokenizer.encode(line.prompt).ids
+            if not ids:
+                raise TgError(f"{where}: prompt tokenizes to no tokens.")
+        else:
+            ids = line.prompt_ids
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise TgError(f"{where}: prompt_ids holds {bad[0]}, outside the model's vocabulary "
+                          f"(0 to {vocab - 1}).")
+        requests.append(Request(line.id if line.id is not None else len(requests), ids,
+                                line.max_new_tokens or default_new_tokens))
+    if not requests:
+        raise TgError(f"The prompts file '{path}' holds no requests.")
+    return requests
+
+
+def trim(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Generated ids as `generate` returns them: at most max_new_tokens, ending at the first EOS."""
+    out = tokens[:max_new_tokens]
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i + 1]
+    return out
+
+
+def eos_ids(folder: str | Path | None) -> set[int]:
+    """End-of-sequence ids from the checkpoint's generation_config.json, else its config.json."""
+    if folder is None:
+        return set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                continue
+            if value is not None:
+                return {int(v) for v in (value if isinstance(value, list) else [value])}
+    return set()
+
+
+def write_outputs(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """One JSON line per request, written whole or not at all (a temporary file in the same
+    folder, renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

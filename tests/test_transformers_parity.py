@@ -1,0 +1,235 @@
+"""The executor against an implementation this project did not write: Hugging Face transformers'
+MixtralForCausalLM, on random checkpoints made here with ``save_pretrained``.
+
+For every schedule and several shapes (GQA ratios, head_dim other than h / n_q, RoPE theta and
+linear scaling, norm epsilon, tied and untied embeddings, sharded and single-file checkpoints),
+requests of different lengths share micro-batches, and each one's greedy tokens must be those of
+``generate(do_sample=False)`` on that prompt alone, with every step's logits within fp32
+tolerance. In bf16 the two round differently: logits agree within a stated tolerance and the
+argmax wherever the top two logits are further apart than it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from taskgraph.builder import make_plan  # noqa: E402
+from taskgraph.compiled import compile_plan  # noqa: E402
+from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.runtime import Runtime  # noqa: E402
+from taskgraph.kernels.reference import reference_forward  # noqa: E402
+from taskgraph.kernels.weights import load_mixtral_safetensors  # noqa: E402
+from taskgraph.scenario import scenario_from_dict  # noqa: E402
+
+SHAPES = {
+    # GQA 4:1, head_dim 16 where h / n_q = 8, small theta, eps 1e-6, sharded, untied
+    "gqa4-headdim-sharded": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                 head_dim=16, rope_theta=500.0, rms_norm_eps=1e-6,
+                                 shard="40KB"),
+    # multi-head (no grouping), theta 1e4, tied embeddings, one file
+    "mha-tied": dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=4,
+                     rope_theta=1e4, tie_word_embeddings=True),
+    # one KV head for all queries, linear RoPE scaling, Mixtral's theta
+    "mqa-linear-rope": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                            rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+PROMPT_LENS = [7, 3, 5, 7, 1, 6]          # ragged: micro-batches mix lengths
+STEPS = 4                                 # decode steps: STEPS + 1 generated tokens
+
+
+def make_checkpoint(folder, *, dtype=torch.float32, shard=None, layers=3, rope_scaling=None,
+                    eos=None, **fields):
+    """A random Mixtral checkpoint, as a user would have one (config.json + safetensors)."""
+    cfg = transformers.MixtralConfig(
+        intermediate_size=96, num_hidden_layers=layers, num_local_experts=4,
+        num_experts_per_tok=2, vocab_size=128, max_position_embeddings=256,
+        initializer_range=0.15,          # logits of a few units, so argmax ties are rare
+        bos_token_id=None, eos_token_id=eos, **fields)
+    if rope_scaling is not None:         # transformers 5 spells it rope_parameters
+        cfg.rope_parameters = {**(cfg.rope_parameters or {}), **rope_scaling}
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).to(dtype).eval()
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
+    return scenario_from_dict({
+        "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": dtype_bytes},
+        "hardware": "t4", "workload": {"prompt_len": P, "gen_len": steps},
+        "policy": {"N": N, "mu": mu, "A_g": int(schedule == "S4"),
+                   "r_w": 0.3 if schedule == "S1" else 0.0},
+        "schedule": schedule})
+
+
+def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32):
+    sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS,
+                      dtype_bytes=4 if dtype == torch.float32 else 2)
+    plan = make_plan(sc)
+    w = load_mixtral_safetensors(folder, sc.model, dtype)
+    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
+    run = execute(compile_plan(plan), rt)
+    assert not run.interrupted and run.failure is None
+    return rt, w
+
+
+def generate(model, ids):
+    out = model.generate(ids[None], max_new_tokens=STEPS + 1, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(ids):], torch.stack(out.logits, 1)[0]
+
+
+def ragged_prompts(vocab=128):
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (len(PROMPT_LENS), max(PROMPT_LENS)), generator=g)
+    return prompts, torch.tensor(PROMPT_LENS)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    fields = dict(SHAPES[request.param])
+    model = make_checkpoint(folder, **fields)
+    prompts, lens = ragged_prompts()
+    expected = [generate(model, prompts[i, :n]) for i, n in enumerate(PROMPT_LENS)]
+    return folder, prompts, lens, expected
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+def test_tokens_and_logits_are_transformers_own(checkpoint, schedule):
+    folder, prompts, lens, expected = checkpoint
+    rt, w = run_tg(folder, schedule, prompts, lens)
+    tokens, _, _ = rt.outputs()
+    for i, (hf_tokens, hf_logits) in enumerate(expected):
+        assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
+        torch.testing.assert_close(rt.step_logits[i], hf_logits, rtol=0, atol=2e-4)
+    # the project's own sequential reference agrees too (it shares the kernels)
+    ref = reference_forward(w, prompts, 2, STEPS, lens)
+    assert torch.equal(ref.tokens, tokens)
+
+
+def test_bf16_agrees_within_its_rounding(tmp_path):
+    """bf16 keeps 8 bits of mantissa: logits may differ by up to BF16_TOL of the largest logit
+    (measured: 1-2%); wherever the top two logits are further apart than that, the argmax is
+    the same. Compared step by step while the greedy paths agree."""
+    BF16_TOL = 0.04
+    model = make_checkpoint(tmp_path, dtype=torch.bfloat16, **SHAPES["gqa4-headdim-sharded"])
+    prompts, lens = ragged_prompts()
+    for schedule in ("S1", "S4"):
+        rt, _ = run_tg(tmp_path, schedule, prompts, lens, dtype=torch.bfloat16)
+        compared = 0
+        for i, n in enumerate(PROMPT_LENS):
+            hf_tokens, hf_logits = generate(model, prompts[i, :n])
+            ours = rt.step_logits[i].float()
+            theirs = hf_logits.float()
+            tol = BF16_TOL * theirs.abs().max()
+            for step in range(STEPS + 1):
+                assert (ours[step] - theirs[step]).abs().max() <= tol, (schedule, i, step)
+                top2 = theirs[step].topk(2).values
+                if top2[0] - top2[1] > tol:
+                    assert ours[step].argmax() == theirs[step].argmax()
+                    compared += 1
+                if rt.tokens[i, step] != hf_tokens[step]:
+                    break            # the paths part; later steps see different inputs
+        assert compared >= len(PROMPT_LENS)
+
+
+def test_cli_prompts_in_tokens_out_with_a_tokenizer(tmp_path, capsys):
+    """Text prompts through the checkpoint's tokenizer.json, tokens and text out, stopping at
+    end-of-sequence as generate does; every output equals transformers' generate."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from taskgraph.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    words = [f"w{i}" for i in range(120)]
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    model = make_checkpoint(ckpt, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                            eos=5)
+    tok.save(str(ckpt / "tokenizer.json"))
+    lines = [{"id": "a", "prompt": "w1 w7 w30 w2 w99"},
+             {"id": "b", "prompt_ids": [4, 8], "max_new_tokens": 3},
+             {"prompt": "w50 w51 w52 w53 w54 w55 w56 w57 w58", "max_new_tokens": 6}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {ckpt / 'config.json'}}}\nhardware: t4\n"
+                    "workload: {prompt_len: 4, gen_len: 5}\npolicy: {N: 4, mu: 2}\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["execute", str(scen), "--weights", str(ckpt), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(out), "--schedule", "S2",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 3 and summary["out"] == str(out)
+    assert summary["tokens_match"] and summary["warnings"] == []
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", 2]
+    for line, row in zip(lines, rows):
+        ids = row["prompt_ids"]
+        if "prompt" in line:
+            assert ids == tok.encode(line["prompt"]).ids
+        want = model.generate(torch.tensor([ids]), do_sample=False, pad_token_id=0,
+                              max_new_tokens=line.get("max_new_tokens", 5))[0, len(ids):]
+        assert row["output_ids"] == want.tolist()
+        assert row["text"] == tok.decode(row["output_ids"], skip_special_tokens=True)
+
+
+def test_config_fields_that_change_the_math_are_read_or_refused(tmp_path, capsys):
+    from taskgraph.cli import main
+
+    make_checkpoint(tmp_path, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                    layers=3)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {tmp_path / 'config.json'}}}\nhardware: t4\n"
+                    "workload: {prompt_len: 8, gen_len: 2}\npolicy: {N: 4, mu: 2}\n")
+
+    def execute_with(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **changes}))
+        rc = main(["execute", str(scen), "--weights", str(tmp_path), "--json"])
+        captured = capsys.readouterr()
+        return rc, captured.err, captured.out
+
+    rc, err, _ = execute_with(sliding_window=4)
+    assert rc == 2 and "sliding_window = 4" in err and "Traceback" not in err
+    rc, err, _ = execute_with(hidden_act="gelu")
+    assert rc == 2 and "hidden_act = gelu" in err
+    rc, err, _ = execute_with(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                               "rope_theta": 1e6})
+    assert rc == 2 and "rope_type" in err
+    rc, err, out = execute_with(sliding_window=4096)      # longer than the context: fine
+    assert rc == 0, err
+    # fewer layers than the checkpoint: run, but say so
+    rc = main(["execute", str(scen), "--weights", str(tmp_path), "--json",
+               "--set", "model.L=2"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and any("first 2 of the checkpoint's 3 layers" in w
+                           for w in summary["warnings"])
+    # the scenario's eps differs from the checkpoint's: the checkpoint's is used, and said
+    rc = main(["execute", str(scen), "--weights", str(tmp_path), "--json",
+               "--set", "model.rms_norm_eps=0.1"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and any("rms_norm_eps = 1e-05" in w for w in summary["warnings"])
+
+
+def test_dbrx_configs_simulate_but_are_refused_by_the_executor(tmp_path, capsys):
+    from taskgraph.cli import main
+
+    dbrx = {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 128,
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 500000},
+            "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}}
+    (tmp_path / "config.json").write_text(json.dumps(dbrx))
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {tmp_path / 'config.json'}\nhardware: t4\n"
+                    "workload: {prompt_len: 8, gen_len: 2}\npolicy: {N: 4, mu: 2}\n")
+    assert main(["simulate", str(scen), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["execute", str(scen)]) == 2
+    assert "DBRX checkpoints" in capsys.readouterr().err
