@@ -153,7 +153,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.trace:
         _write_trace(args, [sim.trace_run()], sim.summary)
     _gantt(args, [sim.trace_run(f"{sim.summary['schedule']} simulated")])
-    _emit(args, sim.summary, lambda: _console().print(_tables().simulate_table(sim.summary)))
+    def human() -> None:
+        _console().print(_tables().simulate_table(sim.summary))
+        _print_warnings(sim.summary)
+
+    _emit(args, sim.summary, human)
     return _interrupted(sim.summary)
 
 
@@ -196,6 +200,9 @@ def _compare(args: argparse.Namespace) -> int:
     def human() -> None:
         console = _console()
         console.print(_tables().compare_table(results, notes))
+        for r in results:
+            for text in r.get("warnings", []):
+                console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
         if args.check:
             console.print(_tables().check_table(checks))
 

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from taskgraph.schedules import RESOURCES
-from taskgraph.specs import HardwareSpec
+from taskgraph.specs import HardwareSpec, ImplementationSpec, Scenario
 from taskgraph.work import KINDS
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
@@ -27,7 +27,7 @@ KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 class CostModel:
     """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
 
-    def __init__(self, hw: HardwareSpec):
+    def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None):
         g, c, k = hw.gpu, hw.cpu, hw.link
         n = g.count
         rates = {
@@ -49,30 +49,64 @@ class CostModel:
         self.kind_overhead = np.array([hw.task_overhead_us.get(k, np.nan) * 1e-6 for k in KINDS])
         self.kind_byte_rate = np.array([hw.task_gbps.get(k, np.nan) * 1e9 for k in KINDS])
         self.handoff = hw.handoff_us * 1e-6
+        # The implementation's share of those rates, and its own fixed cost, per kind.
+        impl = impl or ImplementationSpec(name="ideal")
+        self.implementation = impl
+        effects = [impl.kinds.get(kind) for kind in KINDS]
+        self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
+        self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
+        self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
+        self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
+        if impl.pageable_weights and k.pageable_h2d_gbps is not None:
+            self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9 * n
 
     def fixed(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
-        """Fixed seconds per task: the kind's own if the profile has one, else the resource's."""
+        """Fixed seconds per task: the kind's own if the profile has one, else the resource's,
+        plus the implementation's."""
         own = self.kind_overhead[kind]
-        return np.where(np.isnan(own), self.overhead[resource], own)
+        return np.where(np.isnan(own), self.overhead[resource], own) + self.kind_extra[kind]
 
     def byte_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
         own = self.kind_byte_rate[kind]
-        return np.where(np.isnan(own), self.byte_rate[resource], own)
+        return np.where(np.isnan(own), self.byte_rate[resource], own) * self.kind_bytes_eff[kind]
+
+    def flops_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
+        return self.flops_rate[resource] * self.kind_flops_eff[kind]
 
     def time(self, resource: str, flops: float, nbytes: float, kind: str | None = None) -> float:
         """Seconds one task takes on `resource`."""
         i = RESOURCES.index(resource)
-        k = KIND_INDEX[kind] if kind is not None else None
-        rate = self.byte_rate[i] if k is None else float(self.byte_rates(i, k))
-        fixed = self.overhead[i] if k is None else float(self.fixed(i, k))
-        return max(flops / self.flops_rate[i], nbytes / rate) + fixed
+        if kind is None:
+            return max(flops / self.flops_rate[i], nbytes / self.byte_rate[i]) + self.overhead[i]
+        return float(self.times(i, flops, nbytes, KIND_INDEX[kind]))
 
-    def times(self, resource: np.ndarray, flops: np.ndarray, nbytes: np.ndarray,
-              kind: np.ndarray) -> np.ndarray:
-        """Vectorised :meth:`time` over arrays of resource indexes, work and kind indexes."""
-        return (np.maximum(flops / self.flops_rate[resource],
-                           nbytes / self.byte_rates(resource, kind))
+    def times(self, resource: np.ndarray | int, flops: np.ndarray, nbytes: np.ndarray,
+              kind: np.ndarray | int) -> np.ndarray:
+        """Seconds per task, vectorised over arrays (or scalars) of resource indexes, work and
+        kind indexes: the roofline at the implementation's rates plus fixed costs."""
+        i_half = self.kind_i_half[kind]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            intensity = np.where(nbytes > 0, flops / np.maximum(nbytes, 1e-30), np.inf)
+            skinny = np.where(i_half > 0, intensity / (intensity + i_half), 1.0)
+        return (np.maximum(flops / self.flops_rates(resource, kind),
+                           nbytes / (self.byte_rates(resource, kind) * skinny))
                 + self.fixed(resource, kind))
+
+
+def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
+    """The scenario's implementation, or the one `schedule` stands for by default."""
+    from taskgraph.presets import IMPLEMENTATIONS
+    from taskgraph.schedules import SCHEDULES
+
+    if scenario.implementation is not None:
+        return scenario.implementation
+    return ImplementationSpec.model_validate(IMPLEMENTATIONS[SCHEDULES[schedule].implementation])
+
+
+def cost_model(scenario: Scenario, schedule: str) -> CostModel:
+    """The cost model a simulation of `schedule` in `scenario` runs on: the scenario's machine,
+    priced for the implementation that runs it."""
+    return CostModel(scenario.hardware, implementation_for(scenario, schedule))
 
 
 def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:

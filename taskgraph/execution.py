@@ -196,7 +196,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     warnings += more
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
-    check_fits(memory, plan.schedule.name)
+    warnings += check_fits(memory, plan.schedule.name)
     if dev == "cpu":
         _check_host_memory(memory.gpu_total + memory.cpu_total)
     program = compile_plan(plan)

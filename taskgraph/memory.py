@@ -22,9 +22,11 @@ class MemoryReport:
 
     gpu: dict[str, float]
     cpu: dict[str, float]
-    gpu_capacity: float
+    gpu_capacity: float          # planning headroom: memory x usable_fraction
     cpu_capacity: float
     gpu_count: int
+    gpu_physical: float = np.inf  # what an explicit policy may use: memory - reserve
+    cpu_physical: float = np.inf
 
     @property
     def gpu_total(self) -> float:
@@ -54,6 +56,8 @@ def memory_footprint(plan) -> MemoryReport:
         gpu_capacity=hw.gpu.memory_gb * GB * hw.gpu.usable_fraction * hw.gpu.count,
         cpu_capacity=hw.cpu.memory_gb * GB * hw.cpu.usable_fraction,
         gpu_count=hw.gpu.count,
+        gpu_physical=(hw.gpu.memory_gb - hw.gpu.reserve_gb) * GB * hw.gpu.count,
+        cpu_physical=(hw.cpu.memory_gb - hw.cpu.reserve_gb) * GB,
     )
 
 
@@ -93,20 +97,36 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     return gpu, cpu
 
 
-def check_fits(report: MemoryReport, schedule: str) -> None:
-    """Raise :class:`MemoryFitError` naming the binding constraint and by how much it is over."""
-    for where, items, cap, spec, knobs in (
-        ("GPU", report.gpu, report.gpu_capacity, "hardware.gpu", "policy.r_w, policy.mu or policy.r_c"),
-        ("CPU", report.cpu, report.cpu_capacity, "hardware.cpu",
+def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> list[str]:
+    """Raise :class:`MemoryFitError` naming the binding constraint and by how much it is over.
+
+    With ``planning`` (the policy search) the limit is the planning headroom, memory x
+    usable_fraction. For an explicit policy it is the physical memory less its reserve: a policy
+    that really ran must simulate. Between the two the policy runs, and the returned warnings
+    say by how much it passes the headroom."""
+    warnings = []
+    for where, items, usable, physical, spec, knobs in (
+        ("GPU", report.gpu, report.gpu_capacity, report.gpu_physical, "hardware.gpu",
+         "policy.r_w, policy.mu or policy.r_c"),
+        ("CPU", report.cpu, report.cpu_capacity, report.cpu_physical, "hardware.cpu",
          "policy.N or workload.gen_len, raise policy.r_w"),
     ):
         need = sum(items.values())
+        cap, rule = ((usable, f"{spec}.memory_gb x {spec}.usable_fraction") if planning else
+                     (physical, f"{spec}.memory_gb - {spec}.reserve_gb"))
         if need > cap:
             top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
             listing = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in top)
             raise MemoryFitError(
                 f"The policy does not fit in {where} memory with schedule {schedule}: it needs "
-                f"{need / GB:.2f} GB but {cap / GB:.2f} GB is usable ({spec}.memory_gb x "
-                f"{spec}.usable_fraction), {(need - cap) / GB:.2f} GB over. Largest items: "
+                f"{need / GB:.2f} GB but {cap / GB:.2f} GB is usable ({rule}), "
+                f"{(need - cap) / GB:.2f} GB over. Largest items: "
                 f"{listing}. Lower {knobs}, or use a machine with more {where} memory."
             )
+        if need > usable:
+            warnings.append(
+                f"{where} memory: the policy needs {need / GB:.2f} GB, above the planning "
+                f"headroom of {usable / GB:.2f} GB ({spec}.usable_fraction) by "
+                f"{(need - usable) / GB:.2f} GB; it fits the {cap / GB:.2f} GB left after "
+                f"{spec}.reserve_gb, so it runs, with little room to spare.")
+    return warnings

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.cost import KIND_INDEX, CostModel
+from taskgraph.cost import KIND_INDEX, CostModel, cost_model
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 from taskgraph.work import PAGED, TaskWork, WeightLayout
@@ -62,7 +62,7 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
                           r_c: float, n: np.ndarray, cost: CostModel | None = None
                           ) -> Predictions:
     """Predictions for batches of ``n * mu`` sequences in ``n`` micro-batches, for every n."""
-    cost = cost or CostModel(scenario.hardware)
+    cost = cost or cost_model(scenario, schedule.name)
     m, w = scenario.model, scenario.workload
     n = np.asarray(n, dtype=float)
     G, L = scenario.decode_steps, m.L
@@ -127,9 +127,7 @@ def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n:
         if paged:   # one page holds 1/n_pages of the streamed bytes
             nbytes = np.divide.outer(nbytes, np.maximum(n_pages, 1)).T    # (n, contexts)
             flops = np.broadcast_to(flops, nbytes.shape)
-        k = KIND_INDEX[op.kind]
-        t = np.maximum(flops / cost.flops_rate[r], nbytes / cost.byte_rates(r, k)) \
-            + cost.fixed(r, k)
+        t = cost.times(r, flops, nbytes, KIND_INDEX[op.kind])
         out[r] += count[:, None] * np.broadcast_to(t, (len(n), len(contexts)))
     return out
 

@@ -35,6 +35,13 @@ _LINKS: dict[str, dict[str, Any]] = {
     "pcie3": dict(h2d_gbps=15.75, d2h_gbps=15.75, h2d_eff=0.8, d2h_eff=0.8, latency_us=10),
     # The L4 machines of the paper reach ~16 GiB/s host->device, about 55% of PCIe 4.0 x16.
     "pcie4-l4": dict(h2d_gbps=31.5, d2h_gbps=31.5, h2d_eff=0.55, d2h_eff=0.55, latency_us=10),
+    # The paper's T4 and L4 hosts as FlexGen's profiler measured them
+    # (shared/reference/flexgen-cost-model.yaml): weights from pageable memory cross at
+    # 5.43 GiB/s on both, the driver's staging copy being the limit.
+    "pcie3-paper": dict(h2d_gbps=15.75, d2h_gbps=15.75, h2d_eff=0.8, d2h_eff=0.8, latency_us=10,
+                        pageable_h2d_gbps=5.83),
+    "pcie4-l4-paper": dict(h2d_gbps=31.5, d2h_gbps=31.5, h2d_eff=0.55, d2h_eff=0.55,
+                           latency_us=10, pageable_h2d_gbps=5.85),
     "pcie4": dict(h2d_gbps=31.5, d2h_gbps=31.5, h2d_eff=0.8, d2h_eff=0.8, latency_us=10),
     "pcie5": dict(h2d_gbps=63.0, d2h_gbps=63.0, h2d_eff=0.8, d2h_eff=0.8, latency_us=8),
 }
@@ -68,10 +75,10 @@ def _machine(name: str, gpu: str, count: int, link: str, host: str) -> dict[str,
 
 
 HARDWARE: dict[str, dict[str, Any]] = {
-    "t4": _machine("1xT4", "T4", 1, "pcie3", "xeon-24c"),
+    "t4": _machine("1xT4", "T4", 1, "pcie3-paper", "xeon-24c"),
     "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c"),
     "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c"),
-    "l4": _machine("1xL4", "L4", 1, "pcie4-l4", "xeon-24c-l4"),
+    "l4": _machine("1xL4", "L4", 1, "pcie4-l4-paper", "xeon-24c-l4"),
     "a100-80g": _machine("1xA100-80G", "A100-80G", 1, "pcie4", "epyc-64c"),
     "2xa100-80g": _machine("2xA100-80G", "A100-80G", 2, "pcie4", "epyc-64c"),
     "h100": _machine("1xH100", "H100-SXM", 1, "pcie5", "xeon-112c"),
@@ -84,4 +91,27 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mtbench": dict(prompt_len=77, max_prompt_len=418, gen_len=128),
     "helm-reasoning": dict(prompt_len=242, max_prompt_len=256, gen_len=50),
     "helm-summarization": dict(prompt_len=1693, max_prompt_len=1984, gen_len=64),
+}
+
+# Implementation profiles: what one system's software achieves relative to the machine's own
+# kernels and copies (taskgraph.specs.ImplementationSpec). "ideal" prices every task at the
+# machine's rates. The figures marked fitted come from `tg fit` on the MoE-Lightning paper's
+# Table 4 (shared/measurements); the rest are public measurements, cited where they are used.
+IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
+    "ideal": dict(name="ideal", title="the machine's own rates, no software losses"),
+    "moe-lightning": dict(
+        name="moe-lightning", title="MoE-Lightning (CGOPipe's system)",
+        kinds={"PostAttn": dict(intensity_half=8.0)},
+        sources=["MoE-Lightning, ASPLOS 2025: pinned staging of weights (Algorithm 1)"]),
+    "flexgen": dict(
+        name="flexgen", title="FlexGen (its Mixtral port in the MoE-Lightning artifact)",
+        pageable_weights=True,
+        kinds={"PostAttn": dict(intensity_half=8.0),
+               # FlexGen's own profiler: GPU->CPU copies of cache and hidden states at
+               # 2.0151 GiB/s on both machines, against ~12.6 GB/s that pinned PCIe 3.0 copies
+               # reach (shared/reference/flexgen-cost-model.yaml, gtoc_bdw_*).
+               "KVOut": dict(bytes_eff=0.171), "D1": dict(bytes_eff=0.171)},
+        sources=["FlexGen's fitted cost model for these machines "
+                 "(shared/reference/flexgen-cost-model.yaml): pageable weight copies at "
+                 "5.43 GiB/s (pin_weight=False), GPU->CPU at 2.0 GiB/s"]),
 }

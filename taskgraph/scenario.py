@@ -23,7 +23,8 @@ from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.specs import Scenario
 
-_SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "expect", "name")
+_SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
+             "name")
 
 
 def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
@@ -140,7 +141,7 @@ def _apply_override(doc: dict[str, Any], item: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
-        elif isinstance(child, str) and depth == 0 and part in ("model", "hardware", "workload"):
+        elif isinstance(child, str) and depth == 0 and part in _PRESETS:
             child = node[part] = {"preset": child} if not _is_file(child) else {"file": child}
         elif not isinstance(child, dict):
             raise TgError(
@@ -158,6 +159,8 @@ _PRESETS = {
     "model": (presets.MODELS, "models", " (or give a Hugging Face config.json path)"),
     "hardware": (presets.HARDWARE, "machines", " (or give a hardware profile .yaml)"),
     "workload": (presets.WORKLOADS, "workloads", ""),
+    "implementation": (presets.IMPLEMENTATIONS, "implementations",
+                       " (or give an implementation profile .yaml)"),
 }
 
 
@@ -188,11 +191,12 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path) -> A
 def _section_file(section: str, path: Path) -> dict[str, Any]:
     if section == "model":
         return model_from_hf_config(path)
-    if section == "hardware":
-        profile = _read_yaml(path, what="hardware profile")
+    if section in ("hardware", "implementation"):
+        what = f"{section} profile"
+        profile = _read_yaml(path, what=what)
         if not isinstance(profile, dict):
-            raise TgError(f"Hardware profile '{path}' must be a YAML mapping.")
-        return _resolve_section("hardware", profile, str(path), path.parent)
+            raise TgError(f"The {what} '{path}' must be a YAML mapping.")
+        return _resolve_section(section, profile, str(path), path.parent)
     raise TgError(f"The {section} section cannot be read from a file ('{path}'); give a preset "
                   "name or its fields.")
 

@@ -65,6 +65,9 @@ class Schedule:
     min_micro_batches: int = 1
     pin_slots: int = 2          # pinned staging pages
     kv_slots: int = 2           # GPU KV prefetch buffers
+    # The software whose kernels and copies a simulation of this schedule prices by default (a
+    # name in taskgraph.presets.IMPLEMENTATIONS); `implementation:` in a scenario swaps it.
+    implementation: str = "ideal"
 
 
 _LMHEAD = Op("LMHead", when="last_layer")
@@ -91,6 +94,7 @@ S1 = Schedule(
     summary="CPU attention two micro-batches ahead; next layer's weights in pages "
             "interleaved with hidden-state transfers",
     attention="cpu", paged=True, staging=True, min_micro_batches=2,
+    implementation="moe-lightning",
     prefill=_PREFILL_PAGED,
     decode_prologue=_CPU_PROLOGUE,
     decode=(Op("D2"), Op("D3", layer=1), Op("PostAttn"), _LMHEAD,
@@ -102,6 +106,9 @@ S2 = Schedule(
     name="S2", title="FastDecode-like",
     summary="CPU attention overlapped as in CGOPipe, but the next layer's weights cross whole",
     attention="cpu", paged=False, staging=False, min_micro_batches=2,
+    # The paper's S2 is an ablation inside MoE-Lightning's own system: its kernels, FastDecode's
+    # order.
+    implementation="moe-lightning",
     prefill=_PREFILL_WHOLE,
     decode_prologue=_CPU_PROLOGUE,
     decode=(Op("D2"), Op("D3", layer=1, when="first"), Op("PostAttn"), _LMHEAD,
@@ -112,7 +119,7 @@ S3 = Schedule(
     name="S3", title="FlexGen (CPU attention)",
     summary="each micro-batch strictly PreAttn, D1, CPUAttn, D2, PostAttn; only the whole-layer "
             "weight prefetch overlaps",
-    attention="cpu", paged=False, staging=False,
+    attention="cpu", paged=False, staging=False, implementation="flexgen",
     prefill=_PREFILL_WHOLE,
     decode_prologue=(),
     decode=(Op("D3", layer=1, when="first"), Op("PreAttn"), Op("D1"), Op("CPUAttn"),
@@ -123,7 +130,7 @@ S4 = Schedule(
     name="S4", title="FlexGen (GPU attention)",
     summary="attention on the GPU; the next micro-batch's KV cache is prefetched on its own "
             "stream and competes with the whole-layer weight prefetch for the CPU->GPU link",
-    attention="gpu", paged=False, staging=False,
+    attention="gpu", paged=False, staging=False, implementation="flexgen",
     prefill=_PREFILL_WHOLE,
     decode_prologue=(Loop("once", (Op("D4"),)),),
     decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn"), Op("GPUAttn"),

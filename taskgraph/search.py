@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.builder import build_segment, make_plan
-from taskgraph.cost import CostModel
+from taskgraph.cost import CostModel, cost_model
 from taskgraph.errors import ScheduleError, TgError
 from taskgraph.memory import GB, memory_items
 from taskgraph.predict import predict_micro_batches
@@ -93,11 +93,12 @@ class GridJob:
     max_micro_batches: int
 
     def run(self) -> tuple[list[Candidate], int]:
-        cost = CostModel(self.scenario.hardware)
+        costs: dict[str, CostModel] = {}
         found: list[Candidate] = []
         considered = 0
         for name, mu, r_w, r_c in self.combos:
             schedule = SCHEDULES[name]
+            cost = costs.get(name) or costs.setdefault(name, cost_model(self.scenario, name))
             n = np.arange(_min_micro(self.scenario, schedule), self.max_micro_batches + 1)
             considered += len(n)
             fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)

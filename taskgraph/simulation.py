@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from taskgraph.builder import Plan, make_plan
 from taskgraph.compiled import Program, compile_plan
-from taskgraph.cost import CostModel
+from taskgraph.cost import cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
@@ -40,12 +40,13 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     t0 = time.perf_counter()
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
-    check_fits(memory, plan.schedule.name)
+    warnings = check_fits(memory, plan.schedule.name)
     program = compile_plan(plan)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
-    run = simulate_with_interference(program, CostModel(scenario.hardware), tick)
+    run = simulate_with_interference(program, cost_model(scenario, plan.schedule.name), tick)
     summary = summarize(run, memory)
+    summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, program, memory, run, summary)
 

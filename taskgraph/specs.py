@@ -130,7 +130,11 @@ class GPUSpec(BaseModel):
     name: str
     count: int = Field(default=1, gt=0)
     memory_gb: float = Positive
+    # Planning headroom: the search keeps within memory_gb x usable_fraction (MoE-Lightning's
+    # optimizer keeps GPU use <= 0.86). An explicit policy may use up to memory_gb - reserve_gb
+    # (the CUDA context and library workspaces), with a warning above the headroom.
     usable_fraction: float = Field(default=0.86, gt=0.0, le=1.0)
+    reserve_gb: float = Field(default=0.5, ge=0.0, allow_inf_nan=False)
     mem_gbps: float = Positive
     tflops: float = Positive
     flops_eff: float = Efficiency
@@ -144,7 +148,10 @@ class CPUSpec(BaseModel):
     name: str
     cores: int = Positive
     memory_gb: float = Positive
+    # As for the GPU: the search plans within usable_fraction (0.8, as MoE-Lightning's
+    # optimizer); an explicit policy may use all but reserve_gb (the OS and the process itself).
     usable_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
+    reserve_gb: float = Field(default=8.0, ge=0.0, allow_inf_nan=False)
     mem_gbps: float = Positive
     tflops: float = Positive
     flops_eff: float = Efficiency
@@ -164,6 +171,9 @@ class LinkSpec(BaseModel):
     h2d_eff: float = Efficiency
     d2h_eff: float = Efficiency
     latency_us: float = Field(default=10.0, ge=0.0)
+    # Achieved CPU->GPU rate from pageable (unpinned) memory, which the driver stages through
+    # its own pinned buffer; None: as fast as pinned.
+    pageable_h2d_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class InterferenceSpec(BaseModel):
@@ -193,6 +203,51 @@ class InterferenceSpec(BaseModel):
                                      "a time)")
                 if x < 0:
                     raise ValueError(f"slowdown of '{victim}' by '{name}' is {x}; it must be >= 0")
+        return value
+
+
+class KindEffect(BaseModel):
+    """How one system's software does on one task kind, relative to what the machine's own
+    kernels and copies reach (the hardware profile's achieved rates)."""
+
+    model_config = _STRICT
+
+    flops_eff: float = Field(default=1.0, gt=0.0, le=1.0)   # share of the achieved FLOP rate
+    bytes_eff: float = Field(default=1.0, gt=0.0, le=1.0)   # share of the achieved bandwidth
+    overhead_us: float = Field(default=0.0, ge=0.0, le=1e6, allow_inf_nan=False)   # per task
+    # Skinny matrix products (an MoE expert seeing a few tokens) stream their weights at a
+    # fraction I / (I + intensity_half) of the bandwidth, I = the task's FLOPs per byte (about
+    # the tokens per expert for fp16 weights); 0: no such loss.
+    intensity_half: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
+
+
+class ImplementationSpec(BaseModel):
+    """What one system's software achieves on a machine (an *implementation profile*): kernel
+    efficiency per task kind, fixed costs per task (launches, Python), and whether weights
+    cross from pinned or pageable memory. A machine profile says what the hardware can do;
+    this says how much of it a given system gets. Each schedule names the one it stands for by
+    default (S1: MoE-Lightning, S3/S4: FlexGen); ``implementation:`` in a scenario swaps it."""
+
+    model_config = _STRICT
+
+    name: str
+    title: str = ""
+    kinds: dict[str, KindEffect] = Field(default_factory=dict)
+    # Weights cross CPU->GPU from pageable memory (the driver stages them) at
+    # hardware.link.pageable_h2d_gbps instead of the pinned rate.
+    pageable_weights: bool = False
+    sources: list[str] = Field(default_factory=list)
+    # Where the figures come from: `tg fit` writes the data, date and error here.
+    fitted: str | None = None
+
+    @field_validator("kinds")
+    @classmethod
+    def _known_kinds(cls, value: dict[str, KindEffect]) -> dict[str, KindEffect]:
+        from taskgraph.work import KINDS
+
+        for kind in value:
+            if kind not in KINDS:
+                raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
         return value
 
 
@@ -313,6 +368,8 @@ class Scenario(BaseModel):
     workload: WorkloadSpec
     policy: PolicySpec
     schedule: str = "S1"
+    # None: each schedule's own (Schedule.implementation).
+    implementation: ImplementationSpec | None = None
     expect: Expect | None = None
     # `policy: auto` in the file: the policy is a placeholder until a search replaces it.
     _policy_auto: bool = PrivateAttr(default=False)

@@ -62,7 +62,7 @@ def test_search_returns_only_feasible_runnable_policies():
     assert result.best is result.top[0]
     for c in result.top:
         plan = make_plan(c.scenario(sc))
-        check_fits(memory_footprint(plan), c.schedule)      # raises if it does not fit
+        check_fits(memory_footprint(plan), c.schedule, planning=True)  # raises if it does not
     assert result.top[0].predicted_tok_s >= result.top[-1].predicted_tok_s
     assert result.binding in ("CPU memory", "GPU memory", "link (CPU->GPU)", "GPU", "CPU",
                               "link (GPU->CPU)", "CPU (pinned staging copy)")
@@ -78,7 +78,8 @@ def test_the_winner_beats_every_feasible_policy(gpu_gb, cpu_gb):
             search(sc, grid=SMALL, workers=1)
         return
     best = search(sc, top=1, grid=SMALL, workers=1).best
-    assert all(best.predicted_tok_s >= c.predicted_tok_s for c in found)
+    # policies within 0.1% are equals, and the cheaper wins (search's documented tie rule)
+    assert all(best.predicted_tok_s >= c.predicted_tok_s * (1 - 1e-3) for c in found)
 
 
 @settings(max_examples=10, deadline=None)
