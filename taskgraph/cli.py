@@ -92,6 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_calibrate)
 
+    c = sub.add_parser("fit", help="fit machine and implementation profiles to measured "
+                       "throughputs", description="Fit the free parameters of machine and "
+                       "implementation profiles to end-to-end measurements (the format of "
+                       "shared/measurements/), by simulation; report each cell's error and its "
+                       "leave-one-out error, and write the fitted profiles.")
+    c.add_argument("measurements", help="measurements YAML file")
+    c.add_argument("--out", required=True, metavar="DIR", help="folder for the fitted profiles, "
+                   "report.json, cells.csv and parity.png")
+    c.add_argument("--no-loo", action="store_true", help="skip leave-one-out refits")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    c.set_defaults(func=_fit)
+
     c = command("validate", _validate, "execute and simulate the same graphs; report, task "
                 "kind by task kind, where the model is wrong")
     c.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
@@ -287,6 +299,32 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     _emit(args, {"profile": profile, "measured": measured, "out": args.out},
           lambda: _console().print(_tables().calibrate_table(measured, args.out)))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    import datetime
+
+    from taskgraph.fit import run_fit, write_fit
+    from taskgraph.measurements import load_measurements
+
+    source, cells = load_measurements(args.measurements)
+    steps = ["datasheet", "fit"] + [f"leave out {c.id}" for c in cells]
+    with _progress(not args.json, "fitting") as tick:
+        report = run_fit(source, cells, loo=not args.no_loo, progress=lambda what: tick and tick(
+            steps.index(what) + 1, len(steps) if not args.no_loo else 2))
+    files = write_fit(report, args.out, datetime.date.today().isoformat())
+    out = {**report.to_json(), "files": [str(f) for f in files]}
+
+    def human() -> None:
+        console = _console()
+        for table in _tables().fit_table(report):
+            console.print(table)
+        if report.at_bound():
+            console.print("[yellow]at a bound:[/yellow] " + ", ".join(report.at_bound()))
+        console.print(f"wrote {', '.join(str(f) for f in files)}")
+
+    _emit(args, out, human)
     return 0
 
 

@@ -224,3 +224,29 @@ def stderr_console() -> Console:
 
     # CI logs are not terminals; give tables room rather than rich's 80-column default.
     return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 110)
+
+
+def fit_table(report) -> tuple[Table, Table]:
+    """The cells (measured, simulated, leave-one-out, datasheet-only) and the fitted values."""
+    s = report.summary()
+    ranks = ", ".join(f"{k} {'right' if v['right'] else 'WRONG'}" for k, v in s["rankings"].items())
+    cells = Table(title=f"tg fit {report.source}: median |error| {s['median_abs_error']:.1%} "
+                        f"(max {s['max_abs_error']:.1%}), leave-one-out "
+                        f"{s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})",
+                  title_justify="left", caption=f"ranking within each setting: {ranks}",
+                  caption_justify="left")
+    for col in ("cell", "sched", "measured tok/s", "simulated", "error", "leave-one-out",
+                "error", "datasheet only", "error"):
+        cells.add_column(col, justify="left" if col == "cell" else "right")
+    for r in report.cells:
+        cells.add_row(r.cell.id, r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
+                      f"{r.simulated:.2f}", f"{r.error:+.1%}", f"{r.loo:.2f}",
+                      f"{r.loo_error:+.1%}", f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
+    values = Table(title="fitted parameters", title_justify="left")
+    for col in ("parameter", "value", "bounds", "mechanism"):
+        values.add_column(col, justify="right" if col == "value" else "left")
+    bound = set(report.at_bound())
+    for p, v in zip(report.params, report.values):
+        values.add_row(p.name, f"{v:.4g}" + (" AT BOUND" if p.name in bound else ""),
+                       f"[{p.lo:g}, {p.hi:g}]", p.why)
+    return cells, values

@@ -1,0 +1,349 @@
+"""`tg fit`: the free parameters of machine and implementation profiles, fitted to end-to-end
+measurements by simulation.
+
+The parameters are few, physically bounded and shared where the mechanism is shared: a GPU's
+dense GEMM rate belongs to the machine (every system's prefill runs on it), a system's kernel
+losses belong to its implementation profile (FlexGen's kernels are the same software on the T4
+and the L4). Everything else comes from datasheets or from public measurements cited where they
+are used (taskgraph.presets).
+
+Least squares on log(predicted / measured). The HRM predictor (:mod:`taskgraph.predict`), fast
+enough to call thousands of times, drives the inner loop; each outer round simulates every cell
+and corrects the predictor by its ratio to the simulation, so the fit converges on what the
+simulator says. The reported numbers are simulations. Leave-one-out: refit without a cell, then
+simulate it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from taskgraph import presets
+from taskgraph.errors import TgError
+from taskgraph.measurements import Cell
+
+
+@dataclass(frozen=True)
+class Param:
+    """One free parameter: where it lives (a machine or implementation preset and the field
+    path in it), its physical bounds and the mechanism it stands for."""
+
+    section: str                  # "hardware" or "implementation"
+    target: str                   # the preset's name
+    path: tuple[str, ...]
+    lo: float
+    hi: float
+    start: float
+    why: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.target} {'.'.join(self.path)}"
+
+
+# The mechanisms a fit may tune. Bounds are physical: an efficiency lies in (0, 1]; a skinny
+# product's half-bandwidth intensity is a few to a few tens of tokens per expert.
+MACHINE_PARAMS = [
+    (("gpu", "flops_eff"), 0.03, 0.9, 0.3,
+     "dense fp16 GEMM rate this GPU sustains (prefill), as a share of the datasheet peak; a T4 "
+     "at its 70 W cap reaches well under half"),
+]
+IMPLEMENTATION_PARAMS: dict[str, list[tuple[tuple[str, ...], float, float, float, str]]] = {
+    "moe-lightning": [
+        (("kinds", "PostAttn", "intensity_half"), 0.5, 128.0, 8.0,
+         "tokens per expert at which its MoE kernel streams expert weights at half the GPU's "
+         "bandwidth (few tokens per expert: a GEMV-like, launch-bound product)"),
+        (("kinds", "CPUAttn", "bytes_eff"), 0.02, 1.0, 0.3,
+         "its CPU attention kernel's share of host memory bandwidth"),
+    ],
+    "flexgen": [
+        (("kinds", "Prefill", "flops_eff"), 0.03, 1.0, 0.5,
+         "its prefill's share of the machine's GEMM rate (HF-style expert loop, unfused "
+         "attention)"),
+        (("kinds", "PostAttn", "intensity_half"), 0.5, 128.0, 8.0,
+         "as for MoE-Lightning, for its per-expert Python loop"),
+        (("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3,
+         "its CPU attention's share of host memory bandwidth (it computes in fp32 over fp16 KV)"),
+    ],
+}
+
+
+def free_parameters(cells: list[Cell]) -> list[Param]:
+    machines = sorted({c.machine for c in cells})
+    impls = sorted({c.implementation_name for c in cells})
+    out = [Param("hardware", m, path, lo, hi, start, why)
+           for m in machines for path, lo, hi, start, why in MACHINE_PARAMS]
+    out += [Param("implementation", i, path, lo, hi, start, why)
+            for i in impls for path, lo, hi, start, why in IMPLEMENTATION_PARAMS.get(i, [])]
+    return out
+
+
+def profiles(params: list[Param], values: np.ndarray
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Machine and implementation profiles (plain mappings) with the parameters set."""
+    machines = {k: copy.deepcopy(v) for k, v in presets.HARDWARE.items()}
+    impls = {k: copy.deepcopy(v) for k, v in presets.IMPLEMENTATIONS.items()}
+    for p, v in zip(params, values):
+        node = (machines if p.section == "hardware" else impls)[p.target]
+        for key in p.path[:-1]:
+            node = node.setdefault(key, {})
+        node[p.path[-1]] = float(v)
+    return machines, impls
+
+
+def _scenario(cell: Cell, machines, impls):
+    from taskgraph.scenario import scenario_from_dict
+
+    return scenario_from_dict(cell.scenario_doc(machines[cell.machine],
+                                                impls[cell.implementation_name]),
+                              source=f"cell '{cell.id}'")
+
+
+def predicted_tok_s(cell: Cell, machines, impls) -> float:
+    from taskgraph.predict import predict
+    from taskgraph.schedules import SCHEDULES
+
+    return float(predict(_scenario(cell, machines, impls),
+                         SCHEDULES[cell.schedule]).throughput_tok_s[0])
+
+
+def simulated_tok_s(cell: Cell, machines, impls) -> float:
+    from taskgraph.simulation import simulate_scenario
+
+    return float(simulate_scenario(_scenario(cell, machines, impls)).summary["throughput_tok_s"])
+
+
+@dataclass
+class FitResult:
+    values: np.ndarray
+    converged: bool
+    message: str
+    corrections: np.ndarray          # simulated / predicted, per cell, at the values
+
+
+def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
+        simulate: Callable[[Cell, Any, Any], float] = simulated_tok_s) -> FitResult:
+    """Least squares on log(simulated / measured) over `cells`: the predictor, corrected by its
+    ratio to the simulation at the last round's values, in the inner loop."""
+    from scipy.optimize import least_squares
+
+    measured = np.array([c.measured_tok_s for c in cells])
+    lo = np.log([p.lo for p in params])
+    hi = np.log([p.hi for p in params])
+    corrections = np.ones(len(cells))
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        machines, impls = profiles(params, np.exp(x))
+        pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
+        return np.log(pred * corrections / measured)
+
+    x = np.log([p.start for p in params])
+    converged, message = True, "converged"
+    for _ in range(rounds):
+        best = None
+        # Two deterministic starts: the stated one and the middle of the bounds.
+        for x0 in (x, (lo + hi) / 2):
+            res = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi),
+                                method="trf", diff_step=1e-4, xtol=1e-8, ftol=1e-10,
+                                max_nfev=400 * len(params))
+            if best is None or res.cost < best.cost:
+                best = res
+        x = best.x
+        if best.status <= 0:
+            converged, message = False, best.message
+        machines, impls = profiles(params, np.exp(x))
+        pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
+        sim = np.array([simulate(c, machines, impls) for c in cells])
+        corrections = sim / pred
+    if not np.all(np.isfinite(x)):
+        converged, message = False, "the parameters left finite values"
+    return FitResult(np.exp(x), converged, message, corrections)
+
+
+@dataclass
+class CellReport:
+    cell: Cell
+    simulated: float = math.nan
+    loo: float = math.nan           # simulated after a refit without this cell
+    datasheet: float = math.nan     # simulated on the presets before any fitting
+
+    @property
+    def error(self) -> float:
+        return self.simulated / self.cell.measured_tok_s - 1
+
+    @property
+    def loo_error(self) -> float:
+        return self.loo / self.cell.measured_tok_s - 1
+
+    @property
+    def datasheet_error(self) -> float:
+        return self.datasheet / self.cell.measured_tok_s - 1
+
+
+@dataclass
+class FitReport:
+    source: str
+    params: list[Param]
+    values: np.ndarray
+    cells: list[CellReport]
+    loo_values: list[np.ndarray] = field(default_factory=list)
+
+    def at_bound(self) -> list[str]:
+        return [p.name for p, v in zip(self.params, self.values)
+                if v <= p.lo * 1.001 or v >= p.hi * 0.999]
+
+    def summary(self) -> dict[str, Any]:
+        err = np.abs([r.error for r in self.cells])
+        loo = np.abs([r.loo_error for r in self.cells])
+        return {"cells": len(self.cells), "median_abs_error": float(np.median(err)),
+                "max_abs_error": float(err.max()),
+                "loo_median_abs_error": float(np.median(loo)),
+                "loo_max_abs_error": float(loo.max()),
+                "rankings": rankings(self.cells)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "parameters": [{"name": p.name, "value": float(v), "lo": p.lo, "hi": p.hi,
+                            "at_bound": p.name in self.at_bound(), "mechanism": p.why}
+                           for p, v in zip(self.params, self.values)],
+            "cells": [{"id": r.cell.id, "system": r.cell.system, "schedule": r.cell.schedule,
+                       "machine": r.cell.machine, "measured_tok_s": r.cell.measured_tok_s,
+                       "simulated_tok_s": round(r.simulated, 4), "error": round(r.error, 4),
+                       "loo_tok_s": round(r.loo, 4), "loo_error": round(r.loo_error, 4),
+                       "datasheet_tok_s": round(r.datasheet, 4),
+                       "datasheet_error": round(r.datasheet_error, 4)} for r in self.cells],
+            "summary": self.summary(),
+        }
+
+
+def rankings(cells: list[CellReport]) -> dict[str, Any]:
+    """Within each setting (machine, workload): is the simulated order of systems the measured
+    one?"""
+    groups: dict[str, list[CellReport]] = {}
+    for r in cells:
+        key = f"{r.cell.machine} {r.cell.workload.get('preset', '')}".strip()
+        groups.setdefault(key, []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        measured = [r.cell.id for r in sorted(rs, key=lambda r: -r.cell.measured_tok_s)]
+        simulated = [r.cell.id for r in sorted(rs, key=lambda r: -r.simulated)]
+        out[key] = {"right": measured == simulated, "measured": measured}
+    return out
+
+
+def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | None = None,
+            loo: bool = True) -> FitReport:
+    """Fit on every cell, report each cell's simulation, its leave-one-out prediction and what
+    the unfitted presets simulated."""
+    say = progress or (lambda what: None)
+    params = free_parameters(cells)
+    reports = [CellReport(c) for c in cells]
+    say("datasheet")
+    machines, impls = profiles([], np.array([]))
+    for r in reports:
+        r.datasheet = simulated_tok_s(r.cell, machines, impls)
+    say("fit")
+    result = fit(cells, params)
+    if not result.converged:
+        raise TgError(f"The fit did not converge ({result.message}); nothing was written.")
+    machines, impls = profiles(params, result.values)
+    for r in reports:
+        r.simulated = simulated_tok_s(r.cell, machines, impls)
+    report = FitReport(source, params, result.values, reports)
+    if loo:
+        for i, r in enumerate(reports):
+            say(f"leave out {r.cell.id}")
+            rest = cells[:i] + cells[i + 1:]
+            rest_params = free_parameters(rest)
+            sub = fit(rest, rest_params, rounds=1)
+            # a parameter the other cells do not touch keeps the full fit's value
+            values = [dict(zip((p.name for p in rest_params), sub.values)).get(p.name, v)
+                      for p, v in zip(params, result.values)]
+            report.loo_values.append(np.array(values))
+            machines, impls = profiles(params, np.array(values))
+            r.loo = simulated_tok_s(r.cell, machines, impls)
+    return report
+
+
+def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
+    """The fitted profiles (one hardware profile per machine, one implementation profile per
+    system, each with its provenance), the report as JSON and CSV, and the parity plot. Written
+    into a temporary folder and renamed into place, so a failure leaves nothing half-written."""
+    import csv
+    import json
+    import shutil
+    import tempfile
+
+    import yaml
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        s = report.summary()
+        provenance = (f"tg fit on {report.source} ({len(report.cells)} cells), {date}: median "
+                      f"|error| {s['median_abs_error']:.1%}, leave-one-out "
+                      f"{s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})")
+        machines, impls = profiles(report.params, report.values)
+        for name in sorted({p.target for p in report.params if p.section == "hardware"}):
+            (tmp / f"hardware-{name}.yaml").write_text(yaml.safe_dump(
+                {**machines[name], "calibrated": provenance}, sort_keys=False))
+        for name in sorted({p.target for p in report.params if p.section == "implementation"}):
+            (tmp / f"implementation-{name}.yaml").write_text(yaml.safe_dump(
+                {**impls[name], "fitted": provenance}, sort_keys=False))
+        data = report.to_json()
+        (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+        with open(tmp / "cells.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(data["cells"][0]))
+            writer.writeheader()
+            writer.writerows(data["cells"])
+        parity_plot(report, tmp / "parity.png")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(out.iterdir())
+
+
+def parity_plot(report: FitReport, path: Path) -> Path:
+    """Simulated (fitted and leave-one-out) and datasheet-only predictions against measured
+    throughput, log-log, with y = x and a ±15% band."""
+    from taskgraph.plots import _pyplot, save
+
+    plt = _pyplot()
+    meas = np.array([r.cell.measured_tok_s for r in report.cells])
+    fig, ax = plt.subplots(figsize=(6.5, 6), dpi=120)
+    x = np.geomspace(meas.min() * 0.5, meas.max() * 5, 20)
+    ax.fill_between(x, x * 0.85, x * 1.15, color="tab:green", alpha=0.15, label="±15%")
+    ax.plot(x, x, color="black", lw=1, label="y = x")
+    marks = {"S1": "o", "S2": "s", "S3": "^", "S4": "D"}
+    for r in report.cells:
+        m = marks.get(r.cell.schedule, "o")
+        ax.plot(r.cell.measured_tok_s, r.datasheet, m, color="tab:gray", alpha=0.6, ms=6)
+        ax.plot(r.cell.measured_tok_s, r.loo, m, mfc="none", color="tab:blue", ms=9)
+        ax.plot(r.cell.measured_tok_s, r.simulated, m, color="tab:blue", ms=6)
+    for label, m in (("S1 MoE-Lightning(p)", "o"), ("S3 FlexGen(c)", "^"), ("S4 FlexGen", "D")):
+        ax.plot([], [], m, color="tab:blue", label=label)
+    ax.plot([], [], "o", color="tab:gray", alpha=0.6, label="datasheet presets, before")
+    ax.plot([], [], "o", mfc="none", color="tab:blue", label="leave-one-out")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(x[0], x[-1] / 2.5)
+    ax.set_ylim(x[0], x[-1])
+    ax.set_xlabel("measured throughput (tok/s)")
+    ax.set_ylabel("simulated throughput (tok/s)")
+    s = report.summary()
+    ax.set_title(f"tg fit: {len(report.cells)} cells, median |error| {s['median_abs_error']:.1%},"
+                 f" leave-one-out {s['loo_median_abs_error']:.1%}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
+    return save(fig, path)

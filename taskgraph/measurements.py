@@ -1,0 +1,127 @@
+"""End-to-end measurements to fit and judge the model against (the format of
+``shared/measurements/``): cells, each one system's measured throughput on one machine, model,
+workload and policy. Users write the same file for their own runs.
+
+A cell becomes a scenario: the machine and model presets, the workload, the policy with
+N = mu x n_ub, and the schedule that stands for the system (whose implementation profile prices
+it unless the cell names another).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from taskgraph import presets
+from taskgraph.errors import TgError
+from taskgraph.schedules import SCHEDULES
+
+
+class CellPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mu: int = Field(gt=0)
+    n_ub: int | None = Field(default=None, gt=0)
+    N: int | None = Field(default=None, gt=0)
+    r_w: float = Field(default=0.0, ge=0.0, le=1.0)
+    r_c: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _batch(self) -> "CellPolicy":
+        if self.N is None and self.n_ub is None:
+            raise ValueError("give N or n_ub (micro-batches)")
+        if self.N is not None and self.n_ub is not None and self.N != self.mu * self.n_ub:
+            raise ValueError(f"N = {self.N} is not mu x n_ub = {self.mu} x {self.n_ub}")
+        if self.N is not None and self.N % self.mu:
+            raise ValueError(f"N = {self.N} is not a multiple of mu = {self.mu}")
+        return self
+
+    @property
+    def batch(self) -> int:
+        return self.N if self.N is not None else self.mu * self.n_ub
+
+
+class Cell(BaseModel):
+    """One measured run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    system: str = ""
+    schedule: str
+    machine: str
+    model: str
+    implementation: str | None = None      # default: the schedule's
+    workload: dict[str, Any]
+    policy: CellPolicy
+    measured_tok_s: float = Field(gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _known(self) -> "Cell":
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule '{self.schedule}' is not one tg knows "
+                             f"({', '.join(SCHEDULES)})")
+        if self.machine not in presets.HARDWARE:
+            raise ValueError(f"machine '{self.machine}' is not a preset "
+                             f"({', '.join(presets.HARDWARE)})")
+        if self.model not in presets.MODELS:
+            raise ValueError(f"model '{self.model}' is not a preset ({', '.join(presets.MODELS)})")
+        if self.implementation is not None and \
+                self.implementation not in presets.IMPLEMENTATIONS:
+            raise ValueError(f"implementation '{self.implementation}' is not a preset "
+                             f"({', '.join(presets.IMPLEMENTATIONS)})")
+        return self
+
+    @property
+    def implementation_name(self) -> str:
+        return self.implementation or SCHEDULES[self.schedule].implementation
+
+    def scenario_doc(self, hardware: dict[str, Any], implementation: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """The scenario this cell ran, on the given machine and implementation profiles."""
+        workload = dict(self.workload)
+        name = workload.pop("preset", None)
+        if name is not None:
+            workload = {**presets.WORKLOADS[name], **workload}
+        policy = dict(N=self.policy.batch, mu=self.policy.mu, r_w=self.policy.r_w,
+                      r_c=self.policy.r_c,
+                      A_g=int(SCHEDULES[self.schedule].attention == "gpu"))
+        return dict(name=self.id, model=self.model, hardware=hardware, workload=workload,
+                    policy=policy, schedule=self.schedule, implementation=implementation)
+
+
+def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
+    """(source, cells) from a measurements file; each error names the cell and the field."""
+    from taskgraph.scenario import _read_yaml, scenario_from_dict
+
+    path = Path(path)
+    doc = _read_yaml(path, what="measurements file")
+    if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:
+        raise TgError(f"The measurements file '{path}' must be a mapping with a non-empty list "
+                      "'cells' (see shared/measurements/ for the format).")
+    cells, seen = [], set()
+    for number, raw in enumerate(doc["cells"], 1):
+        label = (f"cell '{raw['id']}'" if isinstance(raw, dict) and isinstance(raw.get("id"), str)
+                 else f"cell #{number}")
+        try:
+            cell = Cell.model_validate(raw)
+        except ValidationError as err:
+            e = err.errors()[0]
+            field = ".".join(str(p) for p in e["loc"]) or "the cell"
+            msg = "required but missing" if e["type"] == "missing" else \
+                e["msg"].removeprefix("Value error, ")
+            raise TgError(f"Measurements '{path}', {label}: {field}: {msg}.") from None
+        if cell.id in seen:
+            raise TgError(f"Measurements '{path}': two cells are called '{cell.id}'.")
+        seen.add(cell.id)
+        try:        # the cell must be a scenario tg can simulate
+            scenario_from_dict(cell.scenario_doc(
+                cell.machine, presets.IMPLEMENTATIONS[cell.implementation_name]),
+                source=f"'{path}', {label}")
+        except TgError as err:
+            raise TgError(f"Measurements '{path}', {label} is not a scenario tg can run: "
+                          f"{err}") from None
+        cells.append(cell)
+    return str(doc.get("source", path)), cells
