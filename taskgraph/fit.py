@@ -32,7 +32,8 @@ from taskgraph.measurements import Cell
 @dataclass(frozen=True)
 class Param:
     """One free parameter: where it lives (a machine or implementation preset and the field
-    path in it), its physical bounds and the mechanism it stands for."""
+    path in it), its physical bounds, its datasheet-era value (the model before any fit) and
+    the mechanism it stands for."""
 
     section: str                  # "hardware" or "implementation"
     target: str                   # the preset's name
@@ -40,6 +41,7 @@ class Param:
     lo: float
     hi: float
     start: float
+    datasheet: float
     why: str
 
     @property
@@ -49,26 +51,16 @@ class Param:
 
 # The mechanisms a fit may tune. Bounds are physical: an efficiency lies in (0, 1]; a skinny
 # product's half-bandwidth intensity is a few to a few tens of tokens per expert.
+# (path, lower bound, upper bound, start, datasheet-era value, mechanism)
 MACHINE_PARAMS = [
-    (("gpu", "flops_eff"), 0.03, 0.9, 0.3,
+    (("gpu", "flops_eff"), 0.03, 0.9, 0.3, 0.6,
      "dense fp16 GEMM rate this GPU sustains (prefill), as a share of the datasheet peak; a T4 "
      "at its 70 W cap reaches well under half"),
 ]
-IMPLEMENTATION_PARAMS: dict[str, list[tuple[tuple[str, ...], float, float, float, str]]] = {
-    "moe-lightning": [
-        (("kinds", "PostAttn", "intensity_half"), 0.5, 128.0, 8.0,
-         "tokens per expert at which its MoE kernel streams expert weights at half the GPU's "
-         "bandwidth (few tokens per expert: a GEMV-like, launch-bound product)"),
-        (("kinds", "CPUAttn", "bytes_eff"), 0.02, 1.0, 0.3,
-         "its CPU attention kernel's share of host memory bandwidth"),
-    ],
+_Spec = tuple[tuple[str, ...], float, float, float, float, str]
+IMPLEMENTATION_PARAMS: dict[str, list[_Spec]] = {
     "flexgen": [
-        (("kinds", "Prefill", "flops_eff"), 0.03, 1.0, 0.5,
-         "its prefill's share of the machine's GEMM rate (HF-style expert loop, unfused "
-         "attention)"),
-        (("kinds", "PostAttn", "intensity_half"), 0.5, 128.0, 8.0,
-         "as for MoE-Lightning, for its per-expert Python loop"),
-        (("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3,
+        (("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3, 1.0,
          "its CPU attention's share of host memory bandwidth (it computes in fp32 over fp16 KV)"),
     ],
 }
@@ -77,11 +69,18 @@ IMPLEMENTATION_PARAMS: dict[str, list[tuple[tuple[str, ...], float, float, float
 def free_parameters(cells: list[Cell]) -> list[Param]:
     machines = sorted({c.machine for c in cells})
     impls = sorted({c.implementation_name for c in cells})
-    out = [Param("hardware", m, path, lo, hi, start, why)
-           for m in machines for path, lo, hi, start, why in MACHINE_PARAMS]
-    out += [Param("implementation", i, path, lo, hi, start, why)
-            for i in impls for path, lo, hi, start, why in IMPLEMENTATION_PARAMS.get(i, [])]
+    out = [Param("hardware", m, *spec) for m in machines for spec in MACHINE_PARAMS]
+    out += [Param("implementation", i, *spec)
+            for i in impls for spec in IMPLEMENTATION_PARAMS.get(i, [])]
     return out
+
+
+def datasheet_profiles(params: list[Param]):
+    """The model before fitting: datasheet-era machine figures and every system priced at the
+    machine's own rates (the "ideal" implementation)."""
+    machines, impls = profiles(params, np.array([p.datasheet for p in params]))
+    ideal = presets.IMPLEMENTATIONS["ideal"]
+    return machines, {name: ideal for name in impls}
 
 
 def profiles(params: list[Param], values: np.ndarray
@@ -128,35 +127,44 @@ class FitResult:
 
 
 def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
+        corrections: np.ndarray | None = None,
         simulate: Callable[[Cell, Any, Any], float] = simulated_tok_s) -> FitResult:
-    """Least squares on log(simulated / measured) over `cells`: the predictor, corrected by its
-    ratio to the simulation at the last round's values, in the inner loop."""
+    """Least squares on log(simulated / measured) over `cells`. The predictor drives the inner
+    loop, multiplied by `corrections` (its ratio to the simulation per cell); each of `rounds`
+    outer rounds simulates every cell at the new values and updates them. With ``rounds=0`` the
+    given corrections stand (leave-one-out refits reuse the full fit's)."""
     from scipy.optimize import least_squares
 
     measured = np.array([c.measured_tok_s for c in cells])
     lo = np.log([p.lo for p in params])
     hi = np.log([p.hi for p in params])
-    corrections = np.ones(len(cells))
+    corrections = np.ones(len(cells)) if corrections is None else np.asarray(corrections)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
         return np.log(pred * corrections / measured)
 
-    x = np.log([p.start for p in params])
-    converged, message = True, "converged"
-    for _ in range(rounds):
+    def solve(x: np.ndarray):
         best = None
-        # Two deterministic starts: the stated one and the middle of the bounds.
+        # Two deterministic starts: the last values and the middle of the bounds.
         for x0 in (x, (lo + hi) / 2):
             res = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi),
                                 method="trf", diff_step=1e-4, xtol=1e-8, ftol=1e-10,
                                 max_nfev=400 * len(params))
             if best is None or res.cost < best.cost:
                 best = res
+        return best
+
+    x = np.log([p.start for p in params])
+    converged, message = True, "converged"
+    for _ in range(max(rounds, 1)):
+        best = solve(x)
         x = best.x
         if best.status <= 0:
             converged, message = False, best.message
+        if rounds == 0:
+            break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
         sim = np.array([simulate(c, machines, impls) for c in cells])
@@ -246,7 +254,7 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | No
     params = free_parameters(cells)
     reports = [CellReport(c) for c in cells]
     say("datasheet")
-    machines, impls = profiles([], np.array([]))
+    machines, impls = datasheet_profiles(params)
     for r in reports:
         r.datasheet = simulated_tok_s(r.cell, machines, impls)
     say("fit")
@@ -262,7 +270,8 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | No
             say(f"leave out {r.cell.id}")
             rest = cells[:i] + cells[i + 1:]
             rest_params = free_parameters(rest)
-            sub = fit(rest, rest_params, rounds=1)
+            sub = fit(rest, rest_params, rounds=0,
+                      corrections=np.delete(result.corrections, i))
             # a parameter the other cells do not touch keeps the full fit's value
             values = [dict(zip((p.name for p in rest_params), sub.values)).get(p.name, v)
                       for p, v in zip(params, result.values)]
@@ -293,8 +302,9 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
                       f"{s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})")
         machines, impls = profiles(report.params, report.values)
         for name in sorted({p.target for p in report.params if p.section == "hardware"}):
+            fitted = ", ".join(".".join(p.path) for p in report.params if p.target == name)
             (tmp / f"hardware-{name}.yaml").write_text(yaml.safe_dump(
-                {**machines[name], "calibrated": provenance}, sort_keys=False))
+                {**machines[name], "fitted": f"{fitted}: {provenance}"}, sort_keys=False))
         for name in sorted({p.target for p in report.params if p.section == "implementation"}):
             (tmp / f"implementation-{name}.yaml").write_text(yaml.safe_dump(
                 {**impls[name], "fitted": provenance}, sort_keys=False))

@@ -260,6 +260,9 @@ class HardwareSpec(BaseModel):
     link: LinkSpec
     # Where and when `tg calibrate` measured this profile (None: datasheet figures).
     calibrated: str | None = None
+    # Which figures `tg fit` fitted to published end-to-end measurements, on what data, when,
+    # and how well (None: none).
+    fitted: str | None = None
     # Per task kind, measured by `tg calibrate` from the executor's own tasks: a fixed cost (µs)
     # and an effective bandwidth for the bytes the task moves (GB/s), replacing its resource's.
     # On small shapes these, not the datasheet roofs, decide how long a task takes.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from taskgraph.builder import make_plan
 from taskgraph.cli import main
+from taskgraph.compiled import KIND_NAMES
 from taskgraph.errors import TgError
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
@@ -47,13 +48,18 @@ def test_prediction_follows_the_launch_order(path, overrides):
     """Whole-layer weight copies that hold up the link and FlexGen's one-micro-batch-at-a-time
     order make S2-S4 far slower than the HRM bound; the prediction tracks the simulation for
     all four schedules (the HRM bound alone missed S2-S4 by 29-54%)."""
-    base = load_scenario(path, overrides + ["workload.gen_len=4"])
+    base = load_scenario(path, overrides + ["workload.gen_len=32"])
     for name in ("S1", "S2", "S3", "S4"):
         sc, _ = for_schedule(base, name)
         pred = predict(sc, SCHEDULES[name])
-        sim = simulate_scenario(sc, name).summary
+        run = simulate_scenario(sc, name)
+        sim = run.summary
         assert pred.decode_layer_ms[0] == pytest.approx(sim["decode_layer_ms"], rel=0.05), name
-        assert pred.prefill_s[0] == pytest.approx(sim["prefill_s"], rel=0.06), name
+        # prefill as the predictor means it: until the last prefill task ends (the JSON's
+        # prefill_s ends earlier, where the first decode prefetch starts)
+        prefill = run.program.column("kind") == KIND_NAMES.index("Prefill")
+        prefill_end = float(run.run.end[prefill].max())
+        assert pred.prefill_s[0] == pytest.approx(prefill_end, rel=0.06), name
 
 
 def test_search_returns_only_feasible_runnable_policies():
@@ -63,7 +69,8 @@ def test_search_returns_only_feasible_runnable_policies():
     for c in result.top:
         plan = make_plan(c.scenario(sc))
         check_fits(memory_footprint(plan), c.schedule, planning=True)  # raises if it does not
-    assert result.top[0].predicted_tok_s >= result.top[-1].predicted_tok_s
+    # within 0.1% policies are equals and the cheaper ranks first (the search's tie rule)
+    assert result.top[0].predicted_tok_s >= result.top[-1].predicted_tok_s * (1 - 1e-3)
     assert result.binding in ("CPU memory", "GPU memory", "link (CPU->GPU)", "GPU", "CPU",
                               "link (GPU->CPU)", "CPU (pinned staging copy)")
 
@@ -115,7 +122,12 @@ def test_hardware_limit_by_hand():
     delta = 93_405_052_928 / (15.75e9 * 0.8)
     capacity = (192 * 0.8 + 16 * 0.86) * 1e9 - 93_405_052_928
     tokens = capacity / (32 * 4096)
-    assert hardware_limit_tok_s(sc) == pytest.approx(pme * tokens / delta)
+    active = 32 * (4096 * 6144 + 4096 ** 2 + 4096 * 8 + 2 * 3 * 4096 * 14336)  # params/token
+    t_gpu = 65e12 * sc.hardware.gpu.flops_eff / (2 * active)
+    assert hardware_limit_tok_s(sc) == pytest.approx(min(pme * tokens / delta, t_gpu))
+    assert hardware_limit_tok_s(sc.model_copy(update={"hardware": sc.hardware.model_copy(
+        update={"gpu": sc.hardware.gpu.model_copy(update={"flops_eff": 0.6})})})) == \
+        pytest.approx(pme * tokens / delta)
     summary = simulate_scenario(tiny()).summary
     assert 0 < summary["hardware_limit_fraction"] <= 1
 
@@ -178,10 +190,12 @@ def test_roofline_plot(tmp_path, capsys):
     out = tmp_path / "roof.png"
     assert main(["roofline", "scenarios/t4.yaml", "--out", str(out)]) == 0
     assert out.stat().st_size > 20_000
-    pts = roofline_points(load_scenario("scenarios/t4.yaml"))
+    sc = load_scenario("scenarios/t4.yaml")
+    pts = roofline_points(sc)
     p1 = pts["turning_points"]["P1: moving data to the GPU pays off"]
     p2 = pts["turning_points"]["P2: GPU no longer link-bound"]
-    assert p1 == pytest.approx(1.6e12 * 0.5 / 12.6e9) and p2 == pytest.approx(65e12 * 0.6 / 12.6e9)
+    assert p1 == pytest.approx(1.6e12 * 0.5 / 12.6e9)
+    assert p2 == pytest.approx(65e12 * sc.hardware.gpu.flops_eff / 12.6e9)
     attention = next(v for k, v in pts["intensities"].items() if k.startswith("attention"))
     assert attention < p1 < p2          # decode attention belongs on the CPU (the paper's point)
     assert main(["roofline", "scenarios/t4.yaml", "--out", str(tmp_path / "r.svg")]) == 2

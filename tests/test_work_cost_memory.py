@@ -12,6 +12,7 @@ from taskgraph.cost import CostModel, hrm_bound
 from taskgraph.errors import MemoryFitError
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.scenario import load_scenario
+from taskgraph.specs import ImplementationSpec, KindEffect
 from taskgraph.work import WeightLayout
 
 MU, S = 36, 100
@@ -68,7 +69,7 @@ def test_pages_cover_the_streamed_bytes(t4):
 
 def test_roofline_and_link_times(t4):
     cost = CostModel(t4.hardware)
-    gpu_flops = 65e12 * 0.6
+    gpu_flops = 65e12 * 0.0839          # the T4's fitted GEMM efficiency (presets.FITTED)
     gpu_bw = 320e9 * 0.85
     # PostAttn of 36 tokens is memory-bound on a T4: 2.8 GB of experts at 272 GB/s
     assert cost.time("gpu", 26.6e9, 2.8e9) == pytest.approx(2.8e9 / gpu_bw + 10e-6)
@@ -78,6 +79,29 @@ def test_roofline_and_link_times(t4):
     assert cost.time("h2d", 0, 207e6) == pytest.approx(207e6 / 12.6e9 + 10e-6)
     bound, binding = hrm_bound({"gpu": 1.0, "cpu": 0.5, "h2d": 2.0, "d2h": 0.1, "pin": 0.0}, 4)
     assert (bound, binding) == (0.5, "h2d")
+
+
+def test_implementation_effects_by_hand(t4):
+    """An implementation profile scales the machine's rates per task kind, adds fixed costs,
+    streams skinny products' weights at I / (I + I_half) of the bandwidth, and sends pageable
+    weights at the link's pageable rate."""
+    impl = ImplementationSpec(name="x", pageable_weights=True, kinds={
+        "PostAttn": KindEffect(intensity_half=8.0, overhead_us=100.0),
+        "Prefill": KindEffect(flops_eff=0.5), "CPUAttn": KindEffect(bytes_eff=0.25)})
+    ideal, cost = CostModel(t4.hardware), CostModel(t4.hardware, impl)
+    # PostAttn of 36 tokens reads 2.8 GB for 26.6 GFLOP: I = 9.5, so 9.5/17.5 of 272 GB/s
+    I = 26.6e9 / 2.8e9
+    assert cost.time("gpu", 26.6e9, 2.8e9, "PostAttn") == pytest.approx(
+        2.8e9 / (320e9 * 0.85 * I / (I + 8)) + 10e-6 + 100e-6)
+    assert cost.time("gpu", 1e15, 3e9, "Prefill") == pytest.approx(
+        1e15 / (65e12 * 0.0839 * 0.5) + 10e-6)
+    assert cost.time("cpu", 0, 1e9, "CPUAttn") == pytest.approx(
+        4 * ideal.time("cpu", 0, 1e9, "CPUAttn") - 3 * 20e-6)
+    # pageable weights: the T4 host's measured 5.83 GB/s, not the pinned 12.6
+    assert cost.time("h2d", 0, 207e6, "D3") == pytest.approx(207e6 / 5.83e9 + 10e-6)
+    assert ideal.time("h2d", 0, 207e6, "D3") == pytest.approx(207e6 / 12.6e9 + 10e-6)
+    # kinds the profile does not name run at the machine's rates
+    assert cost.time("gpu", 1e12, 1e9, "PreAttn") == ideal.time("gpu", 1e12, 1e9, "PreAttn")
 
 
 def test_memory_model_t4(t4):
