@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from taskgraph import presets
 from taskgraph.errors import TgError
@@ -58,21 +59,21 @@ class Cell(BaseModel):
     policy: CellPolicy
     measured_tok_s: float = Field(gt=0, allow_inf_nan=False)
 
-    @model_validator(mode="after")
-    def _known(self) -> "Cell":
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule '{self.schedule}' is not one tg knows "
-                             f"({', '.join(SCHEDULES)})")
-        if self.machine not in presets.HARDWARE:
-            raise ValueError(f"machine '{self.machine}' is not a preset "
-                             f"({', '.join(presets.HARDWARE)})")
-        if self.model not in presets.MODELS:
-            raise ValueError(f"model '{self.model}' is not a preset ({', '.join(presets.MODELS)})")
-        if self.implementation is not None and \
-                self.implementation not in presets.IMPLEMENTATIONS:
-            raise ValueError(f"implementation '{self.implementation}' is not a preset "
-                             f"({', '.join(presets.IMPLEMENTATIONS)})")
-        return self
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, name: str) -> str:
+        if name not in SCHEDULES:
+            raise ValueError(f"'{name}' is not a schedule tg knows ({', '.join(SCHEDULES)})")
+        return name
+
+    @field_validator("machine", "model", "implementation")
+    @classmethod
+    def _preset(cls, name: str | None, info) -> str | None:
+        table = {"machine": presets.HARDWARE, "model": presets.MODELS,
+                 "implementation": presets.IMPLEMENTATIONS}[info.field_name]
+        if name is not None and name not in table:
+            raise ValueError(f"'{name}' is not a preset ({', '.join(table)})")
+        return name
 
     @property
     def implementation_name(self) -> str:
@@ -94,6 +95,8 @@ class Cell(BaseModel):
 
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
+    from taskgraph.builder import make_plan
+    from taskgraph.memory import check_fits, memory_footprint
     from taskgraph.scenario import _read_yaml, scenario_from_dict
 
     path = Path(path)
@@ -116,10 +119,11 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
         if cell.id in seen:
             raise TgError(f"Measurements '{path}': two cells are called '{cell.id}'.")
         seen.add(cell.id)
-        try:        # the cell must be a scenario tg can simulate
-            scenario_from_dict(cell.scenario_doc(
+        try:        # the cell must be a scenario tg can simulate, memory included
+            scenario = scenario_from_dict(cell.scenario_doc(
                 cell.machine, presets.IMPLEMENTATIONS[cell.implementation_name]),
                 source=f"'{path}', {label}")
+            check_fits(memory_footprint(make_plan(scenario)), cell.schedule)
         except TgError as err:
             raise TgError(f"Measurements '{path}', {label} is not a scenario tg can run: "
                           f"{err}") from None
