@@ -105,8 +105,14 @@ def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
 
 def cost_model(scenario: Scenario, schedule: str) -> CostModel:
     """The cost model a simulation of `schedule` in `scenario` runs on: the scenario's machine,
-    priced for the implementation that runs it."""
-    return CostModel(scenario.hardware, implementation_for(scenario, schedule))
+    priced for the implementation that runs it. A schedule that stages weights through pinned
+    buffers (W_CtoPin) copies them from pinned memory whatever the software's habit."""
+    from taskgraph.schedules import SCHEDULES
+
+    impl = implementation_for(scenario, schedule)
+    if SCHEDULES[schedule].staging and impl.pageable_weights:
+        impl = impl.model_copy(update={"pageable_weights": False})
+    return CostModel(scenario.hardware, impl)
 
 
 def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:

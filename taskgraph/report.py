@@ -239,7 +239,8 @@ def fit_table(report) -> tuple[Table, Table]:
                 "error", "datasheet only", "error"):
         cells.add_column(col, justify="left" if col == "cell" else "right")
     for r in report.cells:
-        cells.add_row(r.cell.id, r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
+        label = f"{r.cell.machine} {r.cell.workload.get('preset', '')} {r.cell.system}"
+        cells.add_row(label if r.cell.system else r.cell.id, r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
                       f"{r.simulated:.2f}", f"{r.error:+.1%}", f"{r.loo:.2f}",
                       f"{r.loo_error:+.1%}", f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
     values = Table(title="fitted parameters", title_justify="left")
