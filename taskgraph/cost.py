@@ -87,7 +87,8 @@ class CostModel:
         i_half = self.kind_i_half[kind]
         with np.errstate(divide="ignore", invalid="ignore"):
             intensity = np.where(nbytes > 0, flops / np.maximum(nbytes, 1e-30), np.inf)
-            skinny = np.where(i_half > 0, intensity / (intensity + i_half), 1.0)
+            # only products lose to skinniness; a copy (no FLOPs) has no intensity to speak of
+            skinny = np.where((i_half > 0) & (flops > 0), intensity / (intensity + i_half), 1.0)
         return (np.maximum(flops / self.flops_rates(resource, kind),
                            nbytes / (self.byte_rates(resource, kind) * skinny))
                 + self.fixed(resource, kind))

@@ -60,8 +60,20 @@ def scenarios(draw):
         hardware["interference"] = {"slowdown": {
             "gpu": {"cpu": draw(st.floats(0, 2)), "h2d": draw(st.floats(0, 2))},
             "cpu": {"gpu": draw(st.floats(0, 2)), "pin": draw(st.floats(0, 2))}}}
-    return scenario_from_dict({"model": model, "hardware": hardware, "workload": workload,
-                               "policy": policy, "schedule": schedule}, source="<hypothesis>")
+    doc = {"model": model, "hardware": hardware, "workload": workload, "policy": policy,
+           "schedule": schedule}
+    # The schedule's own software, or a random implementation profile on top of the machine.
+    if draw(st.booleans()):
+        hardware["link"]["pageable_h2d_gbps"] = draw(st.floats(0.05, 64))
+        kinds = {kind: {"flops_eff": draw(st.floats(0.01, 1)),
+                        "bytes_eff": draw(st.floats(0.01, 1)),
+                        "overhead_us": draw(st.floats(0, 100)),
+                        "intensity_half": draw(st.sampled_from([0.0, 1.0, 30.0]))}
+                 for kind in draw(st.sets(st.sampled_from(
+                     ["Prefill", "PreAttn", "PostAttn", "CPUAttn", "GPUAttn", "D3", "KVOut"])))}
+        doc["implementation"] = {"name": "random", "kinds": kinds,
+                                 "pageable_weights": draw(st.booleans())}
+    return scenario_from_dict(doc, source="<hypothesis>")
 
 
 @given(scenarios())
