@@ -139,3 +139,22 @@ def test_fitted_presets_predict_table4(tmp_path, capsys):
     assert main(["simulate", "scenarios/t4.yaml", "--json", "--schedule", "S3"]) == 0
     assert json.loads(capsys.readouterr().out)["throughput_tok_s"] == pytest.approx(flexgen,
                                                                                    rel=0.02)
+
+
+def test_a_fit_that_does_not_converge_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import scipy.optimize
+
+    real = scipy.optimize.least_squares
+
+    def stuck(*args, **kwargs):
+        res = real(*args, **{**kwargs, "max_nfev": 1})
+        res.status, res.message = 0, "The maximum number of function evaluations is exceeded."
+        return res
+
+    monkeypatch.setattr(scipy.optimize, "least_squares", stuck)
+    cells = [_cell(id=f"c{i}", policy={"mu": 8, "n_ub": 2 + i}) for i in range(2)]
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"cells": cells}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "did not converge" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
