@@ -56,6 +56,13 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     auto = raw.get("policy") == "auto"
     if auto:   # validated with a placeholder; `resolve_auto_policy` searches for the real one
         raw["policy"] = {"N": 1, "mu": 1, "r_w": 0.0, "r_c": 0.0}
+    impl = raw.get("implementation")
+    if isinstance(impl, dict) and not {"preset", "file", "name"} & impl.keys():
+        # `--set implementation.kinds...` alone: start from the schedule's own software
+        from taskgraph.schedules import SCHEDULES
+
+        own = SCHEDULES.get(str(raw.get("schedule", "S1")))
+        raw["implementation"] = {"preset": own.implementation if own else "ideal", **impl}
     for section in _PRESETS:
         if section in raw:
             raw[section] = _resolve_section(section, raw[section], source, base_dir)
