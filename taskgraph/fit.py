@@ -207,12 +207,14 @@ class FitReport:
                 if v <= p.lo * 1.001 or v >= p.hi * 0.999]
 
     def summary(self) -> dict[str, Any]:
+        """Median and worst |error|, in-sample and left out (None without leave-one-out)."""
         err = np.abs([r.error for r in self.cells])
         loo = np.abs([r.loo_error for r in self.cells])
+        done = bool(np.isfinite(loo).all())
         return {"cells": len(self.cells), "median_abs_error": float(np.median(err)),
                 "max_abs_error": float(err.max()),
-                "loo_median_abs_error": float(np.median(loo)),
-                "loo_max_abs_error": float(loo.max()),
+                "loo_median_abs_error": float(np.median(loo)) if done else None,
+                "loo_max_abs_error": float(loo.max()) if done else None,
                 "rankings": rankings(self.cells)}
 
     def to_json(self) -> dict[str, Any]:
@@ -224,11 +226,15 @@ class FitReport:
             "cells": [{"id": r.cell.id, "system": r.cell.system, "schedule": r.cell.schedule,
                        "machine": r.cell.machine, "measured_tok_s": r.cell.measured_tok_s,
                        "simulated_tok_s": round(r.simulated, 4), "error": round(r.error, 4),
-                       "loo_tok_s": round(r.loo, 4), "loo_error": round(r.loo_error, 4),
+                       "loo_tok_s": _finite(r.loo), "loo_error": _finite(r.loo_error),
                        "datasheet_tok_s": round(r.datasheet, 4),
                        "datasheet_error": round(r.datasheet_error, 4)} for r in self.cells],
             "summary": self.summary(),
         }
+
+
+def _finite(x: float) -> float | None:
+    return round(x, 4) if math.isfinite(x) else None
 
 
 def rankings(cells: list[CellReport]) -> dict[str, Any]:
@@ -283,10 +289,12 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | No
 
 def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     """The fitted profiles (one hardware profile per machine, one implementation profile per
-    system, each with its provenance), the report as JSON and CSV, and the parity plot. Written
-    into a temporary folder and renamed into place, so a failure leaves nothing half-written."""
+    system, each with its provenance), the report as JSON and CSV, and the parity plot, into
+    folder `out`. Everything is written to a temporary folder first and each file renamed into
+    place, so a failure leaves no file half-written; nothing else in `out` is touched."""
     import csv
     import json
+    import os
     import shutil
     import tempfile
 
@@ -298,8 +306,10 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     try:
         s = report.summary()
         provenance = (f"tg fit on {report.source} ({len(report.cells)} cells), {date}: median "
-                      f"|error| {s['median_abs_error']:.1%}, leave-one-out "
-                      f"{s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})")
+                      f"|error| {s['median_abs_error']:.1%}" + (
+                          f", leave-one-out {s['loo_median_abs_error']:.1%} (max "
+                          f"{s['loo_max_abs_error']:.1%})" if s["loo_median_abs_error"] is not None
+                          else ""))
         machines, impls = profiles(report.params, report.values)
         for name in sorted({p.target for p in report.params if p.section == "hardware"}):
             fitted = ", ".join(".".join(p.path) for p in report.params if p.target == name)
@@ -315,13 +325,14 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
             writer.writeheader()
             writer.writerows(data["cells"])
         parity_plot(report, tmp / "parity.png")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
+        out.mkdir(exist_ok=True)
+        written = []
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+            written.append(out / f.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return sorted(out.iterdir())
+    return written
 
 
 def parity_plot(report: FitReport, path: Path) -> Path:
@@ -352,8 +363,10 @@ def parity_plot(report: FitReport, path: Path) -> Path:
     ax.set_xlabel("measured throughput (tok/s)")
     ax.set_ylabel("simulated throughput (tok/s)")
     s = report.summary()
-    ax.set_title(f"tg fit: {len(report.cells)} cells, median |error| {s['median_abs_error']:.1%},"
-                 f" leave-one-out {s['loo_median_abs_error']:.1%}", fontsize=10)
+    loo = (f", leave-one-out {s['loo_median_abs_error']:.1%}"
+           if s["loo_median_abs_error"] is not None else "")
+    ax.set_title(f"tg fit: {len(report.cells)} cells, median |error| {s['median_abs_error']:.1%}"
+                 + loo, fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     return save(fig, path)

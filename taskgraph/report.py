@@ -230,9 +230,10 @@ def fit_table(report) -> tuple[Table, Table]:
     """The cells (measured, simulated, leave-one-out, datasheet-only) and the fitted values."""
     s = report.summary()
     ranks = ", ".join(f"{k} {'right' if v['right'] else 'WRONG'}" for k, v in s["rankings"].items())
+    loo = (f", leave-one-out {s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})"
+           if s["loo_median_abs_error"] is not None else ", no leave-one-out")
     cells = Table(title=f"tg fit {report.source}: median |error| {s['median_abs_error']:.1%} "
-                        f"(max {s['max_abs_error']:.1%}), leave-one-out "
-                        f"{s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})",
+                        f"(max {s['max_abs_error']:.1%}){loo}",
                   title_justify="left", caption=f"ranking within each setting: {ranks}",
                   caption_justify="left")
     for col in ("cell", "sched", "measured tok/s", "simulated", "error", "leave-one-out",

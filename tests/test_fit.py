@@ -75,6 +75,7 @@ def test_the_fit_recovers_known_parameters(tmp_path):
     for p, v in zip(report.params, report.values):
         assert v == pytest.approx(truth[p.name], rel=0.03), p.name
     assert report.summary()["max_abs_error"] < 0.01
+    json.dumps(report.to_json(), allow_nan=False)     # no leave-one-out: nulls, not NaN
 
 
 def test_every_published_cell_simulates_with_its_stated_policy(capsys):
