@@ -11,6 +11,7 @@ checked exactly like the file.
 from __future__ import annotations
 
 import json
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -34,7 +35,7 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     if not isinstance(doc, dict):
         raise TgError(
             f"Scenario file '{path}' must be a YAML mapping with sections "
-            f"{', '.join(_SECTIONS[:5])}; it holds a {type(doc).__name__}."
+            f"{', '.join(_SECTIONS[:5])}; it holds {_kind_of(doc)}."
         )
     for item in overrides:
         _apply_override(doc, item)
@@ -171,7 +172,8 @@ _PRESETS = {
 }
 
 
-def _resolve_section(section: str, value: Any, source: str, base_dir: Path) -> Any:
+def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
+                     seen: tuple[Path, ...] = ()) -> Any:
     """A section given as a preset name, a file, or a mapping that starts from either
     (``preset:``, ``file:``, ``hf_config:``) and overrides fields, as plain fields."""
     if isinstance(value, str):
@@ -185,17 +187,17 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path) -> A
         name = value.pop("preset")
         if name not in table:
             raise TgError(
-                f"Invalid scenario {source}: {section} '{name}' is not a preset; known {plural}: "
-                f"{', '.join(table)}{elsewhere}."
+                f"Invalid scenario {source}: {section} '{_short(name)}' is not a preset; known "
+                f"{plural}: {', '.join(table)}{elsewhere}."
             )
         base = table[name]
     for key in ("file", "hf_config"):
         if key in value:
-            base = _section_file(section, _resolve_path(value.pop(key), base_dir))
+            base = _section_file(section, _resolve_path(value.pop(key), base_dir), seen)
     return _merge(base, value)
 
 
-def _section_file(section: str, path: Path) -> dict[str, Any]:
+def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if section == "model":
         return model_from_hf_config(path)
     if section in ("hardware", "implementation"):
@@ -203,7 +205,11 @@ def _section_file(section: str, path: Path) -> dict[str, Any]:
         profile = _read_yaml(path, what=what)
         if not isinstance(profile, dict):
             raise TgError(f"The {what} '{path}' must be a YAML mapping.")
-        return _resolve_section(section, profile, str(path), path.parent)
+        here = path.resolve()
+        if here in seen:
+            chain = " -> ".join(str(p) for p in (*seen, here))
+            raise TgError(f"The {what} '{path}' includes itself through `file:` ({chain}).")
+        return _resolve_section(section, profile, str(path), path.parent, (*seen, here))
     raise TgError(f"The {section} section cannot be read from a file ('{path}'); give a preset "
                   "name or its fields.")
 
@@ -245,11 +251,37 @@ def _resolve_path(text: str, base_dir: Path) -> Path:
     return path
 
 
-def _read_yaml(path: Path, *, what: str) -> Any:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the second would
+    silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {_short(key)} appears twice", mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise TgError(f"The {what} '{path}' does not exist (or is not a file).")
     try:
-        return yaml.safe_load(path.read_text())
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise TgError(f"The {what} '{path}' is not UTF-8 text (byte {err.start}).") from None
+    except OSError as err:
+        raise TgError(f"The {what} '{path}' cannot be read: {err.strerror}.") from None
+
+
+def _read_yaml(path: Path, *, what: str) -> Any:
+    text = _read_text(path, what)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -258,15 +290,27 @@ def _read_yaml(path: Path, *, what: str) -> Any:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise TgError(f"The model config '{path}' does not exist (or is not a file).")
+    text = _read_text(path, "model config")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise TgError(f"The model config '{path}' is not valid JSON: {err}.") from None
     if not isinstance(data, dict):
         raise TgError(f"The model config '{path}' must hold a JSON object.")
     return data
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value as an error message may echo it: bounded, however deep or large it is."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, limit, limit
+    text = r.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _kind_of(value: Any) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _explain(err: ValidationError, source: str) -> str:
@@ -282,7 +326,7 @@ def _explain(err: ValidationError, source: str) -> str:
         else:
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and not isinstance(e["input"], dict):
-                msg += f" (got {e['input']!r})"
+                msg += f" (got {_short(e['input'])})"
         parts.append(f"{loc}: {msg}" if loc else msg)
     return f"Invalid scenario {source}: " + "; ".join(parts) + "."
 

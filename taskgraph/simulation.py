@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from taskgraph.builder import Plan, make_plan
 from taskgraph.compiled import Program, compile_plan
+from taskgraph.errors import TgError
 from taskgraph.cost import cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.schedules import SCHEDULES
@@ -42,6 +43,7 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     memory = memory_footprint(plan)
     warnings = check_fits(memory, plan.schedule.name)
     program = compile_plan(plan)
+    _check_size(program.total)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
     run = simulate_with_interference(program, cost_model(scenario, plan.schedule.name), tick)
@@ -49,6 +51,29 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, program, memory, run, summary)
+
+
+# Bytes the simulator keeps per task (start, end and duration arrays, per-task columns, the
+# interference solver's copies): a 116M-task run (tiny.yaml, gen_len 1e6) completed within this
+# machine's 24 GB, so at most ~200; this errs on the side of running.
+_BYTES_PER_TASK = 150
+
+
+def _check_size(tasks: int) -> None:
+    """Refuse, with an estimate, a run that would not fit in this machine's memory, rather than
+    run out of it part-way."""
+    import os
+
+    try:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need = tasks * _BYTES_PER_TASK
+    if need > 0.8 * free:
+        raise TgError(
+            f"This run has {tasks:,} tasks; simulating them needs about {need / 1e9:.1f} GB and "
+            f"{free / 1e9:.1f} GB of this machine's memory is free. Lower workload.gen_len, "
+            "model.L or the number of micro-batches (policy.N / policy.mu).")
 
 
 def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | None]:

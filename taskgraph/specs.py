@@ -8,13 +8,15 @@ both what the part is sold as and what it delivers (`tg calibrate` measures the 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from taskgraph.schedules import RESOURCES
 
-_STRICT = ConfigDict(extra="forbid", frozen=True)
+# No NaN or infinity anywhere: every figure must be a number a run can use.
+_STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 Positive = Field(gt=0)
@@ -276,14 +278,16 @@ class HardwareSpec(BaseModel):
 
     @field_validator("task_overhead_us", "task_gbps")
     @classmethod
-    def _known_kinds(cls, value: dict[str, float]) -> dict[str, float]:
+    def _known_kinds(cls, value: dict[str, float], info) -> dict[str, float]:
         from taskgraph.work import KINDS
 
         for kind, x in value.items():
+            if not math.isfinite(x):
+                raise ValueError(f"{kind}: {x} is not a finite number")
             if kind not in KINDS:
                 raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
-            if x < 0:
-                raise ValueError(f"{kind}: {x} is negative")
+            if x < 0 or (x == 0 and info.field_name == "task_gbps"):
+                raise ValueError(f"{kind}: {x} must be {'positive' if x == 0 else 'non-negative'}")
         return value
 
 
@@ -294,9 +298,9 @@ class WorkloadSpec(BaseModel):
 
     model_config = _STRICT
 
-    prompt_len: int = Positive
-    max_prompt_len: int | None = Field(default=None, gt=0)
-    gen_len: int = Positive
+    prompt_len: int = Field(gt=0, le=10_000_000)
+    max_prompt_len: int | None = Field(default=None, gt=0, le=10_000_000)
+    gen_len: int = Field(gt=0, le=10_000_000)
     padded: bool = False
 
     @model_validator(mode="after")
@@ -320,8 +324,8 @@ class PolicySpec(BaseModel):
 
     model_config = _STRICT
 
-    N: int = Positive
-    mu: int = Positive
+    N: int = Field(gt=0, le=1_000_000_000)
+    mu: int = Field(gt=0, le=1_000_000_000)
     A_g: Literal[0, 1] = 0
     F_g: Literal[0, 1] = 1
     r_w: float = Field(default=0.0, ge=0.0, le=1.0)   # default: every weight streamed

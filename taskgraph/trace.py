@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -71,8 +73,23 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     slices = 0
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
+    # A name of its own: two runs writing the same trace never share a temporary file, and the
+    # last complete writer wins.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    partial = Path(name)
+    try:
+        slices = _write(os.fdopen(fd, "wb"), path, runs, window, metadata)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return slices
+
+
+def _write(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
+           metadata: dict[str, Any] | None) -> int:
+    slices = 0
+    with f:
         # No name and mtime=0 in the gzip header: identical input gives identical bytes.
         raw = gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) if path.suffix == ".gz" \
             else f
@@ -86,7 +103,6 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
             out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
             out.write_raw(json.dumps(metadata or {}, sort_keys=True))
             out.write_raw("}\n")
-    partial.replace(path)
     return slices
 
 
