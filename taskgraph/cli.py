@@ -24,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.func(args) or 0
+        _check_outputs(args)
+        rc = args.func(args) or 0
+        if getattr(args, "trace_interrupted", False):
+            print(f"tg {args.command}: interrupted while writing the trace; the results above "
+                  f"are complete, {args.trace} was left as it was.", file=sys.stderr)
+            return 130
+        return rc
     except BrokenPipeError:       # e.g. `tg ... --json | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
@@ -279,8 +285,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     from taskgraph.execution import pick_device
     from taskgraph.scenario import load_scenario
 
-    if not args.out.endswith((".yaml", ".yml")):
-        raise TgError(f"--out '{args.out}' must be a .yaml file (a hardware profile).")
     if pick_device(args.device) != "cpu":
         raise TgError("tg calibrate measures the CPU backend so far; GPU calibration (CUDA "
                       "events, pinned copies) is not built yet. Use --device cpu.")
@@ -406,13 +410,14 @@ def _search(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from taskgraph.scenario import load_scenario
-    from taskgraph.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
+    from taskgraph.sweep import check_jobs, parse_vary, run_sweep, sweep_jobs, write_sweep
 
     vary = parse_vary(args.vary)
     if len(vary) > 2:
         raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
     load_scenario(args.scenario, args.overrides)          # fail fast on a bad scenario
     jobs = sweep_jobs(args.scenario, args.overrides, vary)
+    check_jobs(jobs)
     with _progress(not args.json, "sweeping") as tick:
         rows = run_sweep(jobs, progress=tick)
     failed = [r for r in rows if r["error"]]
@@ -428,8 +433,6 @@ def _sweep(args: argparse.Namespace) -> int:
 def _roofline(args: argparse.Namespace) -> int:
     from taskgraph.plots import roofline, roofline_points
 
-    if not args.out.endswith(".png"):
-        raise TgError(f"--out '{args.out}' must be a .png file.")
     scenario = _load(args)
     roofline(scenario, args.out)
     pts = roofline_points(scenario)
@@ -492,22 +495,68 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], Non
         human()
 
 
-def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> None:
-    from taskgraph.trace import Window, write_trace
+# Where each command writes, and what it must be: (argument, a folder?, required suffixes).
+_OUTPUTS = {"trace": (False, ()), "gantt": (False, (".png",)), "plot": (False, (".png",))}
+_OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
+        "calibrate": (False, (".yaml", ".yml")), "graph": (False, (".json", ".dot")),
+        "execute": (False, ())}
 
-    text = args.trace_steps
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path and trace option is checked before any work: a bad one must not cost a
+    simulation, and no output may replace an input."""
+    inputs = [Path(p) for p in (getattr(args, "scenario", None), getattr(args, "measurements", None),
+                                getattr(args, "prompts", None)) if p]
+    wanted = {k: v for k, v in _OUTPUTS.items() if getattr(args, k, None) is not None}
+    if getattr(args, "out", None) is not None and args.command in _OUT:
+        wanted["out"] = _OUT[args.command]
+    for arg, (folder, suffixes) in wanted.items():
+        text = getattr(args, arg)
+        flag = f"--{arg}"
+        if not text.strip():
+            raise TgError(f"{flag} is empty; give a path.")
+        path = Path(text)
+        if suffixes and not folder and not text.endswith(suffixes):
+            raise TgError(f"{flag} '{text}' must end in {' or '.join(suffixes)}.")
+        if path.exists() and path.is_dir() != folder:
+            raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
+                          f"{'a folder' if folder else 'a file path'}.")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
+        for source in inputs:
+            if path.exists() and source.exists() and path.resolve() == source.resolve():
+                raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
+                              "it. Choose another path.")
+    if getattr(args, "trace", None) is not None:
+        _window(args.trace_steps)
+
+
+def _window(text: str):
+    from taskgraph.trace import Window
+
     if text == "all":
-        window = Window(None)
-    else:
-        try:
-            window = Window(int(text))
-        except ValueError:
-            raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
-                          f"'{text}'.") from None
-        if window.max_step is not None and window.max_step < 0:
-            raise TgError("--trace-steps must not be negative.")
-    slices = write_trace(args.trace, runs, window,
-                         metadata={k: v for k, v in meta.items() if not isinstance(v, dict)})
+        return Window(None)
+    try:
+        steps = int(text)
+    except ValueError:
+        raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
+                      f"'{text}'.") from None
+    if steps < 0:
+        raise TgError("--trace-steps must not be negative.")
+    return Window(steps)
+
+
+def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> None:
+    from taskgraph.trace import write_trace
+
+    # Wall time changes from run to run; it belongs in the JSON, not in the trace's bytes.
+    meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list)) and k != "wall_s"}
+    try:
+        slices = write_trace(args.trace, runs, _window(args.trace_steps), metadata=meta)
+    except KeyboardInterrupt:
+        args.trace_interrupted = True     # the results are still reported; see main()
+        return
     if not getattr(args, "json", False):
         _console().print(f"wrote {args.trace}: {slices:,} task slices "
                          "(open it at https://ui.perfetto.dev)")
@@ -516,8 +565,6 @@ def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> 
 def _gantt(args: argparse.Namespace, runs: list) -> None:
     if not getattr(args, "gantt", None):
         return
-    if not args.gantt.endswith(".png"):
-        raise TgError(f"--gantt '{args.gantt}' must be a .png file.")
     from taskgraph.plots import gantt
 
     gantt(runs, args.gantt)

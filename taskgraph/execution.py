@@ -33,8 +33,9 @@ def _torch():
     try:
         import torch
     except ImportError:
-        raise TgError("tg execute needs PyTorch. Install the CPU build with "
-                      "`pip install torch==2.13.0` (or your CUDA build), then try again.") from None
+        raise TgError("Running graphs for real (tg execute, calibrate, validate) needs PyTorch. "
+                      "Install the CPU build with `pip install torch==2.13.0` (or your CUDA "
+                      "build), then try again.") from None
     return torch
 
 

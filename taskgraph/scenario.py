@@ -309,6 +309,8 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _kind_of(value: Any) -> str:
+    if value is None:
+        return "nothing (it is empty)"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -234,14 +235,24 @@ def run_jobs(jobs: list, workers: int | None = None,
     """Run jobs (objects with a ``run()`` method) on every local core, results in job order."""
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    results: list = []
     try:
         pending = [pool.submit(_run, job) for job in jobs] if pool else jobs
-        results = []
         for i, item in enumerate(pending):
             results.append(item.result() if pool else item.run())
             if progress:
                 progress(i + 1, len(jobs))
         return results
+    except KeyboardInterrupt:
+        # Stop now: drop what is queued and end the workers rather than wait for every job.
+        if pool:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            pool = None
+        print(f"tg: interrupted with {len(results)} of {len(jobs)} jobs finished.",
+              file=sys.stderr)
+        raise
     finally:
         if pool:
             pool.shutdown()

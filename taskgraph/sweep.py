@@ -54,6 +54,9 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
         if not sep or not key.strip() or not vals:
             raise TgError(f"--vary '{item}' must look like KEY=V1,V2,..., e.g. "
                           "--vary hardware.link.h2d_gbps=100,200,300.")
+        if any(key.strip() == k for k, _ in out):
+            raise TgError(f"--vary names '{key.strip()}' twice; give its values once, "
+                          "comma-separated.")
         out.append((key.strip(), vals))
     return out
 
@@ -63,6 +66,20 @@ def sweep_jobs(scenario: str, overrides: list[str], vary: list[tuple[str, list[s
     keys = [k for k, _ in vary]
     return [SweepJob(scenario, tuple(overrides), tuple(zip(keys, combo)))
             for combo in itertools.product(*(vals for _, vals in vary))]
+
+
+def check_jobs(jobs: list[SweepJob]) -> None:
+    """Every point must be a valid scenario before any runs: a typo in a value is an error,
+    not a row of the CSV."""
+    from taskgraph.scenario import load_scenario
+
+    for job in jobs:
+        sets = list(job.overrides) + [f"{k}={v}" for k, v in job.point]
+        try:
+            load_scenario(job.scenario, sets)
+        except TgError as err:
+            point = ", ".join(f"{k}={v}" for k, v in job.point)
+            raise TgError(f"The sweep point {point} is not a valid scenario: {err}") from None
 
 
 def run_sweep(jobs: list[SweepJob], workers: int | None = None,

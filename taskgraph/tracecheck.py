@@ -115,3 +115,34 @@ def _three_decimals(x: float) -> bool:
     else:
         decimals = len(text.partition(".")[2].rstrip("0"))
     return decimals <= 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m taskgraph.tracecheck FILE...`: check traces; exit 1 if any has problems, 2 if
+    one cannot be read."""
+    import sys
+
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m taskgraph.tracecheck TRACE.json[.gz] ...", file=sys.stderr)
+        return 2
+    worst = 0
+    for path in paths:
+        try:
+            problems = check_trace(load_trace(path))
+        except (OSError, ValueError, EOFError) as err:     # missing, not gzip, not JSON
+            print(f"{path}: cannot be read as a trace ({err})", file=sys.stderr)
+            worst = 2
+            continue
+        for problem in problems[:50]:
+            print(f"{path}: {problem}")
+        if len(problems) > 50:
+            print(f"{path}: ... and {len(problems) - 50} more")
+        print(f"{path}: {'ok' if not problems else f'{len(problems)} problems'}",
+              file=sys.stderr)
+        worst = max(worst, 1 if problems else 0)
+    return worst
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Bad input, interrupted and concurrent writes: one case per class of the hostile tester's
+probes. Each must end with exit 2, one paragraph naming the field or path, no traceback, and no
+file left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskgraph.cli import main
+from taskgraph.errors import TgError
+from taskgraph.scenario import load_scenario, scenario_from_dict
+
+TINY = "scenarios/tiny.yaml"
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+CASES = [
+    # (what, argv (FOLDER is replaced by the test's folder), text the error must hold)
+    ("infinite latency", ["simulate", TINY, "--set", "hardware.link.latency_us=.inf"],
+     "hardware.link.latency_us"),
+    ("NaN bandwidth", ["simulate", TINY, "--set", "hardware.gpu.mem_gbps=.nan"],
+     "hardware.gpu.mem_gbps"),
+    ("zero task bandwidth", ["simulate", TINY, "--set", "hardware.task_gbps={D3: 0}"],
+     "hardware.task_gbps"),
+    ("huge N", ["simulate", TINY, "--set", "policy.N=1000000000000"], "policy.N"),
+    ("run too large for memory", ["simulate", TINY, "--set", "workload.gen_len=9000000"],
+     "workload.gen_len"),
+    ("non-UTF-8 scenario", ["simulate", "FOLDER/latin1.yaml"], "not UTF-8"),
+    ("self-including profile", ["simulate", "FOLDER/loop.yaml"], "includes itself"),
+    ("duplicate key", ["simulate", "FOLDER/dup.yaml"], "appears twice"),
+    ("alias bomb in a field", ["simulate", "FOLDER/bomb.yaml"], "model.name"),
+    ("malformed DBRX config", ["simulate", "FOLDER/dbrx-scenario.yaml"], "config"),
+    ("trace is a folder", ["simulate", TINY, "--trace", "FOLDER"], "--trace"),
+    ("trace under a file", ["simulate", TINY, "--trace", "FOLDER/latin1.yaml/t.json"],
+     "which is a file"),
+    ("trace replaces the scenario", ["simulate", "FOLDER/copy.yaml", "--trace",
+                                     "FOLDER/copy.yaml"], "is the input"),
+    ("empty trace path", ["simulate", TINY, "--trace", ""], "--trace is empty"),
+    ("bad trace steps", ["simulate", TINY, "--trace", "FOLDER/t.json", "--trace-steps", "x"],
+     "--trace-steps"),
+    ("bad gantt suffix", ["simulate", TINY, "--gantt", "FOLDER/g.jpg"], "--gantt"),
+    ("repeated sweep key", ["sweep", TINY, "--vary", "policy.mu=1", "--vary", "policy.mu=2",
+                            "--out", "FOLDER/sweep"], "twice"),
+    ("non-numeric sweep value", ["sweep", TINY, "--vary", "hardware.link.h2d_gbps=16,abc",
+                                 "--out", "FOLDER/sweep"], "hardware.link.h2d_gbps"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes("model: tiny # caf\xe9\n".encode("latin-1"))
+    (tmp_path / "self.yaml").write_text("file: self.yaml\n")
+    (tmp_path / "loop.yaml").write_text(
+        "model: tiny\nhardware: self.yaml\nworkload: {prompt_len: 4, gen_len: 2}\n"
+        "policy: {N: 4, mu: 2}\n")
+    (tmp_path / "dup.yaml").write_text(
+        "model: tiny\nhardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
+        "policy: {N: 4, mu: 2}\npolicy: {N: 8, mu: 2}\n")
+    anchors = ['&a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + [
+        f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    (tmp_path / "bomb.yaml").write_text(
+        "model:\n  preset: tiny\n  name: [" + ", ".join(anchors) + "]\nhardware: t4\n"
+        "workload: {prompt_len: 4, gen_len: 2}\npolicy: {N: 4, mu: 2}\n")
+    (tmp_path / "dbrx.json").write_text(json.dumps(
+        {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 128,
+         "attn_config": [1, 2], "ffn_config": {"ffn_hidden_size": 96}}))
+    (tmp_path / "dbrx-scenario.yaml").write_text(
+        "model: dbrx.json\nhardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
+        "policy: {N: 4, mu: 2}\n")
+    (tmp_path / "copy.yaml").write_text(Path(TINY).read_text())
+    return tmp_path
+
+
+@pytest.mark.parametrize("what, argv, text", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clean_error(folder, capsys, what, argv, text):
+    before = _files(folder)
+    copy = (folder / "copy.yaml").read_text()
+    argv = [a.replace("FOLDER", str(folder)) for a in argv]
+    t0 = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert text in err, err
+    assert "Traceback" not in err and len(err) < 2000
+    assert time.perf_counter() - t0 < 20
+    assert _files(folder) == before                # nothing written, nothing left behind
+    assert (folder / "copy.yaml").read_text() == copy
+
+
+@settings(max_examples=60, deadline=None)
+@given(doc=st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["model", "hardware", "workload", "policy", "schedule", "name", "h",
+                         "N", "mu", "gpu", "preset", "file", "prompt_len", "gen_len", "x"]),
+        inner, max_size=4), max_leaves=12),
+    sets=st.lists(st.tuples(st.sampled_from(
+        ["policy.N", "policy.mu", "policy.r_w", "workload.gen_len", "hardware.gpu.tflops",
+         "hardware.link.h2d_gbps", "model.h", "model", "hardware", "schedule", "implementation",
+         "implementation.kinds.PostAttn.bytes_eff"]),
+        st.sampled_from(["0", "-1", "1e400", ".nan", "abc", "[1]", "{a: 1}", "2", "0.5", "t4",
+                         "S9", "flexgen", "''"])), max_size=3))
+def test_the_loader_only_ever_returns_a_scenario_or_a_clean_error(tmp_path_factory, doc, sets):
+    path = tmp_path_factory.mktemp("fuzz") / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    try:
+        load_scenario(path, [f"{k}={v}" for k, v in sets])
+    except TgError as err:
+        assert str(err) and len(str(err)) < 5000
+
+
+def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
+    """Two runs writing one trace path: both exit 0, the file is one complete trace, and no
+    temporary file is left."""
+    from taskgraph.tracecheck import check_trace, load_trace
+
+    trace = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "taskgraph.cli", "simulate", TINY, "--trace", str(trace)]
+    procs = [subprocess.Popen(cmd + ["--trace-steps", steps], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for steps in ("all", "1")]
+    for p in procs:
+        assert p.wait(120) == 0, p.stderr.read()
+    assert check_trace(load_trace(trace)) == []
+    assert _files(tmp_path) == {"s.json"}
+
+
+def test_interrupting_the_trace_write_keeps_the_results_and_the_old_file(tmp_path,
+                                                                        monkeypatch, capsys):
+    from taskgraph import trace as trace_module
+
+    path = tmp_path / "t.json"
+    path.write_text("previous")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trace_module, "_write", interrupted)
+    assert main(["simulate", TINY, "--json", "--trace", str(path)]) == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out)["throughput_tok_s"] > 0 and "interrupted" in err
+    assert path.read_text() == "previous" and _files(tmp_path) == {"t.json"}
+
+
+def test_trace_bytes_do_not_depend_on_the_wall_clock(tmp_path):
+    for name in ("a.json", "b.json"):
+        assert main(["simulate", TINY, "--trace", str(tmp_path / name)]) == 0
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_tracecheck_has_a_command_line(tmp_path):
+    good = tmp_path / "good.json"
+    assert main(["simulate", TINY, "--trace", str(good)]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": -1}]}')
+    run = [sys.executable, "-m", "taskgraph.tracecheck"]
+    assert subprocess.run(run + [str(good)], capture_output=True).returncode == 0
+    assert subprocess.run(run + [str(good), str(bad)], capture_output=True).returncode == 1
+    assert subprocess.run(run + [str(tmp_path / "none.json")],
+                          capture_output=True).returncode == 2
+
+
+def test_scenario_from_dict_names_a_huge_value_briefly():
+    with pytest.raises(TgError) as err:
+        scenario_from_dict({"model": {"preset": "tiny", "name": [["x" * 10_000] * 100] * 100},
+                            "hardware": "t4", "workload": {"prompt_len": 4, "gen_len": 2},
+                            "policy": {"N": 4, "mu": 2}})
+    assert "model.name" in str(err.value) and len(str(err.value)) < 1000
