@@ -11,8 +11,6 @@ transformers' ``generate`` does.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 
 
 class _Line(BaseModel):
@@ -135,16 +134,7 @@ def eos_ids(folder: str | Path | None) -> set[int]:
 
 
 def write_outputs(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    """One JSON line per request, written whole or not at all (a temporary file in the same
-    folder, renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """One JSON line per request, written whole or not at all."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

@@ -295,11 +295,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     with _progress(not args.json, "calibrating") as tick:
         profile, measured = calibrate(scenario, progress=lambda what: tick and tick(
             steps.index(what) + 1, len(steps)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        "# Written by `tg calibrate`: this machine's CPU backend. Use it with\n"
-        f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
-        + yaml.safe_dump(profile, sort_keys=False))
+    from taskgraph.files import atomic_path
+
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(
+            "# Written by `tg calibrate`: this machine's CPU backend. Use it with\n"
+            f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
+            + yaml.safe_dump(profile, sort_keys=False))
 
     _emit(args, {"profile": profile, "measured": measured, "out": args.out},
           lambda: _console().print(_tables().calibrate_table(measured, args.out)))

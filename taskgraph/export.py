@@ -8,6 +8,7 @@ from pathlib import Path
 import networkx as nx
 
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 
 _COLORS = {"gpu": "#9ecae1", "cpu": "#fdae6b", "h2d": "#a1d99b", "h2d_kv": "#c7e9c0",
            "d2h": "#bcbddc", "pin": "#fdd0a2"}
@@ -26,7 +27,8 @@ def write_graph(g: nx.DiGraph, path: str | Path) -> None:
             "JSON, for networkx.node_link_graph and scripts) or .dot (Graphviz)."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def to_dot(g: nx.DiGraph) -> str:

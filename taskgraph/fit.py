@@ -26,6 +26,7 @@ import numpy as np
 
 from taskgraph import presets
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 from taskgraph.measurements import Cell
 
 
@@ -290,48 +291,41 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | No
 def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     """The fitted profiles (one hardware profile per machine, one implementation profile per
     system, each with its provenance), the report as JSON and CSV, and the parity plot, into
-    folder `out`. Everything is written to a temporary folder first and each file renamed into
-    place, so a failure leaves no file half-written; nothing else in `out` is touched."""
+    folder `out`. Each file is written whole or not at all; nothing else in `out` is touched."""
     import csv
+    import io
     import json
-    import os
-    import shutil
-    import tempfile
 
     import yaml
 
+    s = report.summary()
+    loo = (f", leave-one-out {s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})"
+           if s["loo_median_abs_error"] is not None else "")
+    provenance = (f"tg fit on {report.source} ({len(report.cells)} cells), {date}: median "
+                  f"|error| {s['median_abs_error']:.1%}{loo}")
+    machines, impls = profiles(report.params, report.values)
+    texts: dict[str, str] = {}
+    for name in sorted({p.target for p in report.params if p.section == "hardware"}):
+        fitted = ", ".join(".".join(p.path) for p in report.params if p.target == name)
+        texts[f"hardware-{name}.yaml"] = yaml.safe_dump(
+            {**machines[name], "fitted": f"{fitted}: {provenance}"}, sort_keys=False)
+    for name in sorted({p.target for p in report.params if p.section == "implementation"}):
+        texts[f"implementation-{name}.yaml"] = yaml.safe_dump(
+            {**impls[name], "fitted": provenance}, sort_keys=False)
+    data = report.to_json()
+    texts["report.json"] = json.dumps(data, indent=2) + "\n"
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(data["cells"][0]))
+    writer.writeheader()
+    writer.writerows(data["cells"])
+    texts["cells.csv"] = table.getvalue()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        s = report.summary()
-        provenance = (f"tg fit on {report.source} ({len(report.cells)} cells), {date}: median "
-                      f"|error| {s['median_abs_error']:.1%}" + (
-                          f", leave-one-out {s['loo_median_abs_error']:.1%} (max "
-                          f"{s['loo_max_abs_error']:.1%})" if s["loo_median_abs_error"] is not None
-                          else ""))
-        machines, impls = profiles(report.params, report.values)
-        for name in sorted({p.target for p in report.params if p.section == "hardware"}):
-            fitted = ", ".join(".".join(p.path) for p in report.params if p.target == name)
-            (tmp / f"hardware-{name}.yaml").write_text(yaml.safe_dump(
-                {**machines[name], "fitted": f"{fitted}: {provenance}"}, sort_keys=False))
-        for name in sorted({p.target for p in report.params if p.section == "implementation"}):
-            (tmp / f"implementation-{name}.yaml").write_text(yaml.safe_dump(
-                {**impls[name], "fitted": provenance}, sort_keys=False))
-        data = report.to_json()
-        (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
-        with open(tmp / "cells.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(data["cells"][0]))
-            writer.writeheader()
-            writer.writerows(data["cells"])
-        parity_plot(report, tmp / "parity.png")
-        out.mkdir(exist_ok=True)
-        written = []
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-            written.append(out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    written = []
+    for name, text in texts.items():
+        with atomic_path(out / name) as tmp:
+            tmp.write_text(text)
+        written.append(out / name)
+    written.append(parity_plot(report, out / "parity.png"))
     return written
 
 

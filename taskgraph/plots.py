@@ -14,6 +14,7 @@ import numpy as np
 from taskgraph.builder import make_plan
 from taskgraph.cost import CostModel
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import Scenario
 
@@ -99,9 +100,11 @@ def save(fig, out: str | Path) -> Path:
     """Lay out, write and close a figure."""
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    _pyplot().close(fig)
+    try:
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp)
+    finally:
+        _pyplot().close(fig)
     return out
 
 

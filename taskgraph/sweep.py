@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 
 COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c", "binding",
            "hardware_limit_tok_s", "error")
@@ -97,7 +98,7 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
     out.mkdir(parents=True, exist_ok=True)
     keys = [k for k, _ in vary]
     path = out / "sweep.csv"
-    with open(path, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys + list(COLUMNS))
         writer.writeheader()
         for row in rows:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+from taskgraph.files import atomic_path
 
 import numpy as np
 
@@ -68,22 +68,10 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
                 metadata: dict[str, Any] | None = None) -> int:
     """Write `runs` to `path` (``.json`` or ``.json.gz``); returns the number of task slices.
 
-    The file appears complete or not at all: it is written beside `path` and renamed into place,
-    so an interrupted write never leaves a truncated trace."""
+    The file appears complete or not at all (:func:`taskgraph.files.atomic_path`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    slices = 0
-    # A name of its own: two runs writing the same trace never share a temporary file, and the
-    # last complete writer wins.
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    partial = Path(name)
-    try:
-        slices = _write(os.fdopen(fd, "wb"), path, runs, window, metadata)
-        partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return slices
+    with atomic_path(path) as tmp:
+        return _write(open(tmp, "wb"), path, runs, window, metadata)
 
 
 def _write(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
