@@ -239,15 +239,16 @@ def run_jobs(jobs: list, workers: int | None = None,
     try:
         pending = [pool.submit(_run, job) for job in jobs] if pool else jobs
         for i, item in enumerate(pending):
-            results.append(item.result() if pool else item.run())
+            results.append(_wait(item) if pool else item.run())
             if progress:
                 progress(i + 1, len(jobs))
         return results
     except KeyboardInterrupt:
         # Stop now: drop what is queued and end the workers rather than wait for every job.
         if pool:
+            workers_ = list((getattr(pool, "_processes", None) or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
-            for proc in list(getattr(pool, "_processes", {}).values()):
+            for proc in workers_:
                 proc.terminate()
             pool = None
         print(f"tg: interrupted with {len(results)} of {len(jobs)} jobs finished.",
@@ -260,6 +261,15 @@ def run_jobs(jobs: list, workers: int | None = None,
 
 def _run(job):
     return job.run()
+
+
+def _wait(future):
+    """A job's result, waking up often: a bare ``result()`` blocks Ctrl-C until it returns."""
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except TimeoutError:
+            continue
 
 
 def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:

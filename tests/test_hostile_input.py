@@ -177,3 +177,18 @@ def test_scenario_from_dict_names_a_huge_value_briefly():
                             "hardware": "t4", "workload": {"prompt_len": 4, "gen_len": 2},
                             "policy": {"N": 4, "mu": 2}})
     assert "model.name" in str(err.value) and len(str(err.value)) < 1000
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_a_parallel_brute_force_at_once():
+    proc = subprocess.Popen([sys.executable, "-m", "taskgraph.cli", "search",
+                             "scenarios/t4.yaml", "--brute-force"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6)
+    assert proc.poll() is None, "the brute force ended before the test could interrupt it"
+    proc.send_signal(signal.SIGINT)
+    t0 = time.perf_counter()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "jobs finished" in err
+    assert time.perf_counter() - t0 < 10
