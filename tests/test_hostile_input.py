@@ -189,6 +189,5 @@ def test_ctrl_c_stops_a_parallel_brute_force_at_once():
     proc.send_signal(signal.SIGINT)
     t0 = time.perf_counter()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err
-    assert "jobs finished" in err
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err
     assert time.perf_counter() - t0 < 10
