@@ -110,8 +110,11 @@ def test_execute_cli_json_and_trace(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["measured"] and out["tokens_match"]
     assert out["max_abs_err"] < 1e-4 and out["steps"] == 2     # fp32 tolerance
-    assert {"throughput_tok_s", "prefill_s", "decode_s", "decode_layer_ms", "utilization",
-            "tasks", "wall_s", "policy"} <= out.keys()
+    assert {"throughput_tok_s", "prefill_s", "decode_s", "overlap_s", "decode_layer_ms",
+            "utilization", "tasks", "wall_s", "policy"} <= out.keys()
+    # The phases of a measured run, by the definitions simulated runs use.
+    assert out["prefill_s"] + out["decode_s"] == pytest.approx(out["makespan_s"], rel=1e-4)
+    assert out["decode_layer_ms"] >= out["hrm_layer_ms"] > 0
     loaded = load_trace(trace)
     assert check_trace(loaded) == []
     names = {e["args"]["name"] for e in loaded["traceEvents"] if e["name"] == "process_name"}

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskgraph.builder import launch_sequence
+from taskgraph.compiled import KIND_NAMES
 from taskgraph.schedules import RESOURCES
 from taskgraph.scenario import scenario_from_dict
 from taskgraph.simulation import simulate_scenario
@@ -123,6 +124,18 @@ def test_simulated_runs_keep_every_invariant(sc):
     s = sim.summary
     assert s["decode_layer_ms"] >= s["hrm_layer_ms"] * (1 - 1e-9)
     assert s["tasks"] == prog.total
+
+    # Phases: prefill ends with its last compute task (whatever kinds a schedule gives it), the
+    # decode window is the rest, and decode work before that end is reported as overlap.
+    kind = prog.column("kind")
+    compute = np.isin(resource, [RESOURCES.index("gpu"), RESOURCES.index("cpu")])
+    prefill_end = end[(prog.step == 0) & compute].max()
+    assert prefill_end >= end[kind == KIND_NAMES.index("Prefill")].max()
+    assert s["prefill_s"] == pytest.approx(prefill_end, rel=1e-5)
+    assert s["prefill_s"] + s["decode_s"] == pytest.approx(makespan, rel=1e-5)
+    first_decode = start[prog.step >= 1].min()
+    assert s["overlap_s"] == pytest.approx(max(0.0, prefill_end - first_decode), rel=1e-5,
+                                           abs=1e-12)
 
 
 @settings(max_examples=10)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from taskgraph.builder import make_plan
 from taskgraph.cli import main
-from taskgraph.compiled import KIND_NAMES
 from taskgraph.errors import TgError
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
@@ -32,11 +31,16 @@ def _machine(gpu_gb: float, cpu_gb: float):
 
 
 def test_prediction_matches_the_simulated_hrm_bound():
+    """The predictor's bound is all decode work per layer; the simulated one counts only what
+    runs after prefill ends, which leaves out at most the one decode layer prefetched during
+    prefill."""
     for name in ("S1", "S3"):
         sc = tiny()
         pred = predict(sc, SCHEDULES[name])
         sim = simulate_scenario(sc, name).summary
-        assert pred.hrm_layer_ms[0] == pytest.approx(sim["hrm_layer_ms"], rel=1e-3)
+        layers = sc.decode_steps * sc.model.L
+        assert sim["hrm_layer_ms"] <= pred.hrm_layer_ms[0] * (1 + 1e-6)
+        assert sim["hrm_layer_ms"] >= pred.hrm_layer_ms[0] * (1 - 1 / layers) * (1 - 1e-6)
         assert pred.decode_layer_ms[0] >= pred.hrm_layer_ms[0]
 
 
@@ -55,11 +59,7 @@ def test_prediction_follows_the_launch_order(path, overrides):
         run = simulate_scenario(sc, name)
         sim = run.summary
         assert pred.decode_layer_ms[0] == pytest.approx(sim["decode_layer_ms"], rel=0.05), name
-        # prefill as the predictor means it: until the last prefill task ends (the JSON's
-        # prefill_s ends earlier, where the first decode prefetch starts)
-        prefill = run.program.column("kind") == KIND_NAMES.index("Prefill")
-        prefill_end = float(run.run.end[prefill].max())
-        assert pred.prefill_s[0] == pytest.approx(prefill_end, rel=0.06), name
+        assert pred.prefill_s[0] == pytest.approx(sim["prefill_s"], rel=0.06), name
 
 
 def test_search_returns_only_feasible_runnable_policies():
