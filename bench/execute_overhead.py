@@ -21,8 +21,7 @@ from taskgraph.exec.dispatch import execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.reference import synthetic_prompts
 from taskgraph.kernels.weights import synthetic_weights
-from taskgraph.scenario import load_scenario
-from taskgraph.simulation import for_schedule
+from taskgraph.scenario import for_schedule, load_scenario
 
 
 def main() -> None:

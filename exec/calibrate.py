@@ -85,7 +85,7 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     from taskgraph.compiled import KIND_NAMES
     from taskgraph.execution import execute_scenario
     from taskgraph.sim.interference import busy_fractions
-    from taskgraph.simulation import for_schedule
+    from taskgraph.scenario import for_schedule
 
     base_cost = CostModel(HardwareSpec.model_validate(base))
     samples: dict[str, _Samples] = {}

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NamedTuple, NoReturn
 import networkx as nx
 
 from taskgraph.errors import ScheduleError
-from taskgraph.schedules import SCHEDULES, STREAM_RESOURCE, Loop, Op, Schedule
+from taskgraph.schedules import PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op, Schedule
 from taskgraph.specs import Scenario
 from taskgraph.work import PAGED, WEIGHT_SECTIONS, TaskWork, WeightLayout
 
@@ -90,25 +90,13 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
             )
         schedule = SCHEDULES[schedule]
     p, s = scenario.policy, schedule
-    want_ag = 1 if s.attention == "gpu" else 0
-    if p.A_g != want_ag:
-        where = "GPU" if want_ag else "CPU"
-        others = [n for n, o in SCHEDULES.items() if (o.attention == "gpu") == bool(p.A_g)]
-        raise ScheduleError(
-            f"Schedule {s.name} ({s.title}) runs attention on the {where}, but policy.A_g = "
-            f"{p.A_g}; set policy.A_g={want_ag} or pick a schedule that matches "
-            f"({', '.join(others)})."
-        )
-    if p.F_g != 1:
-        raise ScheduleError(
-            f"policy.F_g = {p.F_g} puts the MoE FFN on the CPU, which none of the schedules "
-            f"{', '.join(SCHEDULES)} does; set policy.F_g=1."
-        )
-    if s.attention == "cpu" and p.r_c > 0:
-        raise ScheduleError(
-            f"policy.r_c = {p.r_c} keeps part of the KV cache on the GPU, but schedule {s.name} "
-            "runs attention on the CPU over a CPU KV cache; set policy.r_c=0 or use S4."
-        )
+    for key, value in s.placement.items():
+        if getattr(p, key) != value:
+            # Reached only by code that pairs a scenario with another schedule by hand;
+            # scenario.for_schedule sets these fields.
+            raise ScheduleError(
+                f"Schedule {s.name} ({s.title}) decides {PLACEMENT_MEANS[key]}: policy.{key} "
+                f"must be {value:g}, not {getattr(p, key):g} (scenario.for_schedule sets it).")
     if p.n_micro < s.min_micro_batches:
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) needs at least {s.min_micro_batches} micro-batches, "

@@ -167,7 +167,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     scenario = _load(args)
     with _progress(not args.json, "simulating") as tick:
-        sim = simulate_scenario(scenario, args.schedule, progress=tick)
+        sim = simulate_scenario(scenario, progress=tick)
     if args.trace:
         _write_trace(args, [sim.trace_run()], sim.summary)
     _gantt(args, [sim.trace_run(f"{sim.summary['schedule']} simulated")])
@@ -181,14 +181,16 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from taskgraph.expect import evaluate
-    from taskgraph.simulation import for_schedule, simulate_scenario
+    from taskgraph.scenario import for_schedule
+    from taskgraph.simulation import simulate_scenario
 
-    scenario = _load(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown or not names:
         raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
                       f"schedules: {', '.join(SCHEDULES)}.")
+    args.schedule = names[0]      # the command line chooses the schedules, not the file
+    scenario = _load(args)
     if args.check:
         if scenario.expect is None:
             raise TgError(f"--check needs an `expect` section in {args.scenario}; see the "
@@ -250,7 +252,7 @@ def _execute(args: argparse.Namespace) -> int:
     args.overrides = overrides
     scenario = _load(args)
     with _progress(not args.json, "executing") as tick:
-        ex = execute_scenario(scenario, args.schedule, args.device, args.weights, progress=tick,
+        ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
                               prompts_path=args.prompts)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
@@ -449,7 +451,7 @@ def _graph(args: argparse.Namespace) -> int:
     from taskgraph.builder import build_segment, make_plan
     from taskgraph.export import write_graph
 
-    plan = make_plan(_load(args), args.schedule)
+    plan = make_plan(_load(args))
     step = args.step if args.step is not None else min(2, plan.G)
     if not 0 <= step <= plan.G:
         raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
@@ -470,7 +472,11 @@ def _load(args: argparse.Namespace):
     from taskgraph.scenario import load_scenario
     from taskgraph.search import resolve_auto_policy
 
-    scenario, found = resolve_auto_policy(load_scenario(args.scenario, args.overrides))
+    # A schedule chosen on the command line is an override like any other, so that its
+    # placement replaces the file's (scenario.for_schedule).
+    chosen = getattr(args, "schedule", None)
+    overrides = list(args.overrides) + ([f"schedule={chosen}"] if chosen else [])
+    scenario, found = resolve_auto_policy(load_scenario(args.scenario, overrides))
     if found is not None and not getattr(args, "json", False):
         p = found.best.policy
         _console().print(f"policy: auto -> {found.best.schedule} N={p['N']} mu={p['mu']} "

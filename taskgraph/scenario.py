@@ -37,15 +37,25 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
             f"Scenario file '{path}' must be a YAML mapping with sections "
             f"{', '.join(_SECTIONS[:5])}; it holds {_kind_of(doc)}."
         )
+    pins = _pins(doc, str(path))
     for item in overrides:
         _apply_override(doc, item)
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key == "schedule":        # a schedule chosen here is not bound by the file's policy
+            pins = {k: v for k, v in pins.items() if v[1]}
+        elif key.startswith("policy.") and key.count(".") == 1:
+            pins[key.removeprefix("policy.")] = (f"--set {key}={value.strip()}", True)
     return scenario_from_dict(doc, source=str(path), base_dir=path.parent,
-                              default_name=path.stem)
+                              default_name=path.stem, pins=pins)
 
 
 def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
-                       base_dir: Path = Path("."), default_name: str = "scenario") -> Scenario:
-    """Validate a scenario given as a plain mapping (the YAML document)."""
+                       base_dir: Path = Path("."), default_name: str = "scenario",
+                       pins: dict[str, tuple[str, bool]] | None = None) -> Scenario:
+    """Validate a scenario given as a plain mapping (the YAML document). The schedule's
+    placement (:func:`for_schedule`) is applied; `pins` are the policy fields given explicitly
+    (default: those in `doc`, binding its own schedule)."""
     unknown = [k for k in doc if k not in _SECTIONS]
     if unknown:
         raise TgError(
@@ -73,7 +83,47 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
         raise TgError(_explain(err, source)) from None
     _check_schedule_names(scenario, source)
     scenario._policy_auto = auto
-    return scenario
+    scenario._pins = _pins(doc, source) if pins is None else dict(pins)
+    return for_schedule(scenario, scenario.schedule)[0]
+
+
+def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | None]:
+    """`scenario` running `schedule`, with the policy fields the schedule decides
+    (``Schedule.placement``: where attention, the KV cache and the FFN live) set, and a note
+    saying what that changed. A field the user gave explicitly with another value is an error
+    naming both: a ``--set`` binds every schedule, a value in the file only the file's own."""
+    from taskgraph.schedules import PLACEMENT_MEANS, SCHEDULES
+
+    s = SCHEDULES[schedule]
+    policy, changes = scenario.policy, {}
+    for key, value in s.placement.items():
+        have = getattr(policy, key)
+        if have == value:
+            continue
+        where, everywhere = scenario._pins.get(key, (None, False))
+        if where is not None and (everywhere or schedule == scenario.schedule):
+            allowing = [n for n, o in SCHEDULES.items() if o.placement.get(key, have) == have]
+            raise TgError(
+                f"{where} conflicts with schedule {s.name} ({s.title}), which decides "
+                f"{PLACEMENT_MEANS[key]}: policy.{key}={value:g}. Drop the explicit value, or "
+                f"choose a schedule that allows policy.{key}={have:g} "
+                f"({', '.join(allowing) or 'none does yet'}).")
+        changes[key] = value
+    if not changes and scenario.schedule == schedule:
+        return scenario, None
+    placed = scenario.model_copy(update={
+        "schedule": schedule, "policy": policy.model_copy(update=changes)})
+    note = (f"{schedule} decides " + ", ".join(f"{PLACEMENT_MEANS[k]}: {k}={v:g}"
+                                                for k, v in changes.items())) if changes else None
+    return placed, note
+
+
+def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:
+    """The policy fields a scenario document states, as pins binding its own schedule."""
+    policy = doc.get("policy")
+    if not isinstance(policy, dict):
+        return {}
+    return {str(k): (f"policy.{k}={_short(v)} in {source}", False) for k, v in policy.items()}
 
 
 def model_from_hf_config(path: str | Path) -> dict[str, Any]:

@@ -68,6 +68,16 @@ class Schedule:
     # The software whose kernels and copies a simulation of this schedule prices by default (a
     # name in taskgraph.presets.IMPLEMENTATIONS); `implementation:` in a scenario swaps it.
     implementation: str = "ideal"
+    # The policy fields the schedule decides (where attention, the KV cache and the FFN live).
+    # Choosing the schedule sets them; only an explicit, different value is an error.
+    placement: dict[str, float] = field(default_factory=dict)
+
+
+#: What each placement field decides, for messages.
+PLACEMENT_MEANS = {"A_g": "where attention runs", "r_c": "where the KV cache lives",
+                   "F_g": "where the MoE FFN runs"}
+_CPU_ATTENTION = {"A_g": 0, "r_c": 0.0, "F_g": 1}
+_GPU_ATTENTION = {"A_g": 1, "F_g": 1}
 
 
 _LMHEAD = Op("LMHead", when="last_layer")
@@ -95,6 +105,7 @@ S1 = Schedule(
             "interleaved with hidden-state transfers",
     attention="cpu", paged=True, staging=True, min_micro_batches=2,
     implementation="moe-lightning",
+    placement=_CPU_ATTENTION,
     prefill=_PREFILL_PAGED,
     decode_prologue=_CPU_PROLOGUE,
     decode=(Op("D2"), Op("D3", layer=1), Op("PostAttn"), _LMHEAD,
@@ -109,6 +120,7 @@ S2 = Schedule(
     # The paper's S2 is an ablation inside MoE-Lightning's own system: its kernels, FastDecode's
     # order.
     implementation="moe-lightning",
+    placement=_CPU_ATTENTION,
     prefill=_PREFILL_WHOLE,
     decode_prologue=_CPU_PROLOGUE,
     decode=(Op("D2"), Op("D3", layer=1, when="first"), Op("PostAttn"), _LMHEAD,
@@ -120,6 +132,7 @@ S3 = Schedule(
     summary="each micro-batch strictly PreAttn, D1, CPUAttn, D2, PostAttn; only the whole-layer "
             "weight prefetch overlaps",
     attention="cpu", paged=False, staging=False, implementation="flexgen",
+    placement=_CPU_ATTENTION,
     prefill=_PREFILL_WHOLE,
     decode_prologue=(),
     decode=(Op("D3", layer=1, when="first"), Op("PreAttn"), Op("D1"), Op("CPUAttn"),
@@ -131,6 +144,7 @@ S4 = Schedule(
     summary="attention on the GPU; the next micro-batch's KV cache is prefetched on its own "
             "stream and competes with the whole-layer weight prefetch for the CPU->GPU link",
     attention="gpu", paged=False, staging=False, implementation="flexgen",
+    placement=_GPU_ATTENTION,
     prefill=_PREFILL_WHOLE,
     decode_prologue=(Loop("once", (Op("D4"),)),),
     decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn"), Op("GPUAttn"),

@@ -14,7 +14,6 @@ from taskgraph.compiled import Program, compile_plan
 from taskgraph.errors import TgError
 from taskgraph.cost import cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
-from taskgraph.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
@@ -74,14 +73,3 @@ def _check_size(tasks: int) -> None:
             f"This run has {tasks:,} tasks; simulating them needs about {need / 1e9:.1f} GB and "
             f"{free / 1e9:.1f} GB of this machine's memory is free. Lower workload.gen_len, "
             "model.L or the number of micro-batches (policy.N / policy.mu).")
-
-
-def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | None]:
-    """The scenario with attention placed where `schedule` runs it (A_g follows the schedule
-    when schedules are compared), and a note when that changed the policy."""
-    want = 1 if SCHEDULES[schedule].attention == "gpu" else 0
-    if scenario.policy.A_g == want:
-        return scenario, None
-    policy = scenario.policy.model_copy(update={"A_g": want})
-    note = f"{schedule} runs attention on the {'GPU' if want else 'CPU'}: A_g={want}"
-    return scenario.model_copy(update={"policy": policy}), note

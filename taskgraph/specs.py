@@ -380,6 +380,9 @@ class Scenario(BaseModel):
     expect: Expect | None = None
     # `policy: auto` in the file: the policy is a placeholder until a search replaces it.
     _policy_auto: bool = PrivateAttr(default=False)
+    # Policy fields the user gave explicitly: field -> (where, e.g. "--set policy.A_g=0", and
+    # whether it binds every schedule (a --set) or only the file's own schedule (the file)).
+    _pins: dict[str, tuple[str, bool]] = PrivateAttr(default_factory=dict)
 
     @property
     def policy_auto(self) -> bool:

@@ -55,7 +55,7 @@ class PairResult:
 
 def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[Scenario]:
     """The (schedule, policy) pairs: each schedule at each micro-batch size (N fixed)."""
-    from taskgraph.simulation import for_schedule
+    from taskgraph.scenario import for_schedule
 
     out = []
     for mu in mus:
@@ -63,8 +63,7 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
             continue
         policy = scenario.policy.model_copy(update={"mu": mu})
         for name in schedules:
-            sc, _ = for_schedule(scenario.model_copy(update={"policy": policy,
-                                                            "schedule": name}), name)
+            sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), name)
             out.append(sc)
     return out
 

@@ -18,7 +18,7 @@ TINY: dict[str, Any] = {
     "model": "tiny",
     "hardware": "t4",
     "workload": {"prompt_len": 16, "max_prompt_len": 32, "gen_len": 3},
-    "policy": {"N": 8, "mu": 2, "A_g": 0, "F_g": 1, "r_w": 0.0, "r_c": 0.0},
+    "policy": {"N": 8, "mu": 2, "r_w": 0.0, "r_c": 0.0},   # placement: the schedule's
     "schedule": "S1",
 }
 

@@ -14,9 +14,7 @@ from tests.helpers import tiny
 
 
 def _plan(schedule="S1", **sections):
-    if schedule == "S4":
-        sections.setdefault("policy", {})["A_g"] = 1
-    return make_plan(tiny(**sections), schedule)
+    return make_plan(tiny(schedule=schedule, **sections))
 
 
 def _with_stream_order(g: nx.DiGraph) -> nx.DiGraph:

@@ -31,8 +31,7 @@ POLICIES = [
 
 
 def _run(schedule, N, mu, r_w, r_c, steps=3, delay=None, model=None):
-    sc = tiny(policy={"N": N, "mu": mu, "r_w": r_w, "r_c": r_c,
-                      "A_g": int(schedule == "S4")},
+    sc = tiny(schedule=schedule, policy={"N": N, "mu": mu, "r_w": r_w, "r_c": r_c},
               workload={"prompt_len": 6, "gen_len": steps},
               **({"model": model} if model else {}))
     plan = make_plan(sc, schedule)

@@ -135,10 +135,47 @@ def test_bad_input_gives_one_clear_error(capsys, tmp_path, what, text, overrides
         assert word in err, f"{word!r} missing from: {err}"
 
 
-def test_schedule_option_contradicting_policy(capsys):
-    rc = main(["simulate", "scenarios/tiny.yaml", "--schedule", "S4"])
+@pytest.mark.parametrize("argv", [["--schedule", "S4"], ["--set", "schedule=S4"],
+                                  ["--schedule", "S4", "--set", "policy.r_c=0.5"]])
+def test_a_schedule_chosen_on_the_command_line_sets_its_placement(capsys, argv):
+    """tiny.yaml says S1 with A_g: 0; choosing S4 moves attention (and with r_c the KV) to the
+    GPU without being told."""
+    assert main(["simulate", "scenarios/tiny.yaml", "--json", *argv]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"] == "S4" and out["policy"]["A_g"] == 1
+    assert out["policy"]["r_c"] == (0.5 if "policy.r_c=0.5" in argv else 0.0)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--schedule", "S4", "--set", "policy.A_g=0"], ["--set policy.A_g=0", "S4", "S1, S2, S3"]),
+    (["--set", "policy.A_g=1"], ["--set policy.A_g=1", "schedule S1", "(S4)"]),
+    (["--schedule", "S1", "--set", "policy.r_c=0.25"], ["--set policy.r_c=0.25", "KV cache"]),
+])
+def test_an_explicit_conflicting_set_names_both(capsys, argv, words):
+    assert main(["simulate", "scenarios/tiny.yaml", *argv]) == 2
     err = capsys.readouterr().err
-    assert rc == 2 and "policy.A_g" in err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def test_a_file_that_contradicts_its_own_schedule_is_refused(tmp_path, capsys):
+    doc = dict(TINY, schedule="S4", policy=dict(TINY["policy"], A_g=0))
+    path = _scenario(tmp_path, json.dumps(doc))
+    assert main(["simulate", path]) == 2
+    err = capsys.readouterr().err
+    assert f"policy.A_g=0 in {path}" in err and "S4" in err
+    # ... unless the command line chooses the schedule, which the file's policy does not bind.
+    assert main(["simulate", path, "--schedule", "S1"]) == 0
+
+
+def test_compare_and_execute_place_each_schedule(capsys):
+    assert main(["compare", "scenarios/tiny.yaml", "--json"]) == 0
+    placed = {r["schedule"]: r["policy"]["A_g"] for r in json.loads(capsys.readouterr().out)["results"]}
+    assert placed == {"S1": 0, "S2": 0, "S3": 0, "S4": 1}
+    # A --set binds every schedule compared: r_c on the GPU suits S4 alone.
+    assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S4",
+                 "--set", "policy.r_c=0.5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["policy"]["r_c"] == 0.5
+    assert main(["compare", "scenarios/tiny.yaml", "--set", "policy.r_c=0.5"]) == 2
 
 
 def test_bad_cli_values(capsys, tmp_path):

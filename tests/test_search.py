@@ -15,10 +15,10 @@ from taskgraph.errors import TgError
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.predict import predict
-from taskgraph.scenario import load_scenario
+from taskgraph.scenario import for_schedule, load_scenario
 from taskgraph.schedules import SCHEDULES
 from taskgraph.search import Grid, evaluate, resolve_auto_policy, search, verify
-from taskgraph.simulation import for_schedule, simulate_scenario
+from taskgraph.simulation import simulate_scenario
 from tests.helpers import tiny
 
 SMALL = Grid(mu=(1, 2, 4), r_w=(0.0, 0.5, 1.0), r_c=(0.0, 1.0), max_micro_batches=6)

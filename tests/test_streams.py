@@ -33,7 +33,7 @@ class CountingDevice(HostDevice):
 
 
 def _setup(schedule, device="cpu"):
-    sc = tiny(policy={"N": 6, "mu": 2, "A_g": int(schedule == "S4"), "r_w": 0.25},
+    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 2, "r_w": 0.25},
               workload={"prompt_len": 6, "gen_len": 2})
     plan = make_plan(sc, schedule)
     w = synthetic_weights(sc.model, seed=4)

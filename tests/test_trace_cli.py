@@ -28,7 +28,7 @@ CONTRACT = {"scenario", "schedule", "policy", "throughput_tok_s", "prefill_s", "
 
 @pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
 def test_trace_follows_perfetto_rules(tmp_path, schedule):
-    sc = tiny(policy={"A_g": int(schedule == "S4")})
+    sc = tiny(schedule=schedule)
     sim = simulate_scenario(sc, schedule)
     path = tmp_path / "t.json.gz"
     n = write_trace(path, [sim.trace_run()], Window(None))
