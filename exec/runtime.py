@@ -34,11 +34,22 @@ class Runtime:
     columns past its length are masked out) and column P + s - 1 for decode step s, while RoPE
     uses its own position, length + s - 1; so copies stay contiguous and results are those of
     an unpadded run. ``record_logits`` keeps every step's logits (for checking against another
-    implementation)."""
+    implementation).
+
+    ``zero_copy`` (CPU backend only) runs the CPU executor as a CPU inference engine rather than
+    a transfer emulator: device and host buffers are one (weights are read where they lie, the
+    KV cache and hidden states have one copy), and every transfer task is a no-op, still
+    scheduled and timed, so the graph, its order and its trace are unchanged."""
+
+    #: Task kinds that only move data between host and device.
+    TRANSFERS = frozenset({"D1", "D2", "D3", "D4", "KVOut", "W_CtoPin"})
 
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, pin_memory: bool = False,
-                 prompt_lens: torch.Tensor | None = None, record_logits: bool = False):
+                 prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
+                 zero_copy: bool = False):
+        if zero_copy and device.type != "cpu":
+            raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
         m, p = sc.model, sc.policy
         self.plan, self.m, self.w, self.device = plan, m, weights, device
@@ -62,11 +73,20 @@ class Runtime:
         def host(*shape):
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
 
+        self.zero_copy = zero_copy
+        self._tasks = {kind: getattr(self, "_" + kind) for kind in
+                       ("Prefill", "KVOut", "LMHead", "PreAttn", "D1", "CPUAttn", "D2", "D4",
+                        "GPUAttn", "PostAttn", "D3", "W_CtoPin")}
+        if zero_copy:
+            self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
+            self.cut, self.pages = numel, []
         # Weights: resident prefixes, the double buffer, pinned staging slots.
         self.resident = [flat[:self.cut].to(device) for flat in weights.layers]
         self.halves = [dev(numel - self.cut) for _ in range(2)]
         page_max = max((b - a for a, b in self.pages), default=0)
         self.pinned = [host(page_max) for _ in range(plan.schedule.pin_slots)]
+        self._views = {(l, half): LayerView(m, self.resident[l], self.halves[half])
+                       for l in range(self.L) for half in range(2)}
         self.norms = [(a.to(device), b.to(device)) for a, b in weights.norms]
         self.embed, self.final_norm = weights.embed.to(device), weights.final_norm.to(device)
         self.head = weights.lm_head.to(device)
@@ -76,7 +96,7 @@ class Runtime:
                         for _ in range(self.L)]
         self.v_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
                         for _ in range(self.L)]
-        slots = plan.schedule.kv_slots
+        slots = 0 if zero_copy else plan.schedule.kv_slots
         self.k_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         self.v_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         # Activations per micro-batch.
@@ -84,9 +104,12 @@ class Runtime:
         self.x_prefill = [dev(self.mu, self.P, m.h) for _ in range(self.n)]
         self.x = [dev(self.mu, m.h) for _ in range(self.n)]
         self.qkv = [dev(self.mu, width) for _ in range(self.n)]
-        self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
-        self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
         self.attn = [dev(self.mu, m.q_dim) for _ in range(self.n)]
+        if zero_copy:
+            self.qkv_host, self.attn_host = self.qkv, self.attn
+        else:
+            self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
+            self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
         # Outputs stay on the device until the run ends (reading them back mid-run would stall
         # a stream).
         self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
@@ -97,17 +120,24 @@ class Runtime:
     # --- the tasks ---------------------------------------------------------------------------
 
     def run(self, step: int, kind: str, layer: int, index: int) -> None:
-        getattr(self, "_" + kind)(step, layer, index)
+        self._tasks[kind](step, layer, index)
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, logits, hidden) on the host, once the run has finished."""
         return self.tokens.cpu(), self.logits.cpu(), self.hidden.cpu()
 
     def _view(self, step: int, layer: int) -> LayerView:
-        return LayerView(self.m, self.resident[layer], self.halves[(step * self.L + layer) % 2])
+        return self._views[layer, (step * self.L + layer) % 2]
 
     def _slot(self, step: int, layer: int, j: int) -> int:
         return ((step * self.L + layer) * self.n + j) % len(self.k_slot)
+
+    def _device_kv(self, step: int, layer: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GPU-side K and V attention reads: a KV slot, or with zero copy the cache."""
+        if self.zero_copy:
+            return self.k_cache[layer][j], self.v_cache[layer][j]
+        slot = self._slot(step, layer, j)
+        return self.k_slot[slot], self.v_slot[slot]
 
     def _Prefill(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
@@ -115,9 +145,9 @@ class Runtime:
         out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m, self.rope,
                                   self.lens[j] if self.ragged else None)
         self.x_prefill[j].copy_(out)
-        slot = self._slot(s, l, j)
-        self.k_slot[slot][:, :self.P].copy_(k)
-        self.v_slot[slot][:, :self.P].copy_(v)
+        K, V = self._device_kv(s, l, j)
+        K[:, :self.P].copy_(k)
+        V[:, :self.P].copy_(v)
 
     def _KVOut(self, s: int, l: int, j: int) -> None:
         slot = self._slot(s, l, j)
@@ -169,8 +199,8 @@ class Runtime:
 
     def _GPUAttn(self, s: int, l: int, j: int) -> None:
         q, k, v = split_qkv(self.qkv[j], self.m)
-        slot, pos = self._slot(s, l, j), self.P + s - 1
-        K, V = self.k_slot[slot], self.v_slot[slot]
+        pos = self.P + s - 1
+        K, V = self._device_kv(s, l, j)
         K[:, pos], V[:, pos] = k, v
         self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
                                             self._mask(self.lens[j], pos + 1)))
@@ -221,3 +251,7 @@ def _page_elements(plan: Plan, numel: int) -> tuple[int, list[tuple[int, int]]]:
               for p in range(layout.n_pages)] + [numel]
     bounds[0] = cut
     return cut, [(bounds[p], bounds[p + 1]) for p in range(layout.n_pages)]
+
+
+def _nothing(step: int, layer: int, index: int) -> None:
+    """A transfer with nothing to move (zero copy): scheduled and timed like any task."""

@@ -17,24 +17,48 @@ from taskgraph.specs import ModelSpec
 
 
 class LayerView:
-    """Matrices of one layer over (resident prefix, streamed tail) flat buffers."""
+    """Matrices of one layer over (resident prefix, streamed tail) flat buffers.
+
+    Besides each matrix, ``qkv`` (q, k and v stacked) and ``w13.{e}`` (an expert's w1 and w3
+    stacked) are views too, since they lie next to each other in the flat order: one matmul
+    each instead of three and two. A view is made once and kept (the buffers never move; what
+    streams in overwrites them in place); a matrix straddling the two buffers is stitched anew
+    on every read."""
 
     def __init__(self, model: ModelSpec, resident: torch.Tensor, streamed: torch.Tensor):
         self.m = model
         self.cut = resident.numel()
         self.resident, self.streamed = resident, streamed
-        self._sections = {s.name: s for s in layer_sections(model)}
+        self._sections = _sections(model)
+        self._views: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is not None:
+            return view
         s: Section = self._sections[name]
         a, b = s.offset, s.offset + s.size
-        if b <= self.cut:
-            flat = self.resident[a:b]
-        elif a >= self.cut:
-            flat = self.streamed[a - self.cut:b - self.cut]
-        else:
-            flat = torch.cat([self.resident[a:], self.streamed[:b - self.cut]])
-        return flat.view(s.shape)
+        if a < self.cut < b:
+            return torch.cat([self.resident[a:], self.streamed[:b - self.cut]]).view(s.shape)
+        flat = self.resident[a:b] if b <= self.cut else self.streamed[a - self.cut:b - self.cut]
+        view = self._views[name] = flat.view(s.shape)
+        return view
+
+
+def _sections(m: ModelSpec) -> dict[str, Section]:
+    """Every matrix of a layer by name, plus the stacked ``qkv`` and ``w13.{e}``."""
+    key = (m.h, m.h_i, m.q_dim, m.h_kv, m.E)
+    table = _SECTION_CACHE.get(key)
+    if table is None:
+        table = {s.name: s for s in layer_sections(m)}
+        table["qkv"] = Section("qkv", (m.q_dim + 2 * m.h_kv, m.h), table["q"].offset)
+        for e in range(m.E):
+            table[f"w13.{e}"] = Section(f"w13.{e}", (2 * m.h_i, m.h), table[f"w1.{e}"].offset)
+        _SECTION_CACHE[key] = table
+    return table
+
+
+_SECTION_CACHE: dict[tuple[int, ...], dict[str, Section]] = {}
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,8 +93,7 @@ class Rope:
 
 def pre_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView) -> torch.Tensor:
     """RMSNorm + QKV projection: x [..., h] -> [..., q_dim + 2 h_kv] (q | k | v), unrotated."""
-    y = rmsnorm(x, norm, W.m.rms_norm_eps)
-    return torch.cat([y @ W["q"].T, y @ W["k"].T, y @ W["v"].T], dim=-1)
+    return rmsnorm(x, norm, W.m.rms_norm_eps) @ W["qkv"].T
 
 
 def split_qkv(qkv: torch.Tensor, m: ModelSpec) -> tuple[torch.Tensor, ...]:
@@ -135,13 +158,23 @@ def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
     probs = (x @ W["router"].T).float().softmax(-1)
     top, idx = probs.topk(m.k, dim=-1)
     gates = (top / top.sum(-1, keepdim=True)).to(x.dtype)
-    out = torch.zeros_like(x)
-    for e in idx.unique().tolist():
-        rows, slot = (idx == e).nonzero(as_tuple=True)
-        xe = x[rows]
-        y = (F.silu(xe @ W[f"w1.{e}"].T) * (xe @ W[f"w3.{e}"].T)) @ W[f"w2.{e}"].T
-        out.index_add_(0, rows, y * gates[rows, slot].unsqueeze(-1))
-    return out
+    # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
+    # instead of a unique() and a nonzero() per expert.
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=m.E).tolist()
+    rows = order // m.k
+    xs = x[rows]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            xe = xs[start:start + count]
+            g, u = (xe @ W[f"w13.{e}"].T).chunk(2, dim=-1)
+            ys[start:start + count] = (F.silu(g) * u) @ W[f"w2.{e}"].T
+            start += count
+    ys *= gates.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, rows, ys)
 
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                    "and optional id, max_new_tokens (default: synthetic prompts)")
     c.add_argument("--out", metavar="FILE.jsonl", help="write each request's generated tokens "
                    "here (with --prompts)")
+    c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
+                   "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
+                   "(default: real copies, as a GPU machine would make them)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -253,7 +256,7 @@ def _execute(args: argparse.Namespace) -> int:
     scenario = _load(args)
     with _progress(not args.json, "executing") as tick:
         ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
-                              prompts_path=args.prompts)
+                              prompts_path=args.prompts, zero_copy=args.zero_copy)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
     _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])

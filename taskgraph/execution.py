@@ -168,10 +168,11 @@ def _for_requests(scenario: Scenario, schedule: str | None, requests: list) -> S
 def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
                      weights_path: str | None = None, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None,
-                     prompts_path: str | None = None) -> Execution:
+                     prompts_path: str | None = None, zero_copy: bool = False) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward. With
     `prompts_path`, run those requests (see :mod:`taskgraph.exec.prompts`) and put what each
-    generated in ``summary["outputs"]``."""
+    generated in ``summary["outputs"]``. `zero_copy` (CPU only) makes every transfer a no-op
+    over shared buffers (:class:`taskgraph.exec.runtime.Runtime`)."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -181,6 +182,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
 
     t0 = time.perf_counter()
     dev = pick_device(device)
+    if zero_copy and dev != "cpu":
+        raise TgError("--zero-copy makes the CPU backend a CPU inference engine (host and "
+                      f"device buffers shared); it does not apply to --device {dev}.")
     warnings: list[str] = []
     if weights_path:
         model, warnings = checkpoint_model(scenario.model, weights_path)
@@ -213,7 +217,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
             prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
             lens[i] = len(r.prompt_ids)
     runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda",
-                      prompt_lens=lens)
+                      prompt_lens=lens, zero_copy=zero_copy)
     total = len(program.seg_template)
     run = execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
                   progress=(lambda d: progress(d, total)) if progress else None)
@@ -223,6 +227,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     summary["device"] = dev
     summary["dtype"] = str(dtype).removeprefix("torch.")
     summary["measured"] = True
+    summary["zero_copy"] = zero_copy
     summary["max_abs_err"] = summary["tokens_match"] = None
     if not run.interrupted:
         ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially

@@ -243,7 +243,11 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
         base = table[name]
     for key in ("file", "hf_config"):
         if key in value:
-            base = _section_file(section, _resolve_path(value.pop(key), base_dir), seen)
+            where = value.pop(key)
+            if not isinstance(where, str) or not where.strip():
+                raise TgError(f"Invalid scenario {source}: {section}.{key} must be a file path, "
+                              f"not {_short(where)}.")
+            base = _section_file(section, _resolve_path(where, base_dir), seen)
     return _merge(base, value)
 
 

@@ -30,21 +30,23 @@ POLICIES = [
 ]
 
 
-def _run(schedule, N, mu, r_w, r_c, steps=3, delay=None, model=None):
+def _run(schedule, N, mu, r_w, r_c, steps=3, delay=None, model=None, zero_copy=False):
     sc = tiny(schedule=schedule, policy={"N": N, "mu": mu, "r_w": r_w, "r_c": r_c},
               workload={"prompt_len": 6, "gen_len": steps},
               **({"model": model} if model else {}))
     plan = make_plan(sc, schedule)
     w = synthetic_weights(sc.model, seed=1)
     prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
-    runtime = Runtime(plan, w, prompts, torch.device("cpu"))
+    runtime = Runtime(plan, w, prompts, torch.device("cpu"), zero_copy=zero_copy)
     run = execute(compile_plan(plan), runtime, delay=delay)
     return run, runtime, reference_forward(w, prompts, mu, steps)
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["emulating", "zero-copy"])
 @pytest.mark.parametrize("schedule,N,mu,r_w,r_c", POLICIES)
-def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_w, r_c):
-    run, rt, ref = _run(schedule, N, mu, r_w, r_c)
+def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_w, r_c,
+                                                             zero_copy):
+    run, rt, ref = _run(schedule, N, mu, r_w, r_c, zero_copy=zero_copy)
     assert not run.interrupted and run.finished.all()
     tokens, logits, hidden = rt.outputs()
     assert torch.equal(tokens, ref.tokens)
@@ -64,6 +66,25 @@ def test_random_delays_do_not_change_the_numbers(schedule):
     tokens, logits, _ = rt.outputs()
     assert torch.equal(tokens, ref.tokens)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["emulating", "zero-copy"])
+def test_zero_copy_keeps_the_graph_and_one_thread_per_stream(monkeypatch, zero_copy):
+    """Zero copy: no device weight buffers, transfers still run (as no-ops) and are timed. In
+    both modes every stream's ops run on one intra-op thread (the layout measured fastest)."""
+    seen: dict[str, set[int]] = {}
+    real_run = Runtime.run
+
+    def spy(self, step, kind, layer, index):
+        seen.setdefault(kind, set()).add(torch.get_num_threads())
+        real_run(self, step, kind, layer, index)
+
+    monkeypatch.setattr(Runtime, "run", spy)
+    run, rt, ref = _run("S1", 4, 2, 0.0, 0.0, steps=2, zero_copy=zero_copy)
+    assert run.finished.all() and torch.equal(rt.outputs()[0], ref.tokens)
+    assert {"D1", "D2", "D3", "W_CtoPin"} <= seen.keys()       # transfers still scheduled
+    assert (rt.halves[0].numel() == 0) == zero_copy
+    assert seen["PostAttn"] == seen["CPUAttn"] == seen["D3"] == {1}
 
 
 def test_without_the_weight_reuse_edges_the_check_fails(monkeypatch):

@@ -68,12 +68,13 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
         "schedule": schedule})
 
 
-def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32):
+def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy=False):
     sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS,
                       dtype_bytes=4 if dtype == torch.float32 else 2)
     plan = make_plan(sc)
     w = load_mixtral_safetensors(folder, sc.model, dtype)
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
+    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True,
+                 zero_copy=zero_copy)
     run = execute(compile_plan(plan), rt)
     assert not run.interrupted and run.failure is None
     return rt, w
@@ -101,10 +102,11 @@ def checkpoint(request, tmp_path_factory):
     return folder, prompts, lens, expected
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["emulating", "zero-copy"])
 @pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
-def test_tokens_and_logits_are_transformers_own(checkpoint, schedule):
+def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, zero_copy):
     folder, prompts, lens, expected = checkpoint
-    rt, w = run_tg(folder, schedule, prompts, lens)
+    rt, w = run_tg(folder, schedule, prompts, lens, zero_copy=zero_copy)
     tokens, _, _ = rt.outputs()
     for i, (hf_tokens, hf_logits) in enumerate(expected):
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
