@@ -23,10 +23,10 @@ def simulate_table(r: dict[str, Any]) -> Table:
     limit = (f" ({r['hardware_limit_fraction']:.0%} of the hardware limit, "
              f"{r['hardware_limit_tok_s']:.0f} tok/s)" if "hardware_limit_tok_s" in r else "")
     t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s{limit}")
-    overlap = (f"; decode work overlapped the last {r['overlap_s']:.2f} s of prefill"
-               if r.get("overlap_s") else "")
     t.add_row("prefill / decode", f"{r['prefill_s']:.2f} s / {r['decode_s']:.2f} s "
-                                  f"({r['steps']} steps x {r['layers']} layers{overlap})")
+                                  f"({r['steps']} steps x {r['layers']} layers)")
+    if r.get("overlap_s"):
+        t.add_row("overlap", f"decode began {r['overlap_s']:.2f} s before prefill ended")
     t.add_row("decode layer", f"{r['decode_layer_ms']:.2f} ms (HRM bound {r['hrm_layer_ms']:.2f}"
                               f" ms, {r['hrm_binding']}-bound: {r['efficiency']:.1%})")
     t.add_row("utilization", "  ".join(f"{k} {v:.0%}" for k, v in r["utilization"].items()))
