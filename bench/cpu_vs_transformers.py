@@ -5,8 +5,8 @@ transformers' greedy ``generate`` and ``tg execute`` (S1 unless --schedules says
 the same prompts for the same number of tokens, alternately, `--repeats` times each. Both count
 every generated token (prefill's first one included) over the time spent generating (loading
 excluded: transformers' ``generate`` call, the executor's makespan). Printed: tokens/s, the ratio
-to transformers (at torch's default threads, and on one thread for reference) measured in this
-run, and whether the tokens are identical.
+to transformers' faster setting (torch's default threads, or one thread) measured in this run,
+and whether the tokens are identical.
 
     python bench/cpu_vs_transformers.py [scenarios/small.yaml] [--mu 1,2,4] [--repeats 3]
 
@@ -96,14 +96,17 @@ def main() -> None:
                 t, got = tg_run(*c)
                 tg_times[c].append(t)
                 same[c] = got == hf_tokens
-        hf_tps = tokens / statistics.median(hf_times)
+        # The baseline is transformers' faster setting: its default threads lose to one
+        # thread when anything else shares the cores.
+        default_tps = tokens / statistics.median(hf_times)
+        one = tokens / statistics.median(hf_one)
+        hf_tps = max(default_tps, one)
         print(f"{args.scenario}: N={N}, prompt {P}, {G + 1} tokens generated per sequence, "
               f"{m.L} layers of h={m.h}, {m.E} experts of {m.h_i}; {torch.get_num_threads()} "
               f"torch threads; median of {args.repeats}")
         print(f"{'':28} {'tok/s':>8} {'vs transformers':>16} {'tokens':>10}")
-        print(f"{'transformers generate':28} {hf_tps:8.1f} {1.0:16.2f} {'':>10}")
-        one = tokens / statistics.median(hf_one)
-        print(f"{'  (on one thread)':28} {one:8.1f} {one / hf_tps:16.2f} {'':>10}")
+        print(f"{'transformers generate':28} {default_tps:8.1f} {default_tps / hf_tps:16.2f}")
+        print(f"{'  (on one thread)':28} {one:8.1f} {one / hf_tps:16.2f}")
         for (schedule, mu, zc), times in tg_times.items():
             tps = tokens / statistics.median(times)
             label = f"tg {schedule} mu={mu} {'zero-copy' if zc else 'emulating'}"

@@ -141,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder for sweep.csv and sweep.png")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    c = command("batch", _batch, "pack a scenario's request list into batches of "
+                "micro-batches (Algorithm 2; padded in arrival order with workload.padded)")
+    c.add_argument("--csv", metavar="FILE.csv", help="write each request's batch and "
+                   "micro-batch (or 'aborted') here")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     c = command("roofline", _roofline, "plot the Hierarchical Roofline of a scenario (PNG)")
     c.add_argument("--out", required=True, help="output PNG file")
 
@@ -437,6 +443,28 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(args: argparse.Namespace) -> int:
+    import csv
+
+    from taskgraph.files import atomic_path
+    from taskgraph.requests import pack_scenario
+
+    scenario = _load(args)
+    packing = pack_scenario(scenario)
+    if args.csv:
+        with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch"])
+            for b, batch in enumerate(packing.batches):
+                for j, mb in enumerate(batch):
+                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j] for r in mb.requests)
+            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", ""]
+                          for r in packing.aborted)
+    _emit(args, packing.to_json(), lambda: _console().print(_tables().batch_table(
+        scenario, packing)))
+    return 0
+
+
 def _roofline(args: argparse.Namespace) -> int:
     from taskgraph.plots import roofline, roofline_points
 
@@ -507,7 +535,8 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], Non
 
 
 # Where each command writes, and what it must be: (argument, a folder?, required suffixes).
-_OUTPUTS = {"trace": (False, ()), "gantt": (False, (".png",)), "plot": (False, (".png",))}
+_OUTPUTS = {"trace": (False, ()), "gantt": (False, (".png",)), "plot": (False, (".png",)),
+            "csv": (False, (".csv",))}
 _OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
         "calibrate": (False, (".yaml", ".yml")), "graph": (False, (".json", ".dot")),
         "execute": (False, ())}

@@ -254,3 +254,26 @@ def fit_table(report) -> tuple[Table, Table]:
         values.add_row(p.name, f"{v:.4g}" + (" AT BOUND" if p.name in bound else ""),
                        f"[{p.lo:g}, {p.hi:g}]", p.why)
     return cells, values
+
+
+def batch_table(scenario: Any, packing: Any) -> Table:
+    """How a request list was packed: batches, micro-batches, their balance, what was aborted."""
+    p, j = scenario.policy, packing.to_json()
+    how = ("padded, arrival order" if packing.padded else "Algorithm 2, longest prompt first")
+    t = Table(title=f"tg batch {scenario.name}: {len(scenario.requests):,} requests, N={p.N} "
+                    f"mu={p.mu} ({how})", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    sizes = [len(mb.requests) for b in packing.batches for mb in b]
+    t.add_row("batches", f"{j['batches']:,} of up to {p.n_micro} micro-batches")
+    t.add_row("micro-batches", f"{j['micro_batches']:,}, {min(sizes, default=0)}-"
+                               f"{max(sizes, default=0)} requests each (at most {p.mu})")
+    t.add_row("prompt tokens", f"{j['micro_batch_prompt_tokens']['min']:,}-"
+                               f"{j['micro_batch_prompt_tokens']['max']:,} per micro-batch")
+    t.add_row("cache limit", f"{packing.cache_tokens:,} tokens per micro-batch (mu x (prompt + "
+                             "generated) at the mean lengths)")
+    aborted = packing.aborted
+    shown = ", ".join(f"{r.id} ({r.prompt_len}+{r.gen_len})" for r in aborted[:5])
+    t.add_row("aborted", f"{len(aborted)}" + (f": {shown}" + (", ..." if len(aborted) > 5
+                                                              else "") if aborted else ""))
+    return t

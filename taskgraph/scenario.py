@@ -77,10 +77,12 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     for section in _PRESETS:
         if section in raw:
             raw[section] = _resolve_section(section, raw[section], source, base_dir)
+    requests = _resolve_requests(raw, source, base_dir)
     try:
         scenario = Scenario.model_validate(raw)
     except ValidationError as err:
         raise TgError(_explain(err, source)) from None
+    scenario._requests = requests
     _check_schedule_names(scenario, source)
     scenario._policy_auto = auto
     scenario._pins = _pins(doc, source) if pins is None else dict(pins)
@@ -116,6 +118,55 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
     note = (f"{schedule} decides " + ", ".join(f"{PLACEMENT_MEANS[k]}: {k}={v:g}"
                                                 for k, v in changes.items())) if changes else None
     return placed, note
+
+
+def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list | None:
+    """The request list of ``workload.requests`` (a file) or ``workload.lengths`` (generated,
+    from explicit figures or a workload preset's), with the workload's mean-length fields set
+    from it, replacing any given (they are the fast path every model of the run uses)."""
+    from taskgraph.requests import generate_requests, read_requests, summary
+    from taskgraph.specs import LengthsSpec
+
+    w = raw.get("workload")
+    if not isinstance(w, dict) or not {"requests", "lengths"} & w.keys():
+        return None
+    given = [k for k in ("requests", "lengths") if w.get(k) is not None]
+    if len(given) > 1:
+        raise TgError(f"Invalid scenario {source}: give workload.requests (a file) or "
+                      "workload.lengths (generated), not both.")
+    if not given:
+        return None
+    w = raw["workload"] = dict(w)
+    if given[0] == "requests":
+        where = w["requests"]
+        if not isinstance(where, str) or not where.strip():
+            raise TgError(f"Invalid scenario {source}: workload.requests must be a file path "
+                          f"(CSV or JSONL), not {_short(where)}.")
+        requests = read_requests(_resolve_path(where, base_dir))
+    else:
+        lengths = w["lengths"]
+        if isinstance(lengths, dict) and "preset" in lengths:
+            lengths = dict(lengths)
+            name = lengths.pop("preset")
+            if name not in presets.WORKLOADS:
+                raise TgError(f"Invalid scenario {source}: workload.lengths.preset "
+                              f"'{_short(name)}' is not a preset; known workloads: "
+                              f"{', '.join(presets.WORKLOADS)}.")
+            p = presets.WORKLOADS[name]
+            lengths = {"prompt_mean": p["prompt_len"],
+                       "prompt_max": p.get("max_prompt_len", p["prompt_len"]),
+                       "gen_mean": p["gen_len"], "gen_max": p["gen_len"], **lengths}
+        try:
+            spec = LengthsSpec.model_validate(lengths)
+        except ValidationError as err:
+            raise TgError(_explain(err, source, prefix=("workload", "lengths"))) from None
+        w["lengths"] = spec.model_dump()
+        requests = generate_requests(spec.count, spec.prompt_mean, spec.prompt_max,
+                                     spec.gen_mean, spec.gen_max, spec.seed)
+    s = summary(requests)
+    w.update(prompt_len=max(1, round(s["prompt_mean"])), max_prompt_len=s["prompt_max"],
+             gen_len=s["gen_max"] if w.get("padded") else max(1, round(s["gen_mean"])))
+    return requests
 
 
 def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:
@@ -369,13 +420,16 @@ def _kind_of(value: Any) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def _explain(err: ValidationError, source: str) -> str:
+def _explain(err: ValidationError, source: str, prefix: tuple[str, ...] = ()) -> str:
+    """One paragraph naming every field pydantic refused; `prefix` is where in the scenario the
+    validated model sits."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        where = prefix + tuple(e["loc"])
+        loc = ".".join(str(p) for p in where)
         kind = e["type"]
         if kind == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1])
+            allowed = _allowed_keys(where[:-1])
             msg = "unknown key" + (f" (known keys: {', '.join(allowed)})" if allowed else "")
         elif kind == "missing":
             msg = "required but missing"

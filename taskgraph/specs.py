@@ -291,10 +291,35 @@ class HardwareSpec(BaseModel):
         return value
 
 
+class LengthsSpec(BaseModel):
+    """A generated request list (:func:`taskgraph.requests.generate_requests`): `count` requests
+    whose prompt and generation lengths have the given means and maxima."""
+
+    model_config = _STRICT
+
+    count: int = Field(gt=0, le=10_000_000)
+    prompt_mean: float = Field(gt=0, le=10_000_000)
+    prompt_max: int = Field(gt=0, le=10_000_000)
+    gen_mean: float = Field(gt=0, le=10_000_000)
+    gen_max: int = Field(gt=0, le=10_000_000)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _means_below_maxima(self) -> "LengthsSpec":
+        for what in ("prompt", "gen"):
+            mean, top = getattr(self, f"{what}_mean"), getattr(self, f"{what}_max")
+            if mean > top:
+                raise ValueError(f"{what}_mean = {mean:g} is above {what}_max = {top}")
+        return self
+
+
 class WorkloadSpec(BaseModel):
     """Offline batch decoding. With ``padded`` every prompt counts as ``max_prompt_len`` tokens
     (FlexGen's padding); otherwise prompts count at their mean length, as variable-length batching
-    packs them."""
+    packs them. A workload given as requests (``requests``: a file; ``lengths``: generated) has
+    its lengths filled in from the list by the scenario loader: the mean prompt, the longest
+    prompt, and the mean generation length (the longest when padded, as FlexGen generates one
+    length for all)."""
 
     model_config = _STRICT
 
@@ -302,6 +327,8 @@ class WorkloadSpec(BaseModel):
     max_prompt_len: int | None = Field(default=None, gt=0, le=10_000_000)
     gen_len: int = Field(gt=0, le=10_000_000)
     padded: bool = False
+    requests: str | None = None
+    lengths: LengthsSpec | None = None
 
     @model_validator(mode="after")
     def _max(self) -> "WorkloadSpec":
@@ -383,6 +410,13 @@ class Scenario(BaseModel):
     # Policy fields the user gave explicitly: field -> (where, e.g. "--set policy.A_g=0", and
     # whether it binds every schedule (a --set) or only the file's own schedule (the file)).
     _pins: dict[str, tuple[str, bool]] = PrivateAttr(default_factory=dict)
+    # The request list of `workload.requests` or `workload.lengths` (None: mean lengths only).
+    _requests: list | None = PrivateAttr(default=None)
+
+    @property
+    def requests(self) -> list | None:
+        """The workload's requests (:class:`taskgraph.requests.Request`), if it lists them."""
+        return self._requests
 
     @property
     def policy_auto(self) -> bool:

@@ -1,0 +1,258 @@
+"""Requests and how they are batched.
+
+A workload may be a list of requests, each with its own prompt and generation length: read from
+a file (CSV or JSONL with ``prompt_len``, ``gen_len`` and an optional ``id``) or generated to
+match a dataset's mean and maximum lengths. :func:`pack` turns the list into batches of
+micro-batches, either with MoE-Lightning's Algorithm 2 (unpadded: longest prompts first, each
+into the micro-batch holding the fewest tokens, none past its cache limit) or in arrival order
+with every prompt padded to the longest, as FlexGen runs.
+
+This module is plain data in, plain data out; nothing here simulates.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from taskgraph.errors import TgError
+
+#: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
+_MAX_LEN = 10_000_000
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def tokens(self) -> int:
+        """KV cache tokens the request holds when it finishes."""
+        return self.prompt_len + self.gen_len
+
+
+# --- request lists ----------------------------------------------------------------------------
+
+def read_requests(path: str | Path) -> list[Request]:
+    """Requests from a CSV (header row with prompt_len, gen_len, optional id) or JSONL file (one
+    object a line with the same fields). Ids default to the line number; every bad line is an
+    error naming the file, the line and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TgError(f"Request file '{path}' is not UTF-8 text.") from None
+    except OSError as err:
+        raise TgError(f"Cannot read request file '{path}': {err.strerror or err}.") from None
+    rows = _jsonl_rows(path, text) if path.suffix == ".jsonl" else _csv_rows(path, text)
+    requests = [_request(path, line, row) for line, row in rows]
+    if not requests:
+        raise TgError(f"Request file '{path}' holds no requests; give one per line with "
+                      "prompt_len and gen_len.")
+    ids = [r.id for r in requests]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise TgError(f"Request file '{path}': id '{dup}' is given twice.")
+    return requests
+
+
+def _csv_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
+    reader = csv.DictReader(text.splitlines())
+    missing = {"prompt_len", "gen_len"} - set(reader.fieldnames or ())
+    if reader.fieldnames and missing:
+        raise TgError(f"Request file '{path}': the header row lacks {', '.join(sorted(missing))}"
+                      f" (it has {', '.join(reader.fieldnames)}).")
+    for i, row in enumerate(reader, start=2):
+        yield i, row
+
+
+def _jsonl_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TgError(f"Request file '{path}', line {i}: not JSON ({err.msg}).") from None
+        if not isinstance(row, dict):
+            raise TgError(f"Request file '{path}', line {i}: expected an object with "
+                          "prompt_len and gen_len.")
+        yield i, row
+
+
+def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
+    lengths = []
+    for name in ("prompt_len", "gen_len"):
+        value = row.get(name)
+        try:
+            number = int(value) if not isinstance(value, (bool, float)) else None
+        except (TypeError, ValueError):
+            number = None
+        if isinstance(value, float) and value.is_integer():
+            number = int(value)
+        if number is None or not 0 < number <= _MAX_LEN:
+            shown = repr(value)[:40]
+            raise TgError(f"Request file '{path}', line {line}: {name} must be a whole number "
+                          f"from 1 to {_MAX_LEN:,}, not {shown}.")
+        lengths.append(number)
+    rid = row.get("id")
+    return Request(str(rid) if rid not in (None, "") else str(line), *lengths)
+
+
+def generate_requests(count: int, prompt_mean: float, prompt_max: int, gen_mean: float,
+                      gen_max: int, seed: int = 0) -> list[Request]:
+    """`count` requests whose prompt and generation lengths are log-normal with the given mean
+    and maximum: the spread is the one for which `max` is the expected largest of `count` draws,
+    draws are capped at `max`, the largest set to it, and the rest scaled to the mean."""
+    rng = np.random.default_rng(seed)
+    prompts = _lengths(rng, count, prompt_mean, prompt_max)
+    gens = _lengths(rng, count, gen_mean, gen_max)
+    return [Request(str(i), int(p), int(g)) for i, (p, g) in enumerate(zip(prompts, gens))]
+
+
+def _lengths(rng: np.random.Generator, count: int, mean: float, top: int) -> np.ndarray:
+    if count == 1 or top <= mean:
+        return np.full(count, max(1, round(min(mean, top))), dtype=np.int64)
+    from scipy.stats import norm
+
+    z = float(norm.ppf(1 - 1 / count)) if count > 1 else 0.0
+    ratio = math.log(top / mean)
+    sigma = z - math.sqrt(z * z - 2 * ratio) if z * z > 2 * ratio else z
+    x = rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma, count)
+    x = np.clip(x, 1, top)
+    x[np.argmax(x)] = top
+    rest = np.ones(count, dtype=bool)
+    rest[np.argmax(x)] = False
+    for _ in range(20):            # scaling then capping moves the mean; a few rounds settle it
+        want = mean * count - top
+        have = x[rest].sum()
+        if have <= 0 or abs(have - want) < 0.5:
+            break
+        x[rest] = np.clip(x[rest] * want / have, 1, top)
+    return np.maximum(1, np.rint(x)).astype(np.int64)
+
+
+def summary(requests: list[Request]) -> dict[str, float]:
+    """Mean and maximum of the lengths: what the mean-length model (and the search) runs on."""
+    prompts = [r.prompt_len for r in requests]
+    gens = [r.gen_len for r in requests]
+    return {"count": len(requests), "prompt_mean": statistics.fmean(prompts),
+            "prompt_max": max(prompts), "gen_mean": statistics.fmean(gens), "gen_max": max(gens)}
+
+
+# --- batching ---------------------------------------------------------------------------------
+
+@dataclass
+class MicroBatch:
+    """Requests that run together, with their prompt tokens and the KV cache tokens they hold
+    once every one of them has finished generating."""
+
+    requests: list[Request] = field(default_factory=list)
+    prompt_tokens: int = 0
+    tokens: int = 0
+
+    def add(self, r: Request, prompt_len: int | None = None) -> None:
+        """Add `r`, its prompt counted at `prompt_len` (padding) if given."""
+        p = r.prompt_len if prompt_len is None else prompt_len
+        self.requests.append(r)
+        self.prompt_tokens += p
+        self.tokens += p + r.gen_len
+
+
+@dataclass
+class Packing:
+    """Batches (each a list of micro-batches) in the order they run, and the requests no
+    micro-batch can hold even alone."""
+
+    batches: list[list[MicroBatch]]
+    aborted: list[Request]
+    cache_tokens: int
+    padded: bool
+
+    def to_json(self) -> dict[str, Any]:
+        sizes = [len(mb.requests) for b in self.batches for mb in b]
+        prompt = [mb.prompt_tokens for b in self.batches for mb in b]
+        return {"batches": len(self.batches), "micro_batches": len(sizes),
+                "requests": sum(sizes), "cache_tokens": self.cache_tokens,
+                "padded": self.padded,
+                "micro_batch_prompt_tokens": {"min": min(prompt, default=0),
+                                              "max": max(prompt, default=0)},
+                "aborted": [{"id": r.id, "prompt_len": r.prompt_len, "gen_len": r.gen_len}
+                            for r in self.aborted]}
+
+
+def algorithm2(queue: list[Request], ubs: int, n_ub: int, cache_tokens: int
+               ) -> tuple[list[MicroBatch], list[Request]]:
+    """One batch by MoE-Lightning's Algorithm 2: requests longest prompt first, each into the
+    open micro-batch holding the fewest prompt tokens; a request that would take that
+    micro-batch past `cache_tokens` (prompts plus generated tokens of everything in it), or that
+    finds every micro-batch full (`ubs` requests), waits for the next batch. Returns the batch
+    and the requests carried over, in their original order."""
+    open_ = [MicroBatch() for _ in range(n_ub)]
+    full: list[MicroBatch] = []
+    placed: set[int] = set()
+    for i in sorted(range(len(queue)), key=lambda i: -queue[i].prompt_len):   # stable
+        if not open_:
+            break
+        r = queue[i]
+        target = min(open_, key=lambda mb: mb.prompt_tokens)
+        if target.tokens + r.tokens > cache_tokens:
+            continue
+        target.add(r)
+        placed.add(i)
+        if len(target.requests) == ubs:
+            open_.remove(target)
+            full.append(target)
+    batch = [mb for mb in full + open_ if mb.requests]
+    return batch, [r for i, r in enumerate(queue) if i not in placed]
+
+
+def pack(requests: list[Request], ubs: int, n_ub: int, cache_tokens: int,
+         padded: bool = False) -> Packing:
+    """The whole queue as consecutive batches of at most `n_ub` micro-batches of `ubs`
+    requests. Unpadded: Algorithm 2 per batch, carrying over what it rejects. Padded (FlexGen):
+    arrival order, every prompt counted at the longest one's length. Requests that do not fit
+    a micro-batch's cache even alone are aborted, never dropped silently."""
+    if padded:
+        longest = max(r.prompt_len for r in requests)
+        aborted = [r for r in requests if longest + r.gen_len > cache_tokens]
+        mbs = [MicroBatch()]
+        for r in requests:
+            if longest + r.gen_len > cache_tokens:
+                continue
+            mb = mbs[-1]
+            if len(mb.requests) == ubs or mb.tokens + longest + r.gen_len > cache_tokens:
+                mb = MicroBatch()
+                mbs.append(mb)
+            mb.add(r, prompt_len=longest)
+        mbs = [mb for mb in mbs if mb.requests]
+        return Packing([mbs[i:i + n_ub] for i in range(0, len(mbs), n_ub)], aborted,
+                       cache_tokens, True)
+    aborted = [r for r in requests if r.tokens > cache_tokens]
+    queue = [r for r in requests if r.tokens <= cache_tokens]
+    batches = []
+    while queue:
+        batch, queue = algorithm2(queue, ubs, n_ub, cache_tokens)
+        batches.append(batch)
+    return Packing(batches, aborted, cache_tokens, False)
+
+
+def pack_scenario(scenario) -> Packing:
+    """The scenario's request list packed for its policy: batches of N/mu micro-batches of at
+    most mu requests, each micro-batch's cache the tokens the policy budgets for it at the mean
+    lengths (what the memory check passed: mu x (prompt + generated))."""
+    if scenario.requests is None:
+        raise TgError("This scenario has no request list; give workload.requests (a CSV or "
+                      "JSONL file) or workload.lengths (generated).")
+    p, w = scenario.policy, scenario.workload
+    return pack(scenario.requests, p.mu, p.n_micro, p.mu * (w.context_prompt + w.gen_len),
+                padded=w.padded)

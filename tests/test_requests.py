@@ -1,0 +1,154 @@
+"""Requests and batching: request files, generated lengths, Algorithm 2 (SPEC 3.7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskgraph.cli import main
+from taskgraph.errors import TgError
+from taskgraph.requests import (Request, algorithm2, generate_requests, pack, read_requests,
+                                summary)
+from taskgraph.scenario import load_scenario
+from taskgraph.simulation import simulate_scenario
+
+requests_st = st.lists(st.tuples(st.integers(1, 400), st.integers(1, 64)), min_size=1,
+                       max_size=120).map(
+    lambda rows: [Request(str(i), p, g) for i, (p, g) in enumerate(rows)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests_st, st.integers(1, 8), st.integers(1, 6), st.integers(50, 2000),
+       st.booleans())
+def test_packing_places_every_request_once_within_its_limits(requests, ubs, n_ub, cache,
+                                                             padded):
+    packing = pack(requests, ubs, n_ub, cache, padded=padded)
+    placed = [r.id for b in packing.batches for mb in b for r in mb.requests]
+    aborted = [r.id for r in packing.aborted]
+    assert sorted(placed + aborted, key=int) == [r.id for r in requests]   # each exactly once
+    longest = max(r.prompt_len for r in requests)
+    for r in packing.aborted:                       # aborted only if it cannot fit alone
+        assert (longest if padded else r.prompt_len) + r.gen_len > cache
+    for batch in packing.batches:
+        assert 1 <= len(batch) <= n_ub
+        for mb in batch:
+            assert 1 <= len(mb.requests) <= ubs
+            counted = sum((longest if padded else r.prompt_len) + r.gen_len
+                          for r in mb.requests)
+            assert mb.tokens == counted <= cache        # no micro-batch past its cache
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests_st, st.integers(1, 8), st.integers(1, 6))
+def test_algorithm2_stays_balanced(requests, ubs, n_ub):
+    """Longest first, each into the emptiest micro-batch: within a batch, micro-batches differ
+    by at most the longest prompt (with room in the cache, so only the ubs limit closes them)."""
+    cache = sum(r.tokens for r in requests)
+    batch, rest = algorithm2(requests, ubs, n_ub, cache)
+    tokens = [mb.prompt_tokens for mb in batch]
+    if len(batch) == n_ub:
+        assert max(tokens) - min(tokens) <= max(r.prompt_len for r in requests)
+    assert len(rest) == max(0, len(requests) - ubs * n_ub)
+    # What waits is what Algorithm 2 reached last: the shortest prompts.
+    if rest:
+        assert max(r.prompt_len for r in rest) <= min(r.prompt_len for mb in batch
+                                                      for r in mb.requests)
+
+
+def test_rejected_requests_carry_over_in_order():
+    reqs = [Request("e", 3, 3), Request("a", 90, 10), Request("b", 80, 10), Request("c", 5, 5),
+            Request("d", 4, 5)]
+    batch, rest = algorithm2(reqs, ubs=3, n_ub=1, cache_tokens=120)
+    # a (100 tokens) first; b would pass 120; c and d fit, and close the micro-batch at 3.
+    assert [r.id for r in batch[0].requests] == ["a", "c", "d"]
+    assert [r.id for r in rest] == ["e", "b"]                  # in their arrival order
+    packing = pack(reqs, ubs=3, n_ub=1, cache_tokens=120)
+    assert [[r.id for r in mb.requests] for b in packing.batches for mb in b] == [
+        ["a", "c", "d"], ["b", "e"]]
+
+
+def test_generated_lengths_reproduce_mean_and_max():
+    reqs = generate_requests(20000, 77, 418, 128, 128, seed=3)
+    s = summary(reqs)
+    assert s["prompt_max"] == 418 and s["prompt_mean"] == pytest.approx(77, rel=0.01)
+    assert s["gen_max"] == s["gen_mean"] == 128
+    assert min(r.prompt_len for r in reqs) >= 1
+    assert len({r.prompt_len for r in reqs}) > 50             # a spread, not a constant
+    assert generate_requests(200, 77, 418, 128, 128, seed=3) == reqs[:0] + \
+        generate_requests(200, 77, 418, 128, 128, seed=3)      # deterministic by seed
+
+
+def test_a_scenario_of_equal_requests_is_todays_mean_length_model(tmp_path):
+    (tmp_path / "r.jsonl").write_text("".join(
+        json.dumps({"prompt_len": 77, "gen_len": 8}) + "\n" for _ in range(64)))
+    (tmp_path / "s.yaml").write_text(
+        "model: tiny\nhardware: t4\nworkload: {requests: r.jsonl}\n"
+        "policy: {N: 16, mu: 4}\nschedule: S1\n")
+    listed = load_scenario(tmp_path / "s.yaml")
+    mean = load_scenario("scenarios/tiny.yaml", ["policy.N=16", "policy.mu=4",
+                                                 "workload.prompt_len=77", "workload.max_prompt_len=77",
+                                                 "workload.gen_len=8"])
+    assert len(listed.requests) == 64 and mean.requests is None
+    a, b = simulate_scenario(listed).summary, simulate_scenario(mean).summary
+    for key in ("throughput_tok_s", "prefill_s", "decode_s", "decode_layer_ms", "memory"):
+        assert a[key] == b[key], key
+
+
+def test_a_csv_file_and_a_preset(tmp_path):
+    (tmp_path / "r.csv").write_text("id,prompt_len,gen_len\nq1,10,4\nq2,30,8\n")
+    assert read_requests(tmp_path / "r.csv") == [Request("q1", 10, 4), Request("q2", 30, 8)]
+    sc = load_scenario("scenarios/tiny.yaml", ["workload.lengths.preset=helm-reasoning",
+                                               "workload.lengths.count=500"])
+    assert (sc.workload.prompt_len, sc.workload.max_prompt_len, sc.workload.gen_len) == (
+        242, 256, 50)
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("empty.csv", "prompt_len,gen_len\n", ["holds no requests"]),
+    ("empty.jsonl", "\n", ["holds no requests"]),
+    ("words.csv", "prompt_len,gen_len\n12,lots\n", ["line 2", "gen_len", "'lots'"]),
+    ("negative.jsonl", '{"prompt_len": -3, "gen_len": 4}\n', ["line 1", "prompt_len", "-3"]),
+    ("fraction.jsonl", '{"prompt_len": 2.5, "gen_len": 4}\n', ["prompt_len", "2.5"]),
+    ("zero.csv", "prompt_len,gen_len\n0,4\n", ["prompt_len", "'0'"]),
+    ("header.csv", "prompt,gen\n1,2\n", ["lacks gen_len, prompt_len"]),
+    ("notjson.jsonl", "{prompt_len: 3}\n", ["line 1", "not JSON"]),
+    ("list.jsonl", "[3, 4]\n", ["line 1", "object"]),
+    ("dup.csv", "id,prompt_len,gen_len\na,1,1\na,2,2\n", ["'a'", "twice"]),
+])
+def test_bad_request_files_get_one_clear_error(tmp_path, capsys, name, text, words):
+    (tmp_path / name).write_text(text)
+    (tmp_path / "s.yaml").write_text(
+        f"model: tiny\nhardware: t4\nworkload: {{requests: {name}}}\n"
+        "policy: {N: 8, mu: 2}\n")
+    assert main(["simulate", str(tmp_path / "s.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    for word in words:
+        assert word in err, err
+
+
+def test_unreadable_request_files(tmp_path):
+    (tmp_path / "latin1.csv").write_bytes(b"prompt_len,gen_len\n1,2 \xe9\n")
+    (tmp_path / "folder.csv").mkdir()
+    for name, words in (("latin1.csv", "not UTF-8"), ("folder.csv", "Cannot read"),
+                        ("missing.csv", "Cannot read")):
+        with pytest.raises(TgError, match=words):
+            read_requests(tmp_path / name)
+
+
+def test_requests_too_long_for_the_cache_are_listed_as_aborted(tmp_path, capsys):
+    rows = [{"id": "huge", "prompt_len": 5000, "gen_len": 8}] + [
+        {"id": f"r{i}", "prompt_len": 20, "gen_len": 8} for i in range(15)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "s.yaml").write_text(
+        "model: tiny\nhardware: t4\nworkload: {requests: r.jsonl}\n"
+        "policy: {N: 8, mu: 2}\nschedule: S1\n")
+    assert main(["batch", str(tmp_path / "s.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in out["aborted"]] == ["huge"]
+    assert out["requests"] == 15 and out["micro_batches"] >= 8
+    assert main(["batch", "scenarios/tiny.yaml"]) == 2
+    assert "no request list" in capsys.readouterr().err
