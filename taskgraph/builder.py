@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterator, NamedTuple, NoReturn
+from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 
 import networkx as nx
 
@@ -51,6 +51,9 @@ class Plan:
 
     scenario: Scenario
     schedule: Schedule
+    # A batch of real requests (taskgraph.requests.BatchLoad) whose lengths price each task;
+    # None: every micro-batch is mu sequences of the workload's mean lengths.
+    load: Any = None
 
     @property
     def L(self) -> int:

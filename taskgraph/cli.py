@@ -58,8 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
         return c
 
-    c = command("simulate", _simulate, "simulate one schedule of a scenario")
+    c = command("simulate", _simulate, "simulate one schedule of a scenario (its whole request "
+                "queue, batch after batch, when the workload lists requests)")
     c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+    c.add_argument("--csv", metavar="FILE.csv", help="with a request list: write each "
+                   "request's batch, micro-batch and finish time here")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -175,6 +178,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from taskgraph.simulation import simulate_scenario
 
     scenario = _load(args)
+    if scenario.requests is not None:
+        return _simulate_queue(args, scenario)
+    if args.csv:
+        raise TgError("--csv writes each request's finish time; the scenario lists no requests "
+                      "(give workload.requests or workload.lengths).")
     with _progress(not args.json, "simulating") as tick:
         sim = simulate_scenario(scenario, progress=tick)
     if args.trace:
@@ -186,6 +194,37 @@ def _simulate(args: argparse.Namespace) -> int:
 
     _emit(args, sim.summary, human)
     return _interrupted(sim.summary)
+
+
+def _simulate_queue(args: argparse.Namespace, scenario) -> int:
+    import csv
+
+    from taskgraph.files import atomic_path
+    from taskgraph.queue import simulate_queue
+
+    with _progress(not args.json, "simulating batches") as tick:
+        q = simulate_queue(scenario, progress=tick)
+    if args.csv:
+        with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch", "finish_s"])
+            for b, batch in enumerate(q.packing.batches):
+                for j, mb in enumerate(batch):
+                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j,
+                                   f"{q.finish_s[r.id]:.6g}" if r.id in q.finish_s else ""]
+                                  for r in mb.requests)
+            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", "", ""]
+                          for r in q.packing.aborted)
+    if args.trace:
+        _write_trace(args, q.trace_runs(), q.summary)
+    _gantt(args, q.trace_runs()[:1])
+
+    def human() -> None:
+        _console().print(_tables().simulate_table(q.summary))
+        _print_warnings(q.summary)
+
+    _emit(args, q.summary, human)
+    return _interrupted(q.summary)
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from taskgraph.builder import Plan, build_segment, lookahead_steps
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
-from taskgraph.work import KINDS
+from taskgraph.work import KINDS, PAGED, Load
 
 STREAM_ORDER: tuple[str, ...] = ("gpu", "cpu", "h2d", "h2d_kv", "d2h", "pin")
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
@@ -81,15 +81,43 @@ class Program:
         return self.column("step_rel")
 
     def durations(self, cost) -> np.ndarray:
-        """Seconds each task takes under a cost model, in global id order."""
-        out = np.empty(self.total)
-        for d, (t, base) in enumerate(zip(self.seg_template, self.seg_base)):
-            tpl = self.templates[t]
-            s = self.context(tpl.step_rel + d)
-            out[base:base + tpl.size] = cost.times(
-                tpl.resource, tpl.flops + tpl.flops_per_ctx * s,
-                tpl.nbytes + tpl.bytes_per_ctx * s, tpl.kind)
+        """Seconds each task takes under a cost model, in global id order. A task of a
+        micro-batch whose requests have all finished takes none (it is skipped)."""
+        flops, nbytes, idle = self.work()
+        out = cost.times(self.column("resource"), flops, nbytes, self.column("kind"))
+        out[idle] = 0.0
         return out
+
+    def work(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(FLOPs, bytes, idle) of every task, in global id order: idle marks tasks of a
+        micro-batch with no request left (only with a batch of real requests, ``plan.load``)."""
+        step = self.step
+        flops, nbytes = self.column("flops"), self.column("nbytes")
+        if self.plan.load is None:
+            s = self.context(step)
+            return (flops + self.column("flops_per_ctx") * s,
+                    nbytes + self.column("bytes_per_ctx") * s, np.zeros(self.total, bool))
+        seqs, ctx, ptok, psq = self.plan.load.tables(self.plan.G)
+        kind, index = self.column("kind"), self.column("index")
+        idle = np.zeros(self.total, bool)
+        for k in np.unique(kind):
+            name = KIND_NAMES[k]
+            if name in PAGED:                 # weight pages: the same whatever the requests
+                continue
+            for prefill in (True, False):
+                sel = np.flatnonzero((kind == k) & ((step == 0) == prefill))
+                if not len(sel):
+                    continue
+                j, d = index[sel], step[sel]
+                a = seqs[j, d]
+                load = Load(a, ptok[j], psq[j])
+                work = self.plan.work.with_load(load).of(name, prefill=prefill)
+                mean_ctx = np.divide(ctx[j, d], a, out=np.zeros(len(sel)), where=a > 0)
+                f, b = work.at(mean_ctx)
+                flops[sel] = np.broadcast_to(f, len(sel))
+                nbytes[sel] = np.broadcast_to(b, len(sel))
+                idle[sel] = a == 0
+        return flops, nbytes, idle
 
     def segment_of(self, gid: int) -> int:
         return int(np.searchsorted(self.seg_base, gid, side="right") - 1)

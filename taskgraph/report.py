@@ -33,6 +33,13 @@ def simulate_table(r: dict[str, Any]) -> Table:
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
+    if "requests" in r:
+        q = r["requests"]
+        fin = q["finish_s"]
+        t.add_row("requests", f"{q['finished']:,} of {q['count']:,} in {q['batches']} batches "
+                              f"({'padded' if q['padded'] else 'Algorithm 2'}), "
+                              f"{len(q['aborted'])} aborted")
+        t.add_row("finished", f"{fin['median']:.2f} s median, {fin['p99']:.2f} s p99")
     verb = "executed" if r.get("measured") else "simulated"
     t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))

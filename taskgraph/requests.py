@@ -256,3 +256,41 @@ def pack_scenario(scenario) -> Packing:
     p, w = scenario.policy, scenario.workload
     return pack(scenario.requests, p.mu, p.n_micro, p.mu * (w.context_prompt + w.gen_len),
                 padded=w.padded)
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """One batch's requests by micro-batch, as the cost model prices them: each request's prompt
+    length (as counted: the longest one's when padded) and how many decode steps it takes part
+    in (its generation length; every request the batch's longest when padded, as FlexGen runs
+    them). Micro-batches past the requests' (kept for a schedule's minimum count) are empty."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    gens: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, batch: list[MicroBatch], n_micro: int, padded_to: int | None = None,
+           gen_to: int | None = None) -> "BatchLoad":
+        prompts = [tuple(padded_to or r.prompt_len for r in mb.requests) for mb in batch]
+        gens = [tuple(gen_to or r.gen_len for r in mb.requests) for mb in batch]
+        empty = [()] * (n_micro - len(batch))
+        return cls(tuple(prompts + empty), tuple(gens + empty))
+
+    def tables(self, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per micro-batch j and step d (0 = prefill): sequences still generating
+        ``seqs[j, d]`` and the KV tokens they attend over ``ctx[j, d]`` (prompt + d each); per
+        micro-batch its prompt tokens and their sum of squares."""
+        n = len(self.prompts)
+        d = np.arange(steps + 1)
+        seqs = np.zeros((n, steps + 1))
+        ctx = np.zeros((n, steps + 1))
+        for j, (ps, gs) in enumerate(zip(self.prompts, self.gens)):
+            if not ps:
+                continue
+            p, g = np.array(ps, dtype=float), np.array(gs)
+            active = (g[:, None] >= d[None, :]) | (d[None, :] == 0)         # [requests, steps]
+            seqs[j] = active.sum(0)
+            ctx[j] = (active * (p[:, None] + d[None, :])).sum(0)
+        ptok = np.array([float(sum(ps)) for ps in self.prompts])
+        psq = np.array([float(sum(x * x for x in ps)) for ps in self.prompts])
+        return seqs, ctx, ptok, psq

@@ -142,12 +142,9 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any
     start_ns[ids] = np.rint((run.start[ids] + run.offset_s) * 1e9).astype(np.int64)
     end_ns[ids] = np.rint((run.end[ids] + run.offset_s) * 1e9).astype(np.int64)
 
-    cols = {c: prog.column(c) for c in ("kind", "stream", "layer", "index", "flops",
-                                        "flops_per_ctx", "nbytes", "bytes_per_ctx")}
+    cols = {c: prog.column(c) for c in ("kind", "stream", "layer", "index")}
     step = prog.step
-    ctx = prog.context(step)
-    flops = cols["flops"] + cols["flops_per_ctx"] * ctx
-    nbytes = cols["nbytes"] + cols["bytes_per_ctx"] * ctx
+    flops, nbytes, _ = prog.work()
 
     for gid in ids.tolist():
         kind = KIND_NAMES[cols["kind"][gid]]

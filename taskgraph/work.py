@@ -1,7 +1,10 @@
 """What each task kind does: FLOPs and bytes (SPEC 3.3), and where a layer's weights lie.
 
-Work is affine in the context length ``s`` (tokens in a sequence's KV cache when the task runs),
-``flops + flops_per_ctx * s``, so one compiled step serves every decode step. Bytes are those the
+Work is affine in the context length ``s`` (tokens in a sequence's KV cache when the task runs,
+on average over the micro-batch), ``flops + flops_per_ctx * s``, so one compiled step serves every
+decode step. A micro-batch is ``mu`` sequences of the workload's mean prompt unless a
+:class:`Load` says otherwise (a batch of real requests: how many are still generating, how many
+prompt tokens they hold); its figures may be arrays, one per task. Bytes are those the
 task moves through the memory of the device it runs on, or over the link for transfers, or through
 host memory for the pinned staging copy. Durations are not here: the cost model turns work into
 time for a hardware profile, and the executor measures it.
@@ -10,8 +13,13 @@ time for a hardware profile, and the executor measures it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
 
 from taskgraph.specs import ModelSpec, PolicySpec, WorkloadSpec
+
+Number = Union[float, np.ndarray]
 
 # Every task kind, with a one-line meaning. Schedules place them on streams.
 KINDS: dict[str, str] = {
@@ -86,32 +94,48 @@ class WeightLayout:
         return range(first, min(last, self.n_pages))
 
 
+@dataclass(frozen=True)
+class Load:
+    """What one micro-batch holds (numbers or arrays of them, one per task): `seqs` sequences
+    still generating, and for prefill `prompt_tokens` prompt tokens whose squares sum to
+    `prompt_sq` (causal attention grows with each prompt's square)."""
+
+    seqs: Number
+    prompt_tokens: Number
+    prompt_sq: Number
+
+
 class TaskWork:
     """Work of every task kind for one model, policy and workload (SPEC 3.3)."""
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
-                 layout: WeightLayout):
+                 layout: WeightLayout, load: Load | None = None):
         self.m, self.p, self.w, self.layout = model, policy, workload, layout
+        p = workload.context_prompt
+        self.load = load or Load(policy.mu, policy.mu * p, policy.mu * p * p)
+
+    def with_load(self, load: Load) -> "TaskWork":
+        return TaskWork(self.m, self.p, self.w, self.layout, load)
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         if kind == "KVOut":
             # Prefill writes the prompt's K,V to the CPU; decode (GPU attention) one token's.
-            tokens = self.w.context_prompt if prefill else 1
-            return Work(bytes=(1 - self.p.r_c) * self.p.mu * tokens * self.m.kv_bytes_per_token)
+            tokens = self.load.prompt_tokens if prefill else self.load.seqs
+            return Work(bytes=(1 - self.p.r_c) * tokens * self.m.kv_bytes_per_token)
         return getattr(self, "_" + kind)()
 
-    # Decode, one micro-batch of mu sequences, one layer.
+    # Decode, one micro-batch of `seqs` sequences, one layer.
     def _PreAttn(self) -> Work:
-        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
         return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv),
                     bytes=m.qkv_bytes + b * mu * (m.h + m.q_dim + 2 * m.h_kv))
 
     def _D1(self) -> Work:
         m = self.m
-        return Work(bytes=m.dtype_bytes * self.p.mu * (m.q_dim + 2 * m.h_kv))
+        return Work(bytes=m.dtype_bytes * self.load.seqs * (m.q_dim + 2 * m.h_kv))
 
     def _CPUAttn(self) -> Work:
-        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
         return Work(flops_per_ctx=4 * mu * m.q_dim, bytes_per_ctx=2 * b * mu * m.h_kv,
                     bytes=b * mu * (2 * m.q_dim + 2 * m.h_kv))
 
@@ -119,15 +143,15 @@ class TaskWork:
         return self._CPUAttn()
 
     def _D2(self) -> Work:
-        return Work(bytes=self.m.dtype_bytes * self.p.mu * self.m.q_dim)
+        return Work(bytes=self.m.dtype_bytes * self.load.seqs * self.m.q_dim)
 
     def _D4(self) -> Work:
         # The part of the micro-batch's KV cache that is not kept on the GPU.
         m = self.m
-        return Work(bytes_per_ctx=(1 - self.p.r_c) * self.p.mu * m.kv_bytes_per_token)
+        return Work(bytes_per_ctx=(1 - self.p.r_c) * self.load.seqs * m.kv_bytes_per_token)
 
     def _PostAttn(self) -> Work:
-        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
         tokens = mu
         return Work(
             flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
@@ -137,7 +161,7 @@ class TaskWork:
         )
 
     def _LMHead(self) -> Work:
-        m, mu, b = self.m, self.p.mu, self.m.dtype_bytes
+        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
         return Work(flops=2 * mu * m.h * m.V, bytes=b * m.V * m.h + b * mu * (m.h + m.V))
 
     # Weights.
@@ -149,11 +173,11 @@ class TaskWork:
 
     # Prefill: the whole prompt of a micro-batch through one layer on the GPU.
     def _Prefill(self) -> Work:
-        m, mu, b, p = self.m, self.p.mu, self.m.dtype_bytes, self.w.context_prompt
-        t = mu * p
+        m, b = self.m, self.m.dtype_bytes
+        t = self.load.prompt_tokens
         flops = (2 * t * m.h * (m.q_dim + 2 * m.h_kv) + 2 * t * m.q_dim * m.h
                  + 2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i
-                 + 2 * mu * p * p * m.q_dim)  # causal attention: half of 4*mu*p^2*q_dim
+                 + 2 * self.load.prompt_sq * m.q_dim)  # causal attention: half of 4*p^2*q_dim
         return Work(flops=flops,
                     bytes=m.layer_bytes - (m.E - m.experts_hit(t)) * m.expert_bytes
                     + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))

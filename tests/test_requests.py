@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskgraph.cli import main
+from taskgraph.compiled import KIND_NAMES
 from taskgraph.errors import TgError
 from taskgraph.requests import (Request, algorithm2, generate_requests, pack, read_requests,
                                 summary)
@@ -152,3 +154,102 @@ def test_requests_too_long_for_the_cache_are_listed_as_aborted(tmp_path, capsys)
     assert out["requests"] == 15 and out["micro_batches"] >= 8
     assert main(["batch", "scenarios/tiny.yaml"]) == 2
     assert "no request list" in capsys.readouterr().err
+
+
+# --- the queue, simulated ---------------------------------------------------------------------
+
+def _queue_scenario(tmp_path, rows, policy="{N: 8, mu: 2}", extra=""):
+    (tmp_path / "r.jsonl").write_text("".join(
+        json.dumps({"id": str(i), "prompt_len": p, "gen_len": g}) + "\n"
+        for i, (p, g) in enumerate(rows)))
+    (tmp_path / "s.yaml").write_text(
+        f"model: tiny\nhardware: t4\nworkload: {{requests: r.jsonl{extra}}}\n"
+        f"policy: {policy}\nschedule: S1\n")
+    return load_scenario(tmp_path / "s.yaml")
+
+
+def test_a_queue_of_equal_requests_is_todays_mean_length_model(tmp_path):
+    from taskgraph.queue import simulate_queue
+
+    sc = _queue_scenario(tmp_path, [(40, 6)] * 16, policy="{N: 16, mu: 4}")
+    q, mean = simulate_queue(sc).summary, simulate_scenario(sc).summary
+    for key in ("throughput_tok_s", "prefill_s", "decode_s", "makespan_s", "decode_layer_ms",
+                "hrm_layer_ms", "tasks"):
+        assert q[key] == mean[key], key
+    assert q["requests"]["batches"] == 1 and q["requests"]["generated_tokens"] == 16 * 6
+
+
+def test_each_request_stops_at_its_own_length(tmp_path):
+    """A micro-batch whose requests have all finished is skipped (its tasks take no time);
+    one still generating is priced for what is left; a request finishes with its own last
+    token, and each batch ends with its longest request."""
+    from taskgraph.queue import simulate_queue
+
+    rows = [(30, 2), (30, 2), (30, 9), (30, 5), (12, 3), (45, 7), (8, 1), (20, 6)]
+    q = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}"))
+    assert len(q.batches) >= 2
+    for b, batch in zip(q.batches, q.packing.batches):
+        prog, run = b.program, b.run
+        kind, step, index = prog.column("kind"), prog.step, prog.column("index")
+        post = kind == KIND_NAMES.index("PostAttn")
+        dur = run.end - run.start
+        for j, mb in enumerate(batch):
+            last = max(r.gen_len for r in mb.requests)
+            assert (dur[post & (index == j) & (step >= 1) & (step <= last)] > 0).all()
+            assert (dur[post & (index == j) & (step > last)] == 0).all()
+            for r in mb.requests:       # a request ends with its micro-batch's LM head
+                lm = (kind == KIND_NAMES.index("LMHead")) & (index == j) & (step == r.gen_len)
+                assert q.finish_s[r.id] == pytest.approx(b.offset_s + run.end[lm].max())
+        ends = [q.finish_s[r.id] for mb in batch for r in mb.requests]
+        assert max(ends) == pytest.approx(b.offset_s + b.summary["makespan_s"])
+    assert q.summary["requests"]["generated_tokens"] == sum(g for _, g in rows)
+
+
+def test_longer_prompts_cost_more_prefill(tmp_path):
+    from taskgraph.queue import simulate_queue
+
+    short = simulate_queue(_queue_scenario(tmp_path, [(20, 3)] * 8)).summary
+    long = simulate_queue(_queue_scenario(tmp_path, [(20, 3)] * 4 + [(200, 3)] * 4)).summary
+    assert long["prefill_s"] > short["prefill_s"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 6)), min_size=1, max_size=20),
+       st.sampled_from(["S1", "S2", "S3", "S4"]), st.booleans())
+def test_simulated_queues_keep_the_invariants(tmp_path_factory, rows, schedule, padded):
+    """Every request finishes exactly once with its own tokens; in every batch no task starts
+    before its stream's previous one ends, the makespan covers the busiest resource, and the
+    decode layer is never below the HRM bound."""
+    from taskgraph.queue import simulate_queue
+    from taskgraph.scenario import for_schedule
+
+    tmp = tmp_path_factory.mktemp("q")
+    sc = _queue_scenario(tmp, rows, extra=f", padded: {str(padded).lower()}")
+    sc, _ = for_schedule(sc, schedule)
+    q = simulate_queue(sc)
+    s = q.summary
+    finished = len(rows) - len(s["requests"]["aborted"])
+    assert len(q.finish_s) == finished == s["requests"]["finished"]
+    assert s["requests"]["generated_tokens"] == sum(
+        g for i, (p, g) in enumerate(rows) if str(i) in q.finish_s)
+    assert s["decode_layer_ms"] >= s["hrm_layer_ms"] * (1 - 1e-9)
+    for b in q.batches:
+        prog, run = b.program, b.run
+        stream = prog.column("stream")
+        for sid in range(len(prog.streams)):
+            ids = np.flatnonzero(stream == sid)
+            assert (run.start[ids[1:]] >= run.end[ids[:-1]] - 1e-12).all()
+        assert b.summary["decode_layer_ms"] >= b.summary["hrm_layer_ms"] * (1 - 1e-9)
+    assert max(q.finish_s.values()) <= s["makespan_s"] * (1 + 1e-5)    # JSON: 6 digits
+
+
+def test_simulate_cli_on_a_request_list(tmp_path, capsys):
+    _queue_scenario(tmp_path, [(30, 3), (50, 4), (10, 2)] * 4)
+    out_csv = tmp_path / "finish.csv"
+    assert main(["simulate", str(tmp_path / "s.yaml"), "--json", "--csv", str(out_csv)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"]["count"] == 12 and out["requests"]["finished"] == 12
+    lines = out_csv.read_text().splitlines()
+    assert lines[0] == "id,prompt_len,gen_len,batch,micro_batch,finish_s" and len(lines) == 13
+    assert main(["simulate", "scenarios/tiny.yaml", "--csv", str(out_csv)]) == 2
+    assert "lists no requests" in capsys.readouterr().err

@@ -1,0 +1,158 @@
+"""A queue of requests, simulated batch after batch.
+
+The scenario's request list is packed for its policy (:func:`taskgraph.requests.pack_scenario`:
+Algorithm 2, or padded in arrival order) and each batch is simulated on its own, back to back.
+Every task is priced by its own micro-batch's requests (:class:`taskgraph.requests.BatchLoad`):
+prefill by the actual prompt tokens, attention by the actual contexts, the FFN by the tokens
+still generating and the experts they reach. A request stops at its own generation length, so
+its micro-batch shrinks; a micro-batch whose requests have all finished is skipped, and the
+batch ends with its longest request.
+
+The figures add up over the batches (times, tasks) or are weighted by them (decode-layer
+latency by decode layers, utilisation by time); throughput counts every request's own
+generated tokens over the whole queue's time. Each request's finish time is the end of the LM
+head that produced its last token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from taskgraph.builder import make_plan
+from taskgraph.compiled import KIND_NAMES, Program, compile_plan
+from taskgraph.cost import cost_model
+from taskgraph.limits import hardware_limit_tok_s
+from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.requests import BatchLoad, Packing, pack_scenario
+from taskgraph.schedules import RESOURCES, SCHEDULES
+from taskgraph.sim.engine import SimRun
+from taskgraph.sim.interference import simulate_with_interference
+from taskgraph.sim.metrics import summarize
+from taskgraph.specs import Scenario
+from taskgraph.trace import TraceRun
+
+
+@dataclass
+class BatchRun:
+    program: Program
+    run: SimRun
+    summary: dict[str, Any]
+    offset_s: float          # when the batch started, in the queue's time
+
+
+@dataclass
+class QueueRun:
+    packing: Packing
+    batches: list[BatchRun]
+    finish_s: dict[str, float]       # request id -> when its last token was produced
+    summary: dict[str, Any]
+
+    def trace_runs(self) -> list[TraceRun]:
+        return [TraceRun(f"batch {b}", r.program, r.run.start, r.run.end, r.offset_s)
+                for b, r in enumerate(self.batches)]
+
+
+def simulate_queue(scenario: Scenario,
+                   progress: Callable[[int, int], None] | None = None) -> QueueRun:
+    """Simulate the scenario's whole request list with its own schedule. `progress(done,
+    total)` is called after each batch."""
+    t0 = time.perf_counter()
+    schedule = SCHEDULES[scenario.schedule]
+    mean_plan = make_plan(scenario)
+    memory = memory_footprint(mean_plan)
+    warnings = check_fits(memory, schedule.name)
+    packing = pack_scenario(scenario)
+    w, p = scenario.workload, scenario.policy
+    padded = w.padded
+    longest = max(r.prompt_len for r in scenario.requests) if padded else None
+    compiled: dict[tuple[int, int], Program] = {}
+    batches: list[BatchRun] = []
+    finish: dict[str, float] = {}
+    offset = 0.0
+    for b, batch in enumerate(packing.batches):
+        n = max(len(batch), schedule.min_micro_batches)
+        steps = w.gen_len if padded else max(r.gen_len for mb in batch for r in mb.requests)
+        sc = scenario.model_copy(update={
+            "workload": w.model_copy(update={"gen_len": steps}),
+            "policy": p.model_copy(update={"N": n * p.mu})})
+        plan = dataclasses.replace(make_plan(sc), load=BatchLoad.of(
+            batch, n, padded_to=longest, gen_to=steps if padded else None))
+        key = (n, steps)
+        if key not in compiled:       # the task graph depends on the shape, not the lengths
+            compiled[key] = compile_plan(plan)
+        program = dataclasses.replace(compiled[key], plan=plan)
+        run = simulate_with_interference(program, cost_model(sc, schedule.name))
+        batches.append(BatchRun(program, run, summarize(run, memory), offset))
+        lm = np.flatnonzero(program.column("kind") == KIND_NAMES.index("LMHead"))
+        ends = {(int(program.step[i]), int(program.column("index")[i])): run.end[i] for i in lm}
+        for j, mb in enumerate(batch):
+            for r in mb.requests:
+                finish[r.id] = offset + float(ends[steps if padded else r.gen_len, j])
+        offset += float(np.nanmax(run.end)) if run.finished.any() else 0.0
+        if progress is not None:
+            progress(b + 1, len(packing.batches))
+        if run.interrupted:
+            break
+    summary = _summary(scenario, packing, batches, finish, memory)
+    summary["warnings"] = warnings
+    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    return QueueRun(packing, batches, finish, summary)
+
+
+def _summary(scenario: Scenario, packing: Packing, batches: list[BatchRun],
+             finish: dict[str, float], memory) -> dict[str, Any]:
+    s = [b.summary for b in batches]
+    first = s[0]
+    makespan = sum(x["makespan_s"] for x in s)
+    layers = [x["steps"] * x["layers"] for x in s]
+    decode_s = sum(x["decode_s"] for x in s)
+    layer_ms = decode_s / max(sum(layers), 1) * 1e3
+    hrm_ms = sum(x["hrm_layer_ms"] * n for x, n in zip(s, layers)) / max(sum(layers), 1)
+    by_id = {r.id: r for b in packing.batches for mb in b for r in mb.requests}
+    tokens = sum(by_id[i].gen_len for i in finish)
+    throughput = tokens / makespan if makespan else 0.0
+    limit = hardware_limit_tok_s(scenario)
+    times = sorted(finish.values())
+    out = {k: first[k] for k in ("scenario", "schedule", "schedule_title", "model", "hardware",
+                                 "policy")}
+    out.update({
+        "throughput_tok_s": _r(throughput),
+        "hardware_limit_tok_s": _r(limit),
+        "hardware_limit_fraction": _r(throughput / limit),
+        "prefill_s": _r(sum(x["prefill_s"] for x in s)),
+        "decode_s": _r(decode_s),
+        "overlap_s": _r(sum(x["overlap_s"] for x in s)),
+        "makespan_s": _r(makespan),
+        "decode_layer_ms": _r(layer_ms),
+        "hrm_layer_ms": _r(hrm_ms),
+        "hrm_binding": Counter(x["hrm_binding"] for x in s).most_common(1)[0][0],
+        "efficiency": _r(hrm_ms / layer_ms if layer_ms else 0.0),
+        "utilization": {r: _r(sum(x["utilization"][r] * x["makespan_s"] for x in s) / makespan
+                              if makespan else 0.0) for r in RESOURCES},
+        "memory": first["memory"],
+        "steps": sum(x["steps"] for x in s),
+        "layers": first["layers"],
+        "tasks": sum(x["tasks"] for x in s),
+        "interrupted": any(x["interrupted"] for x in s),
+        "requests": {
+            "count": len(scenario.requests), "finished": len(finish),
+            "generated_tokens": tokens, "batches": len(batches),
+            "micro_batches": sum(len(b) for b in packing.batches[:len(batches)]),
+            "padded": packing.padded,
+            "finish_s": {"median": _r(statistics.median(times)) if times else None,
+                         "p99": _r(times[min(len(times) - 1, int(0.99 * len(times)))])
+                         if times else None},
+            "aborted": packing.to_json()["aborted"]},
+    })
+    return out
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
