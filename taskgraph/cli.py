@@ -203,7 +203,7 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
     from taskgraph.queue import simulate_queue
 
     with _progress(not args.json, "simulating batches") as tick:
-        q = simulate_queue(scenario, progress=tick)
+        q = simulate_queue(scenario, progress=tick, keep_runs=bool(args.trace or args.gantt))
     if args.csv:
         with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
             out = csv.writer(f)
@@ -233,12 +233,18 @@ def _compare(args: argparse.Namespace) -> int:
     from taskgraph.simulation import simulate_scenario
 
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCHEDULES]
+    unknown = [n for n in names if n.removesuffix(":padded") not in SCHEDULES]
     if unknown or not names:
         raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
-                      f"schedules: {', '.join(SCHEDULES)}.")
-    args.schedule = names[0]      # the command line chooses the schedules, not the file
+                      f"schedules: {', '.join(SCHEDULES)} (NAME:padded pads a request list).")
+    # the command line chooses the schedules, not the file
+    args.schedule = names[0].removesuffix(":padded")
     scenario = _load(args)
+    if scenario.requests is not None:
+        return _compare_queues(args, scenario, names)
+    if any(n.endswith(":padded") for n in names):
+        raise TgError("NAME:padded pads a request list; this scenario lists none (give "
+                      "workload.requests or workload.lengths), so set workload.padded instead.")
     if args.check:
         if scenario.expect is None:
             raise TgError(f"--check needs an `expect` section in {args.scenario}; see the "
@@ -285,6 +291,39 @@ def _compare(args: argparse.Namespace) -> int:
                         for c in failed) + "."
         )
     return 0
+
+
+def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int:
+    """Each schedule over the whole request list; NAME:padded batches it as FlexGen does (the
+    paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests)."""
+    from taskgraph.queue import simulate_queue
+    from taskgraph.requests import with_padding
+    from taskgraph.scenario import for_schedule
+
+    if args.trace or args.gantt or args.check:
+        raise TgError("tg compare on a request list writes no trace, Gantt chart or checks "
+                      "yet; run tg simulate --schedule NAME --trace for one schedule's queue.")
+    results, notes = [], {}
+    with _progress(not args.json, "simulating queues") as tick:
+        for entry in names:
+            name, padded = entry.removesuffix(":padded"), entry.endswith(":padded")
+            adapted, note = for_schedule(with_padding(scenario, padded or
+                                                      scenario.workload.padded), name)
+            if note:
+                notes[name] = note
+            results.append(simulate_queue(adapted, progress=tick).summary)
+            if results[-1]["interrupted"]:
+                break
+
+    def human() -> None:
+        console = _console()
+        console.print(_tables().compare_table(results, notes))
+        for r in results:
+            for text in r.get("warnings", []):
+                console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
+
+    _emit(args, {"results": results}, human)
+    return _interrupted(results[-1]) if results[-1]["interrupted"] else 0
 
 
 def _execute(args: argparse.Namespace) -> int:

@@ -41,10 +41,10 @@ from taskgraph.trace import TraceRun
 
 @dataclass
 class BatchRun:
-    program: Program
-    run: SimRun
     summary: dict[str, Any]
-    offset_s: float          # when the batch started, in the queue's time
+    offset_s: float               # when the batch started, in the queue's time
+    program: Program | None       # the batch's tasks and their times, when kept
+    run: SimRun | None
 
 
 @dataclass
@@ -56,13 +56,14 @@ class QueueRun:
 
     def trace_runs(self) -> list[TraceRun]:
         return [TraceRun(f"batch {b}", r.program, r.run.start, r.run.end, r.offset_s)
-                for b, r in enumerate(self.batches)]
+                for b, r in enumerate(self.batches) if r.run is not None]
 
 
-def simulate_queue(scenario: Scenario,
-                   progress: Callable[[int, int], None] | None = None) -> QueueRun:
+def simulate_queue(scenario: Scenario, progress: Callable[[int, int], None] | None = None,
+                   keep_runs: bool = False) -> QueueRun:
     """Simulate the scenario's whole request list with its own schedule. `progress(done,
-    total)` is called after each batch."""
+    total)` is called after each batch. Each batch's task times are kept only with
+    `keep_runs` (for traces): a 20,000-request queue is 17 M tasks."""
     t0 = time.perf_counter()
     schedule = SCHEDULES[scenario.schedule]
     mean_plan = make_plan(scenario)
@@ -89,7 +90,8 @@ def simulate_queue(scenario: Scenario,
             compiled[key] = compile_plan(plan)
         program = dataclasses.replace(compiled[key], plan=plan)
         run = simulate_with_interference(program, cost_model(sc, schedule.name))
-        batches.append(BatchRun(program, run, summarize(run, memory), offset))
+        batches.append(BatchRun(summarize(run, memory), offset,
+                                program if keep_runs else None, run if keep_runs else None))
         lm = np.flatnonzero(program.column("kind") == KIND_NAMES.index("LMHead"))
         ends = {(int(program.step[i]), int(program.column("index")[i])): run.end[i] for i in lm}
         for j, mb in enumerate(batch):

@@ -102,9 +102,9 @@ def _ranking(v: dict[str, Any]) -> str:
 def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table:
     first = results[0]
     best = max(r["throughput_tok_s"] for r in results)
-    captions = [f"{r['schedule']}: {r['schedule_title']}"
-                + (f" ({notes[r['schedule']]})" if r["schedule"] in notes else "")
-                for r in results]
+    captions = list(dict.fromkeys(f"{r['schedule']}: {r['schedule_title']}"
+                                  + (f" ({notes[r['schedule']]})" if r["schedule"] in notes
+                                     else "") for r in results))
     t = Table(title=f"tg compare {first['scenario']}: {first['model']} on {first['hardware']}, "
                     f"{_policy(first['policy'])}; busy = share of the run each resource works",
               title_justify="left",
@@ -114,7 +114,9 @@ def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table
         t.add_column(col, justify="left" if col in ("", "bound") else "right")
     for r in results:
         u = r["utilization"]
-        t.add_row(r["schedule"], f"{r['throughput_tok_s']:.2f}",
+        q = r.get("requests")
+        label = r["schedule"] + ("" if q is None else " padded" if q["padded"] else " Alg. 2")
+        t.add_row(label, f"{r['throughput_tok_s']:.2f}",
                   f"{r['throughput_tok_s'] / best:.2f}x", f"{r['decode_layer_ms']:.1f}",
                   f"{r['hrm_layer_ms']:.1f}", f"{r['efficiency']:.0%}", r["hrm_binding"],
                   *(f"{u[k]:.0%}" for k in ("gpu", "cpu", "h2d", "d2h")),

@@ -294,3 +294,13 @@ class BatchLoad:
         ptok = np.array([float(sum(ps)) for ps in self.prompts])
         psq = np.array([float(sum(x * x for x in ps)) for ps in self.prompts])
         return seqs, ctx, ptok, psq
+
+
+def with_padding(scenario, padded: bool):
+    """`scenario` with its request list batched padded (FlexGen: every prompt at the longest,
+    every request generating the longest generation) or unpadded (Algorithm 2), and the
+    mean-length fields that follow from that."""
+    s = summary(scenario.requests)
+    gen = s["gen_max"] if padded else max(1, round(s["gen_mean"]))
+    w = scenario.workload.model_copy(update={"padded": padded, "gen_len": gen})
+    return scenario.model_copy(update={"workload": w})

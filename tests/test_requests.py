@@ -186,7 +186,7 @@ def test_each_request_stops_at_its_own_length(tmp_path):
     from taskgraph.queue import simulate_queue
 
     rows = [(30, 2), (30, 2), (30, 9), (30, 5), (12, 3), (45, 7), (8, 1), (20, 6)]
-    q = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}"))
+    q = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}"), keep_runs=True)
     assert len(q.batches) >= 2
     for b, batch in zip(q.batches, q.packing.batches):
         prog, run = b.program, b.run
@@ -226,7 +226,7 @@ def test_simulated_queues_keep_the_invariants(tmp_path_factory, rows, schedule, 
     tmp = tmp_path_factory.mktemp("q")
     sc = _queue_scenario(tmp, rows, extra=f", padded: {str(padded).lower()}")
     sc, _ = for_schedule(sc, schedule)
-    q = simulate_queue(sc)
+    q = simulate_queue(sc, keep_runs=True)
     s = q.summary
     finished = len(rows) - len(s["requests"]["aborted"])
     assert len(q.finish_s) == finished == s["requests"]["finished"]
@@ -253,3 +253,17 @@ def test_simulate_cli_on_a_request_list(tmp_path, capsys):
     assert lines[0] == "id,prompt_len,gen_len,batch,micro_batch,finish_s" and len(lines) == 13
     assert main(["simulate", "scenarios/tiny.yaml", "--csv", str(out_csv)]) == 2
     assert "lists no requests" in capsys.readouterr().err
+
+
+def test_compare_puts_unpadded_next_to_padded_on_one_request_list(tmp_path, capsys):
+    """The paper's headline comparison: S1 with Algorithm 2 against S4 padded, same requests."""
+    _queue_scenario(tmp_path, [(60, 4), (10, 2), (35, 6), (5, 3)] * 4)
+    path = str(tmp_path / "s.yaml")
+    assert main(["compare", path, "--schedules", "S1,S4:padded", "--json"]) == 0
+    s1, s4 = json.loads(capsys.readouterr().out)["results"]
+    assert (s1["schedule"], s1["requests"]["padded"]) == ("S1", False)
+    assert (s4["schedule"], s4["requests"]["padded"], s4["policy"]["A_g"]) == ("S4", True, 1)
+    # padded, every request runs as long as the longest: the same tokens are counted
+    assert s1["requests"]["generated_tokens"] == s4["requests"]["generated_tokens"] == 60
+    assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S4:padded"]) == 2
+    assert "lists none" in capsys.readouterr().err

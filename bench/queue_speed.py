@@ -1,0 +1,61 @@
+"""Benchmark: a 20,000-request MTBench-like queue on the T4 scenario, simulated whole.
+
+Runs ``tg simulate scenarios/t4.yaml`` with ``workload.lengths`` set to the mtbench preset
+(prompts 77 mean / 418 max, 128 generated) in a fresh subprocess and prints its wall time, peak
+RSS, batches, tasks and throughput, next to the single-batch mean-length run of the same
+scenario measured in the same way.
+
+    python bench/queue_speed.py [--count 20000] [--check]
+
+With --check it exits 1 unless the queue takes <= 30 s and <= 1 GB (issue 11's targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+_CHILD = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from taskgraph.scenario import load_scenario
+sc = load_scenario("scenarios/t4.yaml", sys.argv[1:])
+if sc.requests is None:
+    from taskgraph.simulation import simulate_scenario
+    s = simulate_scenario(sc).summary
+else:
+    from taskgraph.queue import simulate_queue
+    s = simulate_queue(sc).summary
+print(json.dumps({"wall_s": time.perf_counter() - t0,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "tasks": s["tasks"], "throughput_tok_s": s["throughput_tok_s"],
+                  "batches": s.get("requests", {}).get("batches", 1)}))
+"""
+
+
+def _run(overrides: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, *overrides], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=20000)
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    single = _run([])
+    queue = _run(["workload.lengths.preset=mtbench", f"workload.lengths.count={args.count}"])
+    for label, r in (("t4.yaml, one batch (mean lengths)", single),
+                     (f"t4.yaml, {args.count:,} mtbench requests", queue)):
+        print(f"{label:40} {r['wall_s']:6.1f} s {r['rss_mb']:7.0f} MB  {r['batches']:4d} "
+              f"batches {r['tasks']:>11,} tasks  {r['throughput_tok_s']:.1f} tok/s")
+    ok = queue["wall_s"] <= 30 and queue["rss_mb"] <= 1024
+    print(f"targets {'met' if ok else 'MISSED'}: queue wall <= 30 s, RSS <= 1 GB")
+    return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
