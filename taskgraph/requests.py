@@ -93,12 +93,7 @@ def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
     lengths = []
     for name in ("prompt_len", "gen_len"):
         value = row.get(name)
-        try:
-            number = int(value) if not isinstance(value, (bool, float)) else None
-        except (TypeError, ValueError):
-            number = None
-        if isinstance(value, float) and value.is_integer():
-            number = int(value)
+        number = _whole(value)
         if number is None or not 0 < number <= _MAX_LEN:
             shown = repr(value)[:40]
             raise TgError(f"Request file '{path}', line {line}: {name} must be a whole number "
@@ -106,6 +101,22 @@ def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
         lengths.append(number)
     rid = row.get("id")
     return Request(str(rid) if rid not in (None, "") else str(line), *lengths)
+
+
+def _whole(value: Any) -> int | None:
+    """A whole number from JSON (int, or a float like 12.0) or CSV text; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
 
 
 def generate_requests(count: int, prompt_mean: float, prompt_max: int, gen_mean: float,
