@@ -272,13 +272,9 @@ def _compare(args: argparse.Namespace) -> int:
         out["checks_ok"] = all(c.ok for c in checks)
 
     def human() -> None:
-        console = _console()
-        console.print(_tables().compare_table(results, notes))
-        for r in results:
-            for text in r.get("warnings", []):
-                console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
+        _print_compare(results, notes)
         if args.check:
-            console.print(_tables().check_table(checks))
+            _console().print(_tables().check_table(checks))
 
     _emit(args, out, human)
     if any(r["interrupted"] for r in results):
@@ -315,15 +311,16 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
             if results[-1]["interrupted"]:
                 break
 
-    def human() -> None:
-        console = _console()
-        console.print(_tables().compare_table(results, notes))
-        for r in results:
-            for text in r.get("warnings", []):
-                console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
-
-    _emit(args, {"results": results}, human)
+    _emit(args, {"results": results}, lambda: _print_compare(results, notes))
     return _interrupted(results[-1]) if results[-1]["interrupted"] else 0
+
+
+def _print_compare(results: list[dict[str, Any]], notes: dict[str, str]) -> None:
+    console = _console()
+    console.print(_tables().compare_table(results, notes))
+    for r in results:
+        for text in r.get("warnings", []):
+            console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
 
 
 def _execute(args: argparse.Namespace) -> int:
