@@ -93,7 +93,8 @@ def simulate_queue(scenario: Scenario, progress: Callable[[int, int], None] | No
         batches.append(BatchRun(summarize(run, memory), offset,
                                 program if keep_runs else None, run if keep_runs else None))
         lm = np.flatnonzero(program.column("kind") == KIND_NAMES.index("LMHead"))
-        ends = {(int(program.step[i]), int(program.column("index")[i])): run.end[i] for i in lm}
+        ends = dict(zip(zip(program.step[lm].tolist(), program.column("index")[lm].tolist()),
+                        run.end[lm].tolist()))
         for j, mb in enumerate(batch):
             for r in mb.requests:
                 finish[r.id] = offset + float(ends[steps if padded else r.gen_len, j])
