@@ -23,7 +23,7 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    post_attention, pre_attention, prefill_layer, rotate_qkv,
                                    split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import WEIGHT_SECTIONS
+from taskgraph.work import KINDS, WEIGHT_SECTIONS
 
 
 class Runtime:
@@ -74,9 +74,7 @@ class Runtime:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
 
         self.zero_copy = zero_copy
-        self._tasks = {kind: getattr(self, "_" + kind) for kind in
-                       ("Prefill", "KVOut", "LMHead", "PreAttn", "D1", "CPUAttn", "D2", "D4",
-                        "GPUAttn", "PostAttn", "D3", "W_CtoPin")}
+        self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS}
         if zero_copy:
             self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
             self.cut, self.pages = numel, []
