@@ -86,6 +86,7 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     from taskgraph.execution import execute_scenario
     from taskgraph.sim.interference import busy_fractions
     from taskgraph.scenario import for_schedule
+    from taskgraph.schedules import SCHEDULES
 
     base_cost = CostModel(HardwareSpec.model_validate(base))
     samples: dict[str, _Samples] = {}
@@ -100,7 +101,10 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         resource, kinds = prog.column("resource"), prog.column("kind")
         roof = prog.durations(base_cost) - base_cost.fixed(resource, kinds)
         busy = busy_fractions(run.start, run.end, resource)
+        pageable = device == "cuda" and not SCHEDULES[schedule].staging
         for k in np.unique(kinds):
+            if pageable and KIND_NAMES[k] == "D3":
+                continue     # weights from pageable memory: the link's pageable rate prices them
             sel = (kinds == k) & run.finished
             if sel.any():
                 smp = samples.setdefault(KIND_NAMES[k], _Samples(int(resource[sel][0])))

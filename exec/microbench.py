@@ -150,7 +150,8 @@ def base_profile(device: str, rates: dict[str, float]) -> dict[str, Any]:
             "link": {"h2d_gbps": round(rates["h2d_pinned_bytes_per_s"] / 1e9, 3),
                      "d2h_gbps": round(rates["d2h_pinned_bytes_per_s"] / 1e9, 3),
                      "h2d_eff": 1.0, "d2h_eff": 1.0,
-                     "latency_us": round(rates["copy_latency_s"] * 1e6, 2)},
+                     "latency_us": round(rates["copy_latency_s"] * 1e6, 2),
+                     "pageable_h2d_gbps": round(rates["h2d_pageable_bytes_per_s"] / 1e9, 3)},
         }
     link = round(rates["memcpy_bytes_per_s"] / 1e9, 3)
     tflops = round(rates["gemm_flops"] / 1e12, 5)

@@ -371,21 +371,21 @@ def _calibrate(args: argparse.Namespace) -> int:
     from taskgraph.execution import pick_device
     from taskgraph.scenario import load_scenario
 
-    if pick_device(args.device) != "cpu":
-        raise TgError("tg calibrate measures the CPU backend so far; GPU calibration (CUDA "
-                      "events, pinned copies) is not built yet. Use --device cpu.")
+    device = pick_device(args.device)
     from taskgraph.exec.calibrate import calibrate
+    from taskgraph.exec.microbench import STEPS
 
     scenario = load_scenario(args.scenario, args.overrides)
-    steps = ["matrix multiply", "memory bandwidth", "attention", "copies", "executor tasks"]
+    steps = [*STEPS[device], "executor tasks"]
     with _progress(not args.json, "calibrating") as tick:
-        profile, measured = calibrate(scenario, progress=lambda what: tick and tick(
+        profile, measured = calibrate(scenario, device, progress=lambda what: tick and tick(
             steps.index(what) + 1, len(steps)))
     from taskgraph.files import atomic_path
 
+    what = "CPU backend" if device == "cpu" else "GPU and its host"
     with atomic_path(args.out) as tmp:
         tmp.write_text(
-            "# Written by `tg calibrate`: this machine's CPU backend. Use it with\n"
+            f"# Written by `tg calibrate`: this machine's {what}. Use it with\n"
             f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
             + yaml.safe_dump(profile, sort_keys=False))
 

@@ -165,6 +165,21 @@ def _for_requests(scenario: Scenario, schedule: str | None, requests: list) -> S
         workload=workload, policy=scenario.policy.model_copy(update=dict(N=N, mu=mu))))
 
 
+_last_weights: dict[tuple, Any] = {}
+
+
+def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
+    """Random weights, kept for the next run of the same model: validate and calibrate execute
+    one model many times, and a Mixtral layer takes seconds to draw."""
+    from taskgraph.kernels.weights import synthetic_weights
+
+    key = (m.model_dump_json(), seed, dtype)
+    if key not in _last_weights:
+        _last_weights.clear()          # one model at a time: they can be tens of GB
+        _last_weights[key] = synthetic_weights(m, seed=seed, dtype=dtype)
+    return _last_weights[key]
+
+
 def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
                      weights_path: str | None = None, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None,
@@ -178,7 +193,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
     from taskgraph.exec.runtime import Runtime
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts
-    from taskgraph.kernels.weights import load_mixtral_safetensors, synthetic_weights
+    from taskgraph.kernels.weights import load_mixtral_safetensors
 
     t0 = time.perf_counter()
     dev = pick_device(device)
@@ -206,7 +221,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         _check_host_memory(memory.gpu_total + memory.cpu_total)
     program = compile_plan(plan)
     w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
-         else synthetic_weights(m, seed=seed, dtype=dtype))
+         else _synthetic_weights(m, seed, dtype))
     P = scenario.workload.context_prompt
     if requests is None:
         prompts, lens = synthetic_prompts(p.N, P, m.V, seed=seed + 1), None

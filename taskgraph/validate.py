@@ -55,15 +55,21 @@ class PairResult:
 
 def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[Scenario]:
     """The (schedule, policy) pairs: each schedule at each micro-batch size (N fixed)."""
+    from taskgraph.presets import IMPLEMENTATIONS
     from taskgraph.scenario import for_schedule
+    from taskgraph.specs import ImplementationSpec
 
+    # What runs is tg's executor whatever system a schedule stands for by default (S3 and S4:
+    # FlexGen), so it is priced as tg's.
+    own = ImplementationSpec.model_validate(IMPLEMENTATIONS["tg"])
     out = []
     for mu in mus:
         if scenario.policy.N % mu:
             continue
         policy = scenario.policy.model_copy(update={"mu": mu})
         for name in schedules:
-            sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), name)
+            sc, _ = for_schedule(scenario.model_copy(
+                update={"policy": policy, "implementation": own}), name)
             out.append(sc)
     return out
 

@@ -54,6 +54,7 @@ def test_cuda_rates_make_a_valid_profile(monkeypatch):
     assert hw.calibrated.endswith("(CUDA)")
     assert (hw.gpu.tflops, hw.gpu.memory_gb, hw.gpu.task_overhead_us) == (700, 80, 5)
     assert (hw.link.h2d_gbps, hw.link.d2h_gbps, hw.link.latency_us) == (50, 45, 8)
+    assert hw.link.pageable_h2d_gbps == 20
     assert (hw.cpu.mem_gbps, hw.cpu.memcpy_gbps, hw.cpu.tflops) == (100, 20, 2)
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("safetensors")
 
 from taskgraph.builder import make_plan  # noqa: E402
 from taskgraph.compiled import compile_plan  # noqa: E402
-from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.dispatch import CudaDevice, execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels.reference import reference_forward  # noqa: E402
 from taskgraph.kernels.weights import load_mixtral_safetensors  # noqa: E402
@@ -41,6 +41,8 @@ SHAPES = {
 }
 PROMPT_LENS = [7, 3, 5, 7, 1, 6]          # ragged: micro-batches mix lengths
 STEPS = 4                                 # decode steps: STEPS + 1 generated tokens
+# The executor on every device this machine has; transformers always runs on the CPU, in fp32.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def make_checkpoint(folder, *, dtype=torch.float32, shard=None, layers=3, rope_scaling=None,
@@ -68,16 +70,18 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
         "schedule": schedule})
 
 
-def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy=False):
+def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy=False,
+           device="cpu"):
+    """tg's executor on `device`; returns (tokens, every step's logits) on the host, weights."""
     sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS,
                       dtype_bytes=4 if dtype == torch.float32 else 2)
     plan = make_plan(sc)
     w = load_mixtral_safetensors(folder, sc.model, dtype)
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True,
-                 zero_copy=zero_copy)
-    run = execute(compile_plan(plan), rt)
-    assert not run.interrupted and run.failure is None
-    return rt, w
+    rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens, record_logits=True,
+                 zero_copy=zero_copy, pin_memory=device == "cuda")
+    run = execute(compile_plan(plan), rt, CudaDevice(torch) if device == "cuda" else None)
+    assert not run.interrupted and run.failure is None, run.failure
+    return rt.outputs()[0], rt.step_logits.cpu(), w
 
 
 def generate(model, ids):
@@ -102,21 +106,26 @@ def checkpoint(request, tmp_path_factory):
     return folder, prompts, lens, expected
 
 
-@pytest.mark.parametrize("zero_copy", [False, True], ids=["emulating", "zero-copy"])
+MODES = [("cpu", False), ("cpu", True)] + [(d, False) for d in DEVICES if d != "cpu"]
+
+
+@pytest.mark.parametrize("device,zero_copy", MODES,
+                         ids=["emulating", "zero-copy"] + DEVICES[1:])
 @pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
-def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, zero_copy):
+def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, device, zero_copy):
     folder, prompts, lens, expected = checkpoint
-    rt, w = run_tg(folder, schedule, prompts, lens, zero_copy=zero_copy)
-    tokens, _, _ = rt.outputs()
+    tokens, step_logits, w = run_tg(folder, schedule, prompts, lens, zero_copy=zero_copy,
+                                    device=device)
     for i, (hf_tokens, hf_logits) in enumerate(expected):
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
-        torch.testing.assert_close(rt.step_logits[i], hf_logits, rtol=0, atol=2e-4)
+        torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
     # the project's own sequential reference agrees too (it shares the kernels)
     ref = reference_forward(w, prompts, 2, STEPS, lens)
     assert torch.equal(ref.tokens, tokens)
 
 
-def test_bf16_agrees_within_its_rounding(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_agrees_within_its_rounding(tmp_path, device):
     """bf16 keeps 8 bits of mantissa: logits may differ by up to BF16_TOL of the largest logit
     (measured: 1-2%); wherever the top two logits are further apart than that, the argmax is
     the same. Compared step by step while the greedy paths agree."""
@@ -124,11 +133,12 @@ def test_bf16_agrees_within_its_rounding(tmp_path):
     model = make_checkpoint(tmp_path, dtype=torch.bfloat16, **SHAPES["gqa4-headdim-sharded"])
     prompts, lens = ragged_prompts()
     for schedule in ("S1", "S4"):
-        rt, _ = run_tg(tmp_path, schedule, prompts, lens, dtype=torch.bfloat16)
+        tokens, step_logits, _ = run_tg(tmp_path, schedule, prompts, lens,
+                                        dtype=torch.bfloat16, device=device)
         compared = 0
         for i, n in enumerate(PROMPT_LENS):
             hf_tokens, hf_logits = generate(model, prompts[i, :n])
-            ours = rt.step_logits[i].float()
+            ours = step_logits[i].float()
             theirs = hf_logits.float()
             tol = BF16_TOL * theirs.abs().max()
             for step in range(STEPS + 1):
@@ -137,7 +147,7 @@ def test_bf16_agrees_within_its_rounding(tmp_path):
                 if top2[0] - top2[1] > tol:
                     assert ours[step].argmax() == theirs[step].argmax()
                     compared += 1
-                if rt.tokens[i, step] != hf_tokens[step]:
+                if tokens[i, step] != hf_tokens[step]:
                     break            # the paths part; later steps see different inputs
         assert compared >= len(PROMPT_LENS)
 

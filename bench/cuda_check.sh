@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What tg checks on a machine with a CUDA GPU, in one go (CI has none, so this is run by hand
+# when one is at hand):
+#   1. the tests that need a GPU, among them the executor on CUDA against transformers' Mixtral;
+#   2. every schedule of a Mixtral-shaped model (scenarios/mixtral-2layer.yaml) executed on the
+#      GPU, checked against the sequential reference, with a Perfetto trace of S1;
+#   3. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it.
+# Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
+#
+#     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate
+#     SCHEDULES="S1 S4" bash bench/cuda_check.sh ...  (the schedules `execute` runs)
+set -uo pipefail
+OUT=${1:-cuda-check}
+STEPS=${2:-tests,execute,validate}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+nproc
+
+if [[ $STEPS == *tests* ]]; then
+    echo "== tests that use the GPU"
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_streams.py \
+        tests/test_transformers_parity.py tests/test_calibrate_validate.py tests/test_execute.py
+fi
+
+if [[ $STEPS == *execute* ]]; then
+    echo "== Mixtral-shaped layers executed on the GPU"
+    for s in ${SCHEDULES:-S1 S2 S3 S4}; do
+        extra=()
+        [[ $s == S1 ]] && extra=(--trace "$OUT/mixtral-2layer-S1.json.gz" --trace-steps all)
+        tg execute scenarios/mixtral-2layer.yaml --device cuda --schedule "$s" --json \
+            "${extra[@]}" > "$OUT/execute-$s.json"
+        python3 - "$OUT/execute-$s.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(s["schedule"], "tokens_match", s["tokens_match"], "max_abs_err", s["max_abs_err"],
+      "decode_layer_ms", s["decode_layer_ms"], "hrm_layer_ms", s["hrm_layer_ms"],
+      "prefill_s", s["prefill_s"], "wall_s", s["wall_s"], s["warnings"])
+EOF
+    done
+fi
+
+if [[ $STEPS == *validate* ]]; then
+    echo "== this machine's profile, and the model against it"
+    tg calibrate scenarios/small.yaml --device cuda --out "$OUT/cuda-profile.yaml"
+    tg validate scenarios/small.yaml --device cuda --set hardware="$OUT/cuda-profile.yaml" \
+        --repeats 2 --json > "$OUT/validate-small.json" && tg validate scenarios/small.yaml \
+        --device cuda --set hardware="$OUT/cuda-profile.yaml" --repeats 1 --mu 2
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --mu 2 --repeats 1 \
+        --set hardware="$OUT/cuda-profile.yaml" --json > "$OUT/validate-mixtral.json" \
+        && python3 -c "import json,sys; [print(p['schedule'], p['error']) for p in json.load(open(sys.argv[1]))['pairs']]" "$OUT/validate-mixtral.json"
+fi
