@@ -21,6 +21,7 @@ interrupted run still leaves a trace.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -28,8 +29,11 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
+import torch.profiler
 
+from taskgraph.builder import TaskKey
 from taskgraph.compiled import KIND_NAMES, Program
+from taskgraph.exec.profiling import ORIGIN
 from taskgraph.exec.runtime import Runtime
 from taskgraph.sim.engine import SimRun
 
@@ -114,16 +118,17 @@ class CudaDevice:
 
 def execute(program: Program, runtime: Runtime, device: Device | None = None,
             delay: Callable[[int], float] | None = None,
-            progress: Callable[[int], None] | None = None) -> SimRun:
+            progress: Callable[[int], None] | None = None, annotate: bool = False) -> SimRun:
     """Run every task of `program` for real on `device` (default: the CPU backend). Times come
     from events recorded on each task's own stream (device tasks) and a monotonic clock aligned to
     the same origin (host tasks). `delay(task_id)` seconds are slept before a task starts (to
     shake out races in tests); `progress(segment)` is called as the first stream enters each
-    segment."""
+    segment. `annotate` marks the clock's origin and every task for the PyTorch profiler
+    (:mod:`taskgraph.exec.profiling`)."""
     if device is None:
         device = HostDevice()
     if not isinstance(device, HostDevice):
-        return _execute(program, runtime, device, delay, progress)
+        return _execute(program, runtime, device, delay, progress, annotate)
     # On the CPU backend every stream has its own thread, and one intra-op thread per op is
     # fastest in both modes. Measured on small.yaml (2 cores), against transformers' own speed
     # in the same run: emulating S1 mu=4 0.57x with one thread per stream, 0.51x with the
@@ -132,12 +137,20 @@ def execute(program: Program, runtime: Runtime, device: Device | None = None,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _execute(program, runtime, device, delay, progress)
+        return _execute(program, runtime, device, delay, progress, annotate)
     finally:
         torch.set_num_threads(threads)
 
 
-def _execute(program: Program, runtime: Runtime, device: Device, delay, progress) -> SimRun:
+def _task_marks(program: Program) -> Callable[[int], str]:
+    """Task id -> its name (``PostAttn[s1,L0,m1]``), for the profiler's marks."""
+    kinds, layers, index = (program.column(c) for c in ("kind", "layer", "index"))
+    return lambda gid: TaskKey(int(program.step[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
+                               int(index[gid])).name
+
+
+def _execute(program: Program, runtime: Runtime, device: Device, delay, progress,
+             annotate: bool) -> SimRun:
     total = program.total
     streams = program.streams
     queues = {s: device.stream(s) for s in streams if s not in HOST_STREAMS}
@@ -152,12 +165,19 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     layers, index = program.column("layer"), program.column("index")
     on_device = np.array([s not in HOST_STREAMS for s in streams])[program.column("stream")]
 
+    if annotate:
+        # The profiler's clock is not this one: a mark at the origin ties the two. The first
+        # mark pays the profiler's set-up, so it is not the one that counts.
+        with torch.profiler.record_function("tg warm-up"):
+            pass
     origin = device.event()
     first = next(iter(queues.values()), None)
     device.finish()
     if first is not None:
         device.record(origin, first)
-    t0 = time.perf_counter()
+    with torch.profiler.record_function(ORIGIN) if annotate else contextlib.nullcontext():
+        t0 = time.perf_counter()
+    mark = _task_marks(program) if annotate else None
 
     def run_stream(sid: int) -> None:
         name = streams[sid]
@@ -184,14 +204,18 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
                         time.sleep(delay(gid))
                     args = (int(steps[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
                             int(index[gid]))
+                    scope = (torch.profiler.record_function(f"{name}: {mark(gid)}") if mark
+                             else contextlib.nullcontext())
                     if queue is None:
                         host_start[gid] = time.perf_counter() - t0
-                        runtime.run(*args)
+                        with scope:
+                            runtime.run(*args)
                         host_end[gid] = time.perf_counter() - t0
                     else:
                         begin_ev[gid], done_ev[gid] = device.event(), device.event()
                         device.record(begin_ev[gid], queue)
-                        device.launch(queue, functools.partial(runtime.run, *args))
+                        with scope:
+                            device.launch(queue, functools.partial(runtime.run, *args))
                         device.record(done_ev[gid], queue)
                     recorded[gid].set()
         except BaseException as err:          # noqa: BLE001 - reported after the run

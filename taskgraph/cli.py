@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                    "and optional id, max_new_tokens (default: synthetic prompts)")
     c.add_argument("--out", metavar="FILE.jsonl", help="write each request's generated tokens "
                    "here (with --prompts)")
+    c.add_argument("--profile", action="store_true", help="run under the PyTorch profiler and "
+                   "put the ops (on CUDA also kernels and copies) in the trace, on tracks beside "
+                   "the tasks; needs --trace")
     c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
                    "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
                    "(default: real copies, as a GPU machine would make them)")
@@ -330,6 +333,9 @@ def _execute(args: argparse.Namespace) -> int:
         raise TgError(f"--steps must be at least 1, not {args.steps}.")
     if args.out and not args.prompts:
         raise TgError("--out writes the tokens generated for --prompts; give a prompts file.")
+    if args.profile and not args.trace:
+        raise TgError("--profile puts the PyTorch profiler's ops in the trace; give --trace "
+                      "PATH.")
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"workload.gen_len={args.steps}")
@@ -337,7 +343,8 @@ def _execute(args: argparse.Namespace) -> int:
     scenario = _load(args)
     with _progress(not args.json, "executing") as tick:
         ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
-                              prompts_path=args.prompts, zero_copy=args.zero_copy)
+                              prompts_path=args.prompts, zero_copy=args.zero_copy,
+                              profile=args.profile)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
     _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])

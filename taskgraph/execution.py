@@ -7,6 +7,7 @@ This is the library entry point behind `tg execute`. It needs PyTorch.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,11 +23,17 @@ from taskgraph.specs import ModelSpec, Scenario
 from taskgraph.trace import TraceRun
 
 
+@dataclass
 class Execution(Simulation):
-    """An executed run: the same fields as a simulated one, traced as "measured"."""
+    """An executed run: the same fields as a simulated one, traced as "measured", with what the
+    PyTorch profiler saw inside it when it ran under ``--profile``."""
+
+    ops: list = field(default_factory=list)
 
     def trace_run(self, label: str = "measured") -> TraceRun:
-        return super().trace_run(label)
+        run = super().trace_run(label)
+        run.ops = self.ops
+        return run
 
 
 def _torch():
@@ -184,9 +191,10 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      weights_path: str | None = None, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None,
                      prompts_path: str | None = None, zero_copy: bool = False,
-                     check: bool = True) -> Execution:
+                     check: bool = True, profile: bool = False) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
-    (unless `check` is False: calibration runs only want the timings). With
+    (unless `check` is False: calibration runs only want the timings). `profile` runs it under
+    the PyTorch profiler and keeps the ops it saw (:mod:`taskgraph.exec.profiling`). With
     `prompts_path`, run those requests (see :mod:`taskgraph.exec.prompts`) and put what each
     generated in ``summary["outputs"]``. `zero_copy` (CPU only) makes every transfer a no-op
     over shared buffers (:class:`taskgraph.exec.runtime.Runtime`)."""
@@ -236,8 +244,18 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda",
                       prompt_lens=lens, zero_copy=zero_copy)
     total = len(program.seg_template)
-    run = execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
-                  progress=(lambda d: progress(d, total)) if progress else None)
+    def run_it(annotate: bool = False):
+        return execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
+                       progress=(lambda d: progress(d, total)) if progress else None,
+                       annotate=annotate)
+
+    ops: list = []
+    if profile:
+        from taskgraph.exec.profiling import profile_run
+
+        run, ops = profile_run(lambda: run_it(annotate=True), cuda=dev == "cuda")
+    else:
+        run = run_it()
     summary = summarize(run, memory)
     # The hardware limit describes the modelled machine, not the one this ran on.
     del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
@@ -263,5 +281,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if requests is not None:
         summary["requests"] = len(requests)
     summary["warnings"] = warnings
+    if profile:
+        summary["profiled_ops"] = len(ops)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(plan, program, memory, run, summary)
+    return Execution(plan, program, memory, run, summary, ops)

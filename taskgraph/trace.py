@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -38,6 +38,8 @@ _STREAM_INFO = {
     "d2h": ("PCIe GPU->CPU", "gpu_memcpy"),
     "pin": ("CPU pinned staging copy", "cpu_memcpy"),
 }
+#: stream -> the name of its track.
+STREAM_TRACKS = {stream: track for stream, (track, _) in _STREAM_INFO.items()}
 _FLOW_ID_STRIDE = 1_000_000_000   # keeps flow ids of different runs disjoint
 
 
@@ -50,6 +52,9 @@ class TraceRun:
     start: np.ndarray
     end: np.ndarray
     offset_s: float = 0.0  # shift applied to this run's times (to align runs)
+    # What the PyTorch profiler saw inside the run (taskgraph.exec.profiling.ProfiledOp: a
+    # track, a name, a category, ns on the run's clock), drawn on tracks of their own.
+    ops: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,7 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any
     step = prog.step
     flops, nbytes, _ = prog.work()
     yield from _slices(prog, k, ids, start_ns, end_ns, cols, flops, nbytes)
+    yield from _profiled(run, k, len(streams), int(end_ns[ids].max()) if len(ids) else 0)
     yield from _flows(prog, ids, shown, start_ns, end_ns, cols["stream"], k)
     yield from _counters(run, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan)
 
@@ -193,6 +199,25 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes) -
         yield (f'{head[kind_i, sid]}{t0 / 1000!r},"dur":{(t1 - t0) / 1000!r},"args":{{'
                f'"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
                f'"layer":{layer},"{idx_keys[kind_i]}":{index},"bytes":{nb},{work}}}}}')
+
+
+def _profiled(run: TraceRun, k: int, first: int, until_ns: int) -> Iterator[dict[str, Any]]:
+    """The profiler's ops that start before the last drawn task ends, one track per host thread
+    or CUDA stream, after the run's streams."""
+    pid = _pid(k)
+    tids: dict[str, int] = {}
+    offset = round(run.offset_s * 1e9)
+    for op in run.ops:
+        if op.start_ns + offset >= until_ns:
+            continue
+        if op.track not in tids:
+            tids[op.track] = tid = _tid(k, first + len(tids))
+            yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                   "args": {"name": f"torch: {op.track}"}}
+            yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                   "args": {"sort_index": first + len(tids) - 1}}
+        yield {"ph": "X", "name": op.name, "cat": op.cat, "pid": pid, "tid": tids[op.track],
+               "ts": _us(op.start_ns + offset), "dur": _us(op.end_ns - op.start_ns), "args": {}}
 
 
 def _flows(prog: Program, ids, shown, start_ns, end_ns, stream, k) -> Iterator[str]:

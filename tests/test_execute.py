@@ -192,3 +192,45 @@ def test_a_model_too_big_for_this_machine_gets_a_clear_error(capsys, monkeypatch
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     assert main(["execute", "scenarios/t4.yaml", "--device", "cpu"]) == 2
     assert "CPU backend keeps the whole run in this machine's memory" in capsys.readouterr().err
+
+
+def test_profiled_ops_sit_inside_their_tasks(tmp_path):
+    """`tg execute --profile`: the PyTorch profiler's marks of each task line up with the task's
+    slice on the same clock, and every aten op of a stream thread lies inside one of its marks."""
+    from taskgraph.cli import main
+    from taskgraph.trace import STREAM_TRACKS
+    from taskgraph.tracecheck import check_trace, load_trace
+
+    trace = tmp_path / "p.json"
+    assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--profile",
+                 "--trace", str(trace), "--trace-steps", "all", "--json"]) == 0
+    doc = load_trace(trace)
+    assert check_trace(doc) == []
+    events = doc["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("name") == "thread_name"}
+    slices = [e for e in events if e.get("ph") == "X"]
+    tasks = {(names[e["pid"], e["tid"]], e["args"]["task"]): e for e in slices
+             if "task" in e.get("args", {})}
+    marks = [e for e in slices if e.get("cat") == "user_annotation"]
+    ops = [e for e in slices if e.get("cat") == "cpu_op"
+           and names[e["pid"], e["tid"]].startswith("torch: ")]
+    assert len(marks) == len(tasks) and len(ops) > len(marks)
+    tol = 50.0      # µs: the profiler's clock is placed by one mark at the run's origin
+    for m in marks:
+        stream, task = m["name"].split(": ", 1)
+        t = tasks[STREAM_TRACKS[stream], task]
+        assert t["ts"] - tol <= m["ts"] and m["ts"] + m["dur"] <= t["ts"] + t["dur"] + tol, m
+    by_track: dict = {}
+    for m in marks:
+        by_track.setdefault(m["tid"], []).append((m["ts"], m["ts"] + m["dur"]))
+    for op in ops:
+        spans = by_track.get(op["tid"], [])
+        assert any(a <= op["ts"] and op["ts"] + op["dur"] <= b for a, b in spans), op
+
+
+def test_profile_needs_a_trace(capsys):
+    from taskgraph.cli import main
+
+    assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--profile"]) == 2
+    assert "--profile" in capsys.readouterr().err
