@@ -106,7 +106,7 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         # staged by the driver on the CPU, and while such a copy is in flight other threads'
         # launches wait for it: on an H100 GPU tasks stretched from 1 ms to 400 ms. The link's
         # pageable rate prices those copies; the other kinds are fitted from runs without them
-        # where such runs have them.
+        # where such runs have them (FIT_RUNS lists S1, which stages, first).
         pageable = device == "cuda" and not SCHEDULES[schedule].staging
         for k in np.unique(kinds):
             if pageable and (KIND_NAMES[k] == "D3" or KIND_NAMES[k] in staged):

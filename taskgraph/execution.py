@@ -177,7 +177,8 @@ _last_weights: dict[tuple, Any] = {}
 
 def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
     """Random weights, kept for the next run of the same model: validate and calibrate execute
-    one model many times, and a Mixtral layer takes seconds to draw."""
+    one model many times, and a Mixtral layer takes seconds to draw. The last model's weights
+    stay in memory until another model is drawn."""
     from taskgraph.kernels.weights import synthetic_weights
 
     key = (m.model_dump_json(), seed, dtype)
