@@ -116,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, metavar="DIR", help="folder for the fitted profiles, "
                    "report.json, cells.csv and parity.png")
     c.add_argument("--no-loo", action="store_true", help="skip leave-one-out refits")
+    _backend_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_fit)
 
@@ -129,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=3,
                    help="executions per pair; the median run is kept (default 3)")
     c.add_argument("--plot", metavar="PNG", help="write the parity plot here")
+    _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -139,12 +141,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--brute-force", action="store_true",
                    help="also simulate a whole coarse grid and report what trusting the "
                         "predicted pick costs against the best simulated policy")
+    _backend_args(c, "the simulations of --verify and --brute-force")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("sweep", _sweep, "re-run the policy search across hardware or workload values")
     c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="a scenario field and its values (repeatable; the first is the x axis)")
     c.add_argument("--out", required=True, help="output folder for sweep.csv and sweep.png")
+    _backend_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("batch", _batch, "pack a scenario's request list into batches of "
@@ -163,6 +167,14 @@ def _parser() -> argparse.ArgumentParser:
                         "middle decode step)")
     c.add_argument("--out", required=True, help="output file: .json or .dot")
     return p
+
+
+def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
+    c.add_argument("--backend", choices=["pool", "ray"], default="pool",
+                   help=f"where {what} run: this machine's cores (pool, the default) or Ray")
+    c.add_argument("--ray-address", metavar="ADDRESS", help="the Ray cluster to join: 'auto' "
+                   "(the cluster this node belongs to, after `ray start`) or ray://HOST:10001 "
+                   "(default: a local Ray started for this run)")
 
 
 def _trace_args(c: argparse.ArgumentParser) -> None:
@@ -407,11 +419,10 @@ def _fit(args: argparse.Namespace) -> int:
     from taskgraph.fit import run_fit, write_fit
     from taskgraph.measurements import load_measurements
 
+    backend = _backend(args)
     source, cells = load_measurements(args.measurements)
-    steps = ["datasheet", "fit"] + [f"leave out {c.id}" for c in cells]
-    with _progress(not args.json, "fitting") as tick:
-        report = run_fit(source, cells, loo=not args.no_loo, progress=lambda what: tick and tick(
-            steps.index(what) + 1, len(steps) if not args.no_loo else 2))
+    with _progress(not args.json, "fitting", "steps") as tick:
+        report = run_fit(source, cells, loo=not args.no_loo, progress=tick, backend=backend)
     files = write_fit(report, args.out, datetime.date.today().isoformat())
     out = {**report.to_json(), "files": [str(f) for f in files]}
 
@@ -453,7 +464,8 @@ def _validate(args: argparse.Namespace) -> int:
     if not pairs:
         raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")
     with _progress(not args.json, "validating") as tick:
-        results = validate(pairs, args.repeats, device=device, progress=tick)
+        results = validate(pairs, args.repeats, device=device, progress=tick,
+                           backend=_backend(args))
     accuracy = summary(results)
     if args.trace:
         _write_trace(args, [run for r in results for run in r.traces],
@@ -477,17 +489,18 @@ def _search(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise TgError(f"--top must be at least 1, not {args.top}.")
+    backend = _backend(args)
     scenario = load_scenario(args.scenario, args.overrides)
     result = search(scenario, top=args.top)
     if args.verify or args.brute_force:
-        with _progress(not args.json, "verifying") as tick:
-            verify(scenario, result, progress=tick)
+        with _progress(not args.json, "verifying", "jobs") as tick:
+            verify(scenario, result, backend, progress=tick)
     limit = hardware_limit_tok_s(scenario)
     out = result.to_json()
     grid = []
     if args.brute_force:
-        with _progress(not args.json, "brute force") as tick:
-            grid = brute_force(scenario, progress=tick)
+        with _progress(not args.json, "brute force", "jobs") as tick:
+            grid = brute_force(scenario, backend=backend, progress=tick)
         out["brute_force"] = brute_force_summary(result, grid)
     out["hardware_limit_tok_s"] = round(limit, 3)
     best = result.best
@@ -505,16 +518,16 @@ def _search(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from taskgraph.scenario import load_scenario
-    from taskgraph.sweep import check_jobs, parse_vary, run_sweep, sweep_jobs, write_sweep
+    from taskgraph.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
 
+    backend = _backend(args)
     vary = parse_vary(args.vary)
     if len(vary) > 2:
         raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
     load_scenario(args.scenario, args.overrides)          # fail fast on a bad scenario
     jobs = sweep_jobs(args.scenario, args.overrides, vary)
-    check_jobs(jobs)
-    with _progress(not args.json, "sweeping") as tick:
-        rows = run_sweep(jobs, progress=tick)
+    with _progress(not args.json, "sweeping", "jobs") as tick:
+        rows = run_sweep(jobs, backend, progress=tick)
     failed = [r for r in rows if r["error"]]
     if len(failed) == len(rows):
         raise TgError(f"Every point of the sweep failed; the first: {failed[0]['error']}")
@@ -596,6 +609,16 @@ def _load(args: argparse.Namespace):
                          f"A_g={p['A_g']} r_w={p['r_w']:g} r_c={p['r_c']:g} (best of "
                          f"{found.evaluated:,} by HRM, {found.wall_s:.1f} s)")
     return scenario
+
+
+def _backend(args: argparse.Namespace):
+    """The --backend the command line asks for; Ray's absence is found before any work."""
+    from taskgraph.jobs import Backend, require_ray
+
+    backend = Backend(args.backend, args.ray_address)
+    if backend.kind == "ray":
+        require_ray()
+    return backend
 
 
 def _tables():
@@ -708,13 +731,14 @@ def _interrupted(summary: dict[str, Any]) -> int:
 
 
 @contextmanager
-def _progress(show: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+def _progress(show: bool, label: str, unit: str = "segments"
+              ) -> Iterator[Callable[[int, int], None] | None]:
     """A rich progress bar on stderr, only for humans at a terminal."""
     if not (show and sys.stderr.isatty()):
         yield None
         return
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TextColumn("segments"), TimeElapsedColumn(),
+                        MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
                         console=_console(), transient=True)
     task = progress.add_task(label, total=None)
 

@@ -12,6 +12,10 @@ enough to call thousands of times, drives the inner loop; each outer round simul
 and corrects the predictor by its ratio to the simulation, so the fit converges on what the
 simulator says. The reported numbers are simulations. Leave-one-out: refit without a cell, then
 simulate it.
+
+The simulations of a round, and the leave-one-out refits, are independent jobs
+(:func:`taskgraph.jobs.run_jobs`): on this machine's cores by default, or on a Ray cluster. Each
+job is deterministic, so the backend never changes the numbers.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
+from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.measurements import Cell
 
 
@@ -119,6 +124,21 @@ def simulated_tok_s(cell: Cell, machines, impls) -> float:
     return float(simulate_scenario(_scenario(cell, machines, impls)).summary["throughput_tok_s"])
 
 
+@dataclass(frozen=True)
+class _Simulate:
+    cell: Cell
+    machines: dict[str, Any]
+    impls: dict[str, Any]
+
+    def run(self) -> float:
+        return simulated_tok_s(self.cell, self.machines, self.impls)
+
+
+def simulate_cells(cells: list[Cell], machines, impls, backend: Backend = LOCAL) -> np.ndarray:
+    """Every cell simulated on the given profiles, in cell order."""
+    return np.array(run_jobs([_Simulate(c, machines, impls) for c in cells], backend))
+
+
 @dataclass
 class FitResult:
     values: np.ndarray
@@ -128,8 +148,7 @@ class FitResult:
 
 
 def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
-        corrections: np.ndarray | None = None,
-        simulate: Callable[[Cell, Any, Any], float] = simulated_tok_s) -> FitResult:
+        corrections: np.ndarray | None = None, backend: Backend = LOCAL) -> FitResult:
     """Least squares on log(simulated / measured) over `cells`. The predictor drives the inner
     loop, multiplied by `corrections` (its ratio to the simulation per cell); each of `rounds`
     outer rounds simulates every cell at the new values and updates them. With ``rounds=0`` the
@@ -168,8 +187,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
             break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
-        sim = np.array([simulate(c, machines, impls) for c in cells])
-        corrections = sim / pred
+        corrections = simulate_cells(cells, machines, impls, backend) / pred
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
     return FitResult(np.exp(x), converged, message, corrections)
@@ -253,39 +271,58 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
     return out
 
 
-def run_fit(source: str, cells: list[Cell], progress: Callable[[str], None] | None = None,
-            loo: bool = True) -> FitReport:
+def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None] | None = None,
+            loo: bool = True, backend: Backend = LOCAL) -> FitReport:
     """Fit on every cell, report each cell's simulation, its leave-one-out prediction and what
-    the unfitted presets simulated."""
-    say = progress or (lambda what: None)
+    the unfitted presets simulated. `progress(done, total)`: the datasheet simulations, the
+    fit, then each leave-one-out refit as it finishes."""
+    total = 2 + (len(cells) if loo else 0)
+    tick = progress or (lambda done, total: None)
     params = free_parameters(cells)
     reports = [CellReport(c) for c in cells]
-    say("datasheet")
     machines, impls = datasheet_profiles(params)
-    for r in reports:
-        r.datasheet = simulated_tok_s(r.cell, machines, impls)
-    say("fit")
-    result = fit(cells, params)
+    for r, tok_s in zip(reports, simulate_cells(cells, machines, impls, backend)):
+        r.datasheet = float(tok_s)
+    tick(1, total)
+    result = fit(cells, params, backend=backend)
     if not result.converged:
         raise TgError(f"The fit did not converge ({result.message}); nothing was written.")
     machines, impls = profiles(params, result.values)
-    for r in reports:
-        r.simulated = simulated_tok_s(r.cell, machines, impls)
+    for r, tok_s in zip(reports, simulate_cells(cells, machines, impls, backend)):
+        r.simulated = float(tok_s)
+    tick(2, total)
     report = FitReport(source, params, result.values, reports)
     if loo:
-        for i, r in enumerate(reports):
-            say(f"leave out {r.cell.id}")
-            rest = cells[:i] + cells[i + 1:]
-            rest_params = free_parameters(rest)
-            sub = fit(rest, rest_params, rounds=0,
-                      corrections=np.delete(result.corrections, i))
-            # a parameter the other cells do not touch keeps the full fit's value
-            values = [dict(zip((p.name for p in rest_params), sub.values)).get(p.name, v)
-                      for p, v in zip(params, result.values)]
-            report.loo_values.append(np.array(values))
-            machines, impls = profiles(params, np.array(values))
-            r.loo = simulated_tok_s(r.cell, machines, impls)
+        jobs = [_LeaveOneOut(tuple(cells), i, tuple(params), tuple(result.values),
+                             tuple(result.corrections)) for i in range(len(cells))]
+        done = run_jobs(jobs, backend, lambda k, n: tick(2 + k, total))
+        for r, (values, tok_s) in zip(reports, done):
+            report.loo_values.append(values)
+            r.loo = tok_s
     return report
+
+
+@dataclass(frozen=True)
+class _LeaveOneOut:
+    """Refit without cell `i` (the predictor with the full fit's corrections), then simulate
+    it at the values found."""
+
+    cells: tuple[Cell, ...]
+    i: int
+    params: tuple[Param, ...]
+    values: tuple[float, ...]           # the full fit's
+    corrections: tuple[float, ...]      # the full fit's, per cell
+
+    def run(self) -> tuple[np.ndarray, float]:
+        rest = list(self.cells[:self.i] + self.cells[self.i + 1:])
+        rest_params = free_parameters(rest)
+        sub = fit(rest, rest_params, rounds=0,
+                  corrections=np.delete(np.array(self.corrections), self.i))
+        # a parameter the other cells do not touch keeps the full fit's value
+        found = dict(zip((p.name for p in rest_params), sub.values))
+        values = np.array([found.get(p.name, v) for p, v in zip(self.params, self.values)])
+        machines, impls = profiles(list(self.params), values)
+        return values, simulated_tok_s(self.cells[self.i], machines, impls)
 
 
 def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:

@@ -7,17 +7,16 @@ throughput (:mod:`taskgraph.predict`). Attention placement picks the schedule: C
 the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4. The MoE FFN
 stays on the GPU (F_g = 1): no schedule here runs it on the CPU.
 
-Work is cut into independent, picklable jobs (:class:`GridJob`) and spread over every local core
-with a process pool; the same jobs could be mapped by Ray or any other engine unchanged.
+Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`SimJob`) for
+:func:`taskgraph.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
+``--verify`` and ``--brute-force`` there or on a Ray cluster.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ import numpy as np
 from taskgraph.builder import build_segment, make_plan
 from taskgraph.cost import CostModel, cost_model
 from taskgraph.errors import ScheduleError, TgError
+from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.memory import GB, memory_items
 from taskgraph.predict import predict_micro_batches
 from taskgraph.schedules import RESOURCES, SCHEDULES, Schedule
@@ -138,7 +138,8 @@ def evaluate(scenario: Scenario, grid: Grid = Grid(), workers: int | None = None
     """Every feasible policy of the grid with its prediction, best first, and how many policies
     were enumerated."""
     found, considered = [], 0
-    for cands, n in run_jobs(grid_jobs(scenario, grid, workers or os.cpu_count() or 1), workers):
+    jobs = grid_jobs(scenario, grid, workers or os.cpu_count() or 1)
+    for cands, n in run_jobs(jobs, Backend(workers=workers)):
         found += cands
         considered += n
     found.sort(key=_rank)
@@ -160,12 +161,12 @@ def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | No
     return result.best.scenario(scenario), result
 
 
-def verify(scenario: Scenario, result: SearchResult, workers: int | None = None,
+def verify(scenario: Scenario, result: SearchResult, backend: Backend = LOCAL,
            progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Simulate each of the top candidates and re-rank them by simulated throughput."""
     t0 = time.perf_counter()
     jobs = [SimJob(c.scenario(scenario)) for c in result.top]
-    for c, summary in zip(result.top, run_jobs(jobs, workers, progress)):
+    for c, summary in zip(result.top, run_jobs(jobs, backend, progress)):
         c.simulated_tok_s = summary["throughput_tok_s"]
         c.simulated_layer_ms = summary["decode_layer_ms"]
     result.top.sort(key=lambda c: -(c.simulated_tok_s or 0.0))
@@ -179,12 +180,12 @@ COARSE = Grid(mu=(16, 32, 64, 128, 192, 256), r_w=(0.0, 0.05, 0.1, 0.25, 0.5),
               r_c=(0.0, 0.5, 1.0))
 
 
-def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = None,
+def brute_force(scenario: Scenario, grid: Grid = COARSE, backend: Backend = LOCAL,
                 progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
     """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest,
     three quarters and half the largest batch that fit. Returns the simulated candidates, best
     first."""
-    found, _ = evaluate(scenario, grid, workers)
+    found, _ = evaluate(scenario, grid, backend.workers)
     largest: dict[tuple, list[Candidate]] = {}
     for c in found:
         key = (c.schedule, c.policy["mu"], c.policy["r_w"], c.policy["r_c"])
@@ -196,7 +197,7 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, workers: int | None = N
         chosen += {id(c): c for c in picks}.values()
     chosen = _runnable(scenario, sorted(chosen, key=lambda c: -c.predicted_tok_s), len(chosen))
     jobs = [SimJob(c.scenario(scenario)) for c in chosen]
-    for c, summary in zip(chosen, run_jobs(jobs, workers, progress)):
+    for c, summary in zip(chosen, run_jobs(jobs, backend, progress)):
         c.simulated_tok_s = summary["throughput_tok_s"]
         c.simulated_layer_ms = summary["decode_layer_ms"]
     return sorted(chosen, key=lambda c: -(c.simulated_tok_s or 0.0))
@@ -228,48 +229,6 @@ class SimJob:
         from taskgraph.simulation import simulate_scenario
 
         return simulate_scenario(self.scenario).summary
-
-
-def run_jobs(jobs: list, workers: int | None = None,
-             progress: Callable[[int, int], None] | None = None) -> list:
-    """Run jobs (objects with a ``run()`` method) on every local core, results in job order."""
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
-    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
-    results: list = []
-    try:
-        pending = [pool.submit(_run, job) for job in jobs] if pool else jobs
-        for i, item in enumerate(pending):
-            results.append(_wait(item) if pool else item.run())
-            if progress:
-                progress(i + 1, len(jobs))
-        return results
-    except KeyboardInterrupt:
-        # Stop now: drop what is queued and end the workers rather than wait for every job.
-        if pool:
-            workers_ = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in workers_:
-                proc.terminate()
-            pool = None
-        print(f"tg: interrupted with {len(results)} of {len(jobs)} jobs finished.",
-              file=sys.stderr)
-        raise
-    finally:
-        if pool:
-            pool.shutdown()
-
-
-def _run(job):
-    return job.run()
-
-
-def _wait(future):
-    """A job's result, waking up often: a bare ``result()`` blocks Ctrl-C until it returns."""
-    while True:
-        try:
-            return future.result(timeout=0.25)
-        except TimeoutError:
-            continue
 
 
 def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:

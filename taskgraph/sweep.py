@@ -1,9 +1,9 @@
 """Sweeps: the policy search re-run across hardware or workload values.
 
-A sweep is a list of independent :class:`SweepJob` values: a scenario path, overrides, and the
-point's `--set` values, all plain strings. Each job's ``run()`` returns one plain row. Here the jobs
-run on every local core; any engine that can ship a dataclass and call a method (Ray's
-``ray.remote(lambda j: j.run())``, a batch queue) can run the same list unchanged.
+A sweep is a list of independent :class:`SweepJob` values, each one point's varied settings and
+the scenario they make, loaded (and so checked) before anything runs. Each job's ``run()``
+returns one plain row, and :func:`taskgraph.jobs.run_jobs` runs the list on this machine's cores
+or on a Ray cluster; a job carries its scenario, so no node needs the scenario's files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
+from taskgraph.jobs import LOCAL, Backend, run_jobs
+from taskgraph.specs import Scenario
 
 COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c", "binding",
            "hardware_limit_tok_s", "error")
@@ -23,27 +25,24 @@ COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c"
 
 @dataclass(frozen=True)
 class SweepJob:
-    scenario: str
-    overrides: tuple[str, ...]
     point: tuple[tuple[str, str], ...]        # (key, value) of each varied setting
+    scenario: Scenario
 
     def run(self) -> dict[str, Any]:
         from taskgraph.limits import hardware_limit_tok_s
-        from taskgraph.scenario import load_scenario
         from taskgraph.search import search
 
         row: dict[str, Any] = {k: v for k, v in self.point}
-        sets = list(self.overrides) + [f"{k}={v}" for k, v in self.point]
         try:
-            scenario = load_scenario(self.scenario, sets)
-            result = search(scenario, top=1, workers=1)
+            result = search(self.scenario, top=1, workers=1)
         except TgError as err:
             return {**row, **{c: "" for c in COLUMNS}, "throughput_tok_s": 0.0,
                     "error": str(err)}
         best = result.best
         return {**row, "throughput_tok_s": round(best.predicted_tok_s, 3),
                 "schedule": best.schedule, **best.policy, "binding": result.binding,
-                "hardware_limit_tok_s": round(hardware_limit_tok_s(scenario), 3), "error": ""}
+                "hardware_limit_tok_s": round(hardware_limit_tok_s(self.scenario), 3),
+                "error": ""}
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -64,30 +63,26 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
 
 def sweep_jobs(scenario: str, overrides: list[str], vary: list[tuple[str, list[str]]]
                ) -> list[SweepJob]:
-    keys = [k for k, _ in vary]
-    return [SweepJob(scenario, tuple(overrides), tuple(zip(keys, combo)))
-            for combo in itertools.product(*(vals for _, vals in vary))]
-
-
-def check_jobs(jobs: list[SweepJob]) -> None:
-    """Every point must be a valid scenario before any runs: a typo in a value is an error,
-    not a row of the CSV."""
+    """One job per point of the grid. Every point must be a valid scenario before any runs: a
+    typo in a value is an error, not a row of the CSV."""
     from taskgraph.scenario import load_scenario
 
-    for job in jobs:
-        sets = list(job.overrides) + [f"{k}={v}" for k, v in job.point]
+    keys = [k for k, _ in vary]
+    jobs = []
+    for combo in itertools.product(*(vals for _, vals in vary)):
+        point = tuple(zip(keys, combo))
         try:
-            load_scenario(job.scenario, sets)
+            loaded = load_scenario(scenario, list(overrides) + [f"{k}={v}" for k, v in point])
         except TgError as err:
-            point = ", ".join(f"{k}={v}" for k, v in job.point)
-            raise TgError(f"The sweep point {point} is not a valid scenario: {err}") from None
+            where = ", ".join(f"{k}={v}" for k, v in point)
+            raise TgError(f"The sweep point {where} is not a valid scenario: {err}") from None
+        jobs.append(SweepJob(point, loaded))
+    return jobs
 
 
-def run_sweep(jobs: list[SweepJob], workers: int | None = None,
+def run_sweep(jobs: list[SweepJob], backend: Backend = LOCAL,
               progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    from taskgraph.search import run_jobs
-
-    return list(run_jobs(jobs, workers, progress))
+    return run_jobs(jobs, backend, progress)
 
 
 def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],

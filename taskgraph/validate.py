@@ -6,7 +6,8 @@ latency is kept: single runs on a shared machine move by ~10%) and simulated wit
 hardware profile, normally one `tg calibrate` wrote for this machine. The executions go in rounds,
 every pair once per round, so that a machine whose speed drifts during validation shifts every
 pair alike rather than whichever ran last. The spread of a pair's repeats says which differences
-between schedules the measurement resolves at all.
+between schedules the measurement resolves at all. Executions measure this machine, so they run
+here; the simulations are jobs for any backend (:mod:`taskgraph.jobs`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.compiled import KIND_NAMES
+from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.specs import Scenario
 from taskgraph.trace import TraceRun
 
@@ -75,8 +77,14 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
 
 
 def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
-             progress: Callable[[int, int], None] | None = None) -> list[PairResult]:
+             progress: Callable[[int, int], None] | None = None,
+             backend: Backend = LOCAL) -> list[PairResult]:
     """Execute every pair `repeats` times in interleaved rounds, simulate each once."""
+    if backend.kind == "pool":
+        # The pairs are small: a pool would cost more than it saves, and forking once PyTorch
+        # has started its threads is unsafe.
+        backend = Backend(workers=1)
+    sims = run_jobs([_Simulate(sc) for sc in pairs], backend)
     from taskgraph.execution import execute_scenario
 
     runs: list[list] = [[] for _ in pairs]
@@ -85,15 +93,22 @@ def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
             runs[i].append(execute_scenario(sc, sc.schedule, device=device))
             if progress:
                 progress(r * len(pairs) + i + 1, repeats * len(pairs))
-    return [_compare(sc, executions) for sc, executions in zip(pairs, runs)]
+    return [_compare(sc, executions, sim) for sc, executions, sim in zip(pairs, runs, sims)]
 
 
-def _compare(sc: Scenario, executions: list) -> PairResult:
-    from taskgraph.simulation import simulate_scenario
+@dataclass(frozen=True)
+class _Simulate:
+    scenario: Scenario
 
+    def run(self):
+        from taskgraph.simulation import simulate_scenario
+
+        return simulate_scenario(self.scenario, self.scenario.schedule)
+
+
+def _compare(sc: Scenario, executions: list, sim) -> PairResult:
     executions = sorted(executions, key=lambda ex: ex.summary["decode_layer_ms"])
     ex = executions[len(executions) // 2]
-    sim = simulate_scenario(sc, sc.schedule)
     kinds = ex.program.column("kind")
     per_kind = {}
     for k in np.unique(kinds):

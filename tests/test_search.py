@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from taskgraph.builder import make_plan
 from taskgraph.cli import main
 from taskgraph.errors import TgError
+from taskgraph.jobs import Backend
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.predict import predict
@@ -110,7 +111,7 @@ def test_infeasible_scenario_says_what_is_short():
 
 def test_verify_simulates_and_reranks():
     sc = tiny(workload={"gen_len": 2})
-    result = verify(sc, search(sc, top=3, grid=SMALL, workers=1), workers=1)
+    result = verify(sc, search(sc, top=3, grid=SMALL, workers=1), Backend(workers=1))
     assert result.verified
     sims = [c.simulated_tok_s for c in result.top]
     assert sims == sorted(sims, reverse=True) and result.best.simulated_tok_s == sims[0]
@@ -206,11 +207,11 @@ def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
 
     sc = tiny(workload={"gen_len": 2})
     grid = Grid(mu=(1, 2), r_w=(0.0, 0.5), r_c=(0.0,), max_micro_batches=4)
-    simulated = brute_force(sc, grid, workers=1)
+    simulated = brute_force(sc, grid, Backend(workers=1))
     assert simulated and all(c.simulated_tok_s > 0 for c in simulated)
     sims = [c.simulated_tok_s for c in simulated]
     assert sims == sorted(sims, reverse=True)
-    result = verify(sc, search(sc, top=1, grid=grid, workers=1), workers=1)
+    result = verify(sc, search(sc, top=1, grid=grid, workers=1), Backend(workers=1))
     report = brute_force_summary(result, simulated)
     # the loss compares HRM's pick, simulated, with the best simulated policy of the grid
     assert report["loss_vs_best"] == pytest.approx(

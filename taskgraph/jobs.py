@@ -1,0 +1,181 @@
+"""Independent jobs, run on this machine's cores or on a Ray cluster.
+
+A job is any picklable object with a ``run()`` method that returns a picklable result: a sweep
+point, a policy to simulate, a leave-one-out refit. :func:`run_jobs` runs a list of them on a
+:class:`Backend` and returns the results in job order, whatever order they finish in, so a
+backend never changes what a command prints. Progress is reported as jobs finish; Ctrl-C
+cancels what has not finished and re-raises.
+
+The process pool needs nothing beyond the standard library. Ray is an optional extra
+(``pip install -e '.[ray]'``); every node of a cluster needs the same version of tg installed,
+since jobs are this package's own classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from taskgraph.errors import TgError
+
+BACKENDS = ("pool", "ray")
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where jobs run. ``pool``: a process pool of `workers` on this machine (all cores by
+    default; 1 runs in this process). ``ray``: Ray tasks, on the cluster at `address` (``auto``:
+    the cluster this node belongs to, or ``ray://host:10001``), or on a local Ray started for
+    the run and stopped after it when `address` is None."""
+
+    kind: str = "pool"
+    address: str | None = None
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in BACKENDS:
+            raise TgError(f"--backend must be one of {', '.join(BACKENDS)}, not '{self.kind}'.")
+        if self.address is not None and self.kind != "ray":
+            raise TgError("--ray-address names a Ray cluster; it needs --backend ray.")
+
+
+LOCAL = Backend()
+
+
+def run_jobs(jobs: Sequence[Any], backend: Backend = LOCAL,
+             progress: Progress | None = None) -> list[Any]:
+    """Each job's ``run()`` result, in job order."""
+    if not jobs:
+        return []
+    if backend.kind == "ray":
+        return _run_ray(jobs, backend.address, progress)
+    workers = min(backend.workers or os.cpu_count() or 1, len(jobs))
+    if workers == 1:
+        results = []
+        for i, job in enumerate(jobs):
+            results.append(job.run())
+            if progress:
+                progress(i + 1, len(jobs))
+        return results
+    return _run_pool(jobs, workers, progress)
+
+
+def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> list[Any]:
+    pool = ProcessPoolExecutor(max_workers=workers)
+    futures = [pool.submit(_run, job) for job in jobs]
+    index = {f: i for i, f in enumerate(futures)}
+    results: list[Any] = [None] * len(jobs)
+    pending: set[Future] = set(futures)
+    try:
+        while pending:
+            # A bounded wait: an unbounded one would hold Ctrl-C until a job finishes.
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            for f in done:
+                results[index[f]] = f.result()
+            if done and progress:
+                progress(len(jobs) - len(pending), len(jobs))
+        pool.shutdown()
+        return results
+    except BaseException as err:
+        # Stop now: drop what is queued and end the workers rather than wait for every job.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            # SIGKILL: a handler installed before the fork (Ray installs one) can survive SIGTERM.
+            proc.kill()
+        if isinstance(err, KeyboardInterrupt):
+            _say_interrupted(len(jobs) - len(pending), len(jobs))
+        raise
+
+
+def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None) -> list[Any]:
+    ray = require_ray()
+    _check_reachable(address)
+    started = not ray.is_initialized()
+    if started:
+        try:
+            # Workers' log lines would interleave with tg's tables; their errors still arrive
+            # as exceptions from ray.get.
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise TgError(f"--ray-address {address or '(local)'}: could not start or join a "
+                          f"Ray cluster ({err}). For an existing cluster run `ray start --head` "
+                          "on one node and pass --ray-address auto on it.") from None
+    task = ray.remote(_run)
+    refs = [task.remote(job) for job in jobs]
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(jobs)
+    pending = list(refs)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+            for ref in done:
+                results[index[ref]] = _get(ray, ref)
+            if done and progress:
+                progress(len(jobs) - len(pending), len(jobs))
+        return results
+    except BaseException as err:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if isinstance(err, KeyboardInterrupt):
+            _say_interrupted(len(jobs) - len(pending), len(jobs))
+        raise
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _get(ray: Any, ref: Any) -> Any:
+    """A Ray task's result; a job's own error is raised as itself, as the pool raises it."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, ModuleNotFoundError) and "taskgraph" in str(cause):
+            raise TgError("The Ray workers cannot import tg: install the same version of tg "
+                          "(pip install -e '.[ray]') on every node of the cluster.") from None
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
+def _check_reachable(address: str | None) -> None:
+    """A HOST:PORT that nothing answers on fails here in seconds; Ray itself retries for
+    minutes."""
+    if address is None or address == "auto" or address.startswith(("local", "anyscale://")):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise TgError(f"--ray-address '{address}' must be 'auto', HOST:PORT of a Ray head "
+                      "node, or ray://HOST:PORT of its client server.")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise TgError(f"--ray-address {address}: nothing answers there ({err}). Start the "
+                      "cluster with `ray start --head` and pass the address it prints, or "
+                      "--ray-address auto on one of its nodes.") from None
+
+
+def require_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise TgError("--backend ray needs Ray, an optional extra: pip install -e '.[ray]'."
+                      ) from None
+    return ray
+
+
+def _run(job: Any) -> Any:
+    return job.run()
+
+
+def _say_interrupted(done: int, total: int) -> None:
+    print(f"tg: interrupted with {done} of {total} jobs finished; the rest were cancelled.",
+          file=sys.stderr)
