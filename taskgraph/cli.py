@@ -181,7 +181,8 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--gantt", metavar="PNG", help="draw a Gantt chart of two layers of decode "
                    "step 2 (one row per stream) to PNG")
     c.add_argument("--trace", metavar="PATH",
-                   help="write a Perfetto trace (.json or .json.gz) to PATH")
+                   help="write a trace to PATH: Chrome JSON (.json, .json.gz) or Perfetto "
+                   "protobuf (.pftrace); Perfetto opens both")
     c.add_argument("--trace-steps", default="2", metavar="N|all",
                    help="decode steps the trace covers after prefill (default 2; 'all' for the "
                         "whole run)")
@@ -640,7 +641,7 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], Non
 
 
 # Where each command writes, and what it must be: (argument, a folder?, required suffixes).
-_OUTPUTS = {"trace": (False, ()), "gantt": (False, (".png",)), "plot": (False, (".png",)),
+_OUTPUTS = {"trace": (False, (".json", ".json.gz", ".pftrace")), "gantt": (False, (".png",)), "plot": (False, (".png",)),
             "csv": (False, (".csv",))}
 _OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
         "calibrate": (False, (".yaml", ".yml")), "graph": (False, (".json", ".dot")),
@@ -661,8 +662,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if not text.strip():
             raise TgError(f"{flag} is empty; give a path.")
         path = Path(text)
-        if suffixes and not folder and not text.endswith(suffixes):
-            raise TgError(f"{flag} '{text}' must end in {' or '.join(suffixes)}.")
         if path.exists() and path.is_dir() != folder:
             raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
                           f"{'a folder' if folder else 'a file path'}.")
@@ -673,8 +672,16 @@ def _check_outputs(args: argparse.Namespace) -> None:
             if path.exists() and source.exists() and path.resolve() == source.resolve():
                 raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
                               "it. Choose another path.")
+        if suffixes and not folder and not text.endswith(suffixes):
+            endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
+                else suffixes[0]
+            raise TgError(f"{flag} '{text}' must end in {endings}.")
     if getattr(args, "trace", None) is not None:
         _window(args.trace_steps)
+        if args.trace.endswith(".pftrace"):
+            from taskgraph.trace import require_perfetto
+
+            require_perfetto()
 
 
 def _window(text: str):

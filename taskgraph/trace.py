@@ -1,16 +1,19 @@
-"""The one trace writer: runs of a compiled program -> Chrome/Perfetto JSON (SPEC 7).
+"""The one trace writer: runs of a compiled program -> Chrome JSON or Perfetto protobuf (SPEC 7).
 
 Simulated and measured runs of one graph go into one file as separate processes that line up in
 time, one process per run, numbered in the order given ("1. simulated", "2. measured"). Each
 stream is one track, named after its device ("GPU compute", "PCIe CPU->GPU", ...); a stream is
 serial, so its slices never overlap. Perfetto orders processes by slice count and then by name,
 and a process's threads by tid, so run numbers and tids carry the order (GPU, CPU, CPU->GPU,
-GPU->CPU, pinned copy); sort-index metadata is written too, for viewers that read it. Times are integer nanoseconds written as microseconds with three
-decimals, and every ``dur`` is end minus start in those integers, so rounding can never make
-neighbours overlap. Cross-stream dependencies are flow arrows whose ends lie strictly inside their
+GPU->CPU, pinned copy); sort-index metadata is written too, for viewers that read it. Times are
+integer nanoseconds written as microseconds with three decimals, and every ``dur`` is end minus
+start in those integers, so rounding can never make neighbours overlap. Cross-stream dependencies are flow arrows whose ends lie strictly inside their
 slices. Counters show the GPU weight buffer, KV cache sizes and link throughput.
 
-Events are written one by one (gzip when the path ends in ``.gz``), so big traces stream out.
+What is drawn is one stream of events (:func:`_run_events`); two encoders write it: Chrome JSON
+(``.json``, gzip when the path ends in ``.gz``) and Perfetto's native protobuf (``.pftrace``,
+:mod:`taskgraph.pftrace`), so both formats carry the same tracks, slices, flows and counters.
+Events are written in batches as they come, so big traces stream out.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from taskgraph.files import atomic_path
-
 import numpy as np
+
+from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 
 from taskgraph.builder import TaskKey
 from taskgraph.compiled import KIND_NAMES, Program
@@ -71,38 +75,48 @@ class Window:
 
 def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(),
                 metadata: dict[str, Any] | None = None) -> int:
-    """Write `runs` to `path` (``.json`` or ``.json.gz``); returns the number of task slices.
+    """Write `runs` to `path`: Chrome JSON (``.json`` or ``.json.gz``) or Perfetto protobuf
+    (``.pftrace``); returns the number of task slices.
 
     The file appears complete or not at all (:func:`taskgraph.files.atomic_path`)."""
     path = Path(path)
+    encode = _write_proto if path.suffix == ".pftrace" else _write_json
+    if encode is _write_proto:
+        require_perfetto()
     with atomic_path(path) as tmp:
-        return _write(open(tmp, "wb"), path, runs, window, metadata)
+        with open(tmp, "wb") as f:
+            encode(f, path, runs, window, metadata or {})
+    return sum(int((window.mask(run.program) & ~np.isnan(run.end)).sum()) for run in runs)
 
 
-def _write(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
-           metadata: dict[str, Any] | None) -> int:
-    slices = 0
-    with f:
-        # No name and mtime=0 in the gzip header: identical input gives identical bytes. Level
-        # 6, zlib's default: on the full t4 trace 1.2 s for 15 MB, where 9 took 3.8 s for 14 MB.
-        raw = (gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=6)
-               if path.suffix == ".gz" else f)
-        with raw:
-            out = _Writer(raw)
-            out.write_raw('{"traceEvents":[\n')
-            for k, run in enumerate(runs):
-                for event in _run_events(run, k, window):
-                    out.event(event)
-                slices += int((window.mask(run.program) & ~np.isnan(run.end)).sum())
-            out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
-            out.write_raw(json.dumps(metadata or {}, sort_keys=True))
-            out.write_raw("}\n")
-    return slices
+def require_perfetto() -> None:
+    try:
+        import perfetto.trace_builder.proto_builder  # noqa: F401
+    except ImportError:
+        raise TgError("A .pftrace trace needs the perfetto package, an optional extra: pip "
+                      "install -e '.[perfetto]' (or write .json / .json.gz).") from None
+
+
+def _write_json(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
+                metadata: dict[str, Any]) -> None:
+    # No name and mtime=0 in the gzip header: identical input gives identical bytes. Level 6,
+    # zlib's default: on the full t4 trace 1.2 s for 15 MB, where 9 took 3.8 s for 14 MB.
+    raw = (gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=6)
+           if path.suffix == ".gz" else f)
+    with raw:
+        out = _Writer(raw)
+        out.write_raw('{"traceEvents":[\n')
+        for k, run in enumerate(runs):
+            for event in _run_events(run, k, window):
+                out.event(event)
+        out.write_raw('\n],"displayTimeUnit":"ms","otherData":')
+        out.write_raw(json.dumps(metadata, sort_keys=True))
+        out.write_raw("}\n")
 
 
 class _Writer:
-    """Events as compact JSON, joined in batches: a full t4 trace is 1.7 million events, and
-    building an encoder and making a write call per event was most of its writing time."""
+    """Events as compact Chrome JSON, joined in batches: a full t4 trace is 1.7 million events,
+    and building an encoder and making a write call per event was most of its writing time."""
 
     _BATCH = 20_000
 
@@ -115,9 +129,39 @@ class _Writer:
         self.flush()
         self.raw.write(text.encode())
 
-    def event(self, event: dict[str, Any] | str) -> None:
-        """An event, as a mapping or already as its JSON text."""
-        self.pending.append(event if isinstance(event, str) else self.encode(event))
+    def event(self, e: tuple) -> None:
+        what = e[0]
+        if what == "slice":
+            _, pid, tid, name, cat, t0, t1, args, _, _ = e
+            if isinstance(args, str):       # a task: its name is a plain ASCII kind
+                name = f'"{name}"'
+            else:
+                name, args = self.encode(name), self.encode(dict(args))
+            text = (f'{{"ph":"X","name":{name},"cat":"{cat}","pid":{pid},'
+                    f'"tid":{tid},"ts":{t0 / 1000!r},"dur":{(t1 - t0) / 1000!r},"args":{args}}}')
+        elif what == "flow":
+            _, fid, pid, src_tid, s_ns, dst_tid, f_ns = e
+            self.pending.append(f'{{"ph":"s","id":{fid},"name":"dependency","cat":"dependency",'
+                                f'"pid":{pid},"tid":{src_tid},"ts":{s_ns / 1000!r}}}')
+            text = (f'{{"ph":"f","bp":"e","id":{fid},"name":"dependency","cat":"dependency",'
+                    f'"pid":{pid},"tid":{dst_tid},"ts":{f_ns / 1000!r}}}')
+        elif what == "counter":
+            _, pid, name, t, value = e      # names are tg's own plain ASCII; values floats
+            text = (f'{{"ph":"C","name":"{name}","pid":{pid},"ts":{t / 1000!r},'
+                    f'"args":{{"{name}":{float(value)!r}}}}}')
+        elif what == "process":
+            _, pid, name, sort = e
+            text = (self.encode({"ph": "M", "name": "process_name", "pid": pid,
+                                 "args": {"name": name}}) + ",\n"
+                    + self.encode({"ph": "M", "name": "process_sort_index", "pid": pid,
+                                   "args": {"sort_index": sort}}))
+        else:
+            _, pid, tid, name, sort = e
+            text = (self.encode({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                                 "args": {"name": name}}) + ",\n"
+                    + self.encode({"ph": "M", "name": "thread_sort_index", "pid": pid,
+                                   "tid": tid, "args": {"sort_index": sort}}))
+        self.pending.append(text)
         if len(self.pending) >= self._BATCH:
             self.flush()
 
@@ -129,9 +173,15 @@ class _Writer:
             self.pending.clear()
 
 
-def _us(ns: int) -> float:
-    """Integer ns -> µs with at most three decimals (the float's repr is that decimal)."""
-    return ns / 1000
+def _write_proto(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
+                 metadata: dict[str, Any]) -> None:
+    from taskgraph.pftrace import ProtoWriter
+
+    out = ProtoWriter(f)
+    for k, run in enumerate(runs):
+        for event in _run_events(run, k, window):
+            out.event(event)
+    out.close()
 
 
 def _pid(run_index: int) -> int:
@@ -143,19 +193,24 @@ def _tid(run_index: int, stream_index: int) -> int:
     return 100 * (run_index + 1) + stream_index + 1
 
 
-def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any] | str]:
+# --- what is drawn: the events of one run, in the order both encoders write them ------------
+#
+# ("process", pid, name, sort_index)
+# ("thread", pid, tid, name, sort_index)
+# ("slice", pid, tid, name, cat, t0_ns, t1_ns, args, flows_out, flows_in); `args` is a tuple of
+#     (key, value) pairs, or already-formatted JSON text for the many task slices
+# ("flow", id, pid, src_tid, s_ns, dst_tid, f_ns): Chrome's "s"/"f" points, strictly inside the
+#     slices whose flows_out / flows_in name the id
+# ("counter", pid, name, t_ns, value)
+
+def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[tuple]:
     prog = run.program
     plan, model = prog.plan, prog.plan.scenario.model
     streams = prog.streams
     pid = _pid(k)
-    yield {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{k + 1}. {run.label}"}}
-    yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": k}}
+    yield ("process", pid, f"{k + 1}. {run.label}", k)
     for sid, s in enumerate(streams):
-        tid = _tid(k, sid)
-        yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-               "args": {"name": _STREAM_INFO[s][0]}}
-        yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-               "args": {"sort_index": sid}}
+        yield ("thread", pid, _tid(k, sid), _STREAM_INFO[s][0], sid)
 
     shown = window.mask(prog) & ~np.isnan(run.end)
     ids = np.flatnonzero(shown)
@@ -167,26 +222,28 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[dict[str, Any
     cols = {c: prog.column(c) for c in ("kind", "stream", "layer", "index")}
     step = prog.step
     flops, nbytes, _ = prog.work()
-    yield from _slices(prog, k, ids, start_ns, end_ns, cols, flops, nbytes)
+    flows = _flows(prog, shown, start_ns, end_ns, cols["stream"], k)
+    # A stream's slices in time order: Perfetto pairs protobuf begin and end events by time.
+    ids = ids[np.lexsort((start_ns[ids], cols["stream"][ids]))]
+    yield from _slices(prog, k, ids, start_ns, end_ns, cols, flops, nbytes, flows)
     yield from _profiled(run, k, len(streams), int(end_ns[ids].max()) if len(ids) else 0)
-    yield from _flows(prog, ids, shown, start_ns, end_ns, cols["stream"], k)
+    yield from flows.events
     yield from _counters(run, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan)
 
 
-def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes) -> Iterator[str]:
-    """One complete ("X") event per task, formatted as text: a full run has hundreds of
-    thousands, and a dict per event through the JSON encoder took most of the writing time. The
-    text is what ``json.dumps(event, separators=(",", ":"))`` gives (names are plain ASCII)."""
+def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, flows: _Flows
+            ) -> Iterator[tuple]:
+    """One slice per task. A full run has hundreds of thousands, so their args are formatted
+    here as JSON text (what ``json.dumps`` gives: names are plain ASCII); the protobuf encoder
+    reads them back."""
     pid = _pid(k)
     streams = prog.streams
-    head = {}
-    for kind_i, kind in enumerate(KIND_NAMES):
-        for sid, s in enumerate(streams):
-            head[kind_i, sid] = (f'{{"ph":"X","name":"{kind}","cat":"{_STREAM_INFO[s][1]}",'
-                                 f'"pid":{pid},"tid":{_tid(k, sid)},"ts":')
+    tids = [_tid(k, sid) for sid in range(len(streams))]
+    cats = [_STREAM_INFO[s][1] for s in streams]
     copies = [kind in TRANSFERS or kind == "W_CtoPin" for kind in KIND_NAMES]
     tags = ["p" if kind in PAGED else "m" for kind in KIND_NAMES]
     idx_keys = ["page" if kind in PAGED else "micro_batch" for kind in KIND_NAMES]
+    out, into = flows.out, flows.into
     columns = zip(ids.tolist(), cols["kind"][ids].tolist(), cols["stream"][ids].tolist(),
                   prog.step[ids].tolist(), cols["layer"][ids].tolist(),
                   cols["index"][ids].tolist(), start_ns[ids].tolist(), end_ns[ids].tolist(),
@@ -196,31 +253,41 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes) -
         nb = int(nb)
         work = (f'"memory bandwidth (GB/s)":{round(nb / max(t1 - t0, 1), 3)!r}'
                 if copies[kind_i] else f'"flops":{int(fl)}')
-        yield (f'{head[kind_i, sid]}{t0 / 1000!r},"dur":{(t1 - t0) / 1000!r},"args":{{'
-               f'"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
-               f'"layer":{layer},"{idx_keys[kind_i]}":{index},"bytes":{nb},{work}}}}}')
+        args = (f'{{"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
+                f'"layer":{layer},"{idx_keys[kind_i]}":{index},"bytes":{nb},{work}}}')
+        yield ("slice", pid, tids[sid], kind, cats[sid], t0, t1, args,
+               out.get(gid, ()), into.get(gid, ()))
 
 
-def _profiled(run: TraceRun, k: int, first: int, until_ns: int) -> Iterator[dict[str, Any]]:
+def _profiled(run: TraceRun, k: int, first: int, until_ns: int) -> Iterator[tuple]:
     """The profiler's ops that start before the last drawn task ends, one track per host thread
-    or CUDA stream, after the run's streams."""
+    or CUDA stream, after the run's streams; on each track, outer ops before the ops inside."""
     pid = _pid(k)
     tids: dict[str, int] = {}
     offset = round(run.offset_s * 1e9)
-    for op in run.ops:
-        if op.start_ns + offset >= until_ns:
-            continue
+    ops = sorted((op for op in run.ops if op.start_ns + offset < until_ns),
+                 key=lambda op: (op.start_ns, -op.end_ns))
+    for op in ops:
         if op.track not in tids:
             tids[op.track] = tid = _tid(k, first + len(tids))
-            yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                   "args": {"name": f"torch: {op.track}"}}
-            yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                   "args": {"sort_index": first + len(tids) - 1}}
-        yield {"ph": "X", "name": op.name, "cat": op.cat, "pid": pid, "tid": tids[op.track],
-               "ts": _us(op.start_ns + offset), "dur": _us(op.end_ns - op.start_ns), "args": {}}
+            yield ("thread", pid, tid, f"torch: {op.track}", first + len(tids) - 1)
+    for op in ops:
+        yield ("slice", pid, tids[op.track], op.name, op.cat, op.start_ns + offset,
+               op.end_ns + offset, (), (), ())
 
 
-def _flows(prog: Program, ids, shown, start_ns, end_ns, stream, k) -> Iterator[str]:
+@dataclass
+class _Flows:
+    """Cross-stream dependency arrows: their events, and the ids leaving and entering each
+    task."""
+
+    events: list[tuple] = field(default_factory=list)
+    out: dict[int, list[int]] = field(default_factory=dict)
+    into: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _flows(prog: Program, shown, start_ns, end_ns, stream, k) -> _Flows:
+    flows = _Flows()
     flow_id = k * _FLOW_ID_STRIDE
     pid = _pid(k)
     tids = [_tid(k, sid) for sid in range(len(prog.streams))]
@@ -242,16 +309,16 @@ def _flows(prog: Program, ids, shown, start_ns, end_ns, stream, k) -> Iterator[s
                 if a1 - a0 < 2 or b1 - b0 < 2:
                     continue  # no point strictly inside a slice this short
                 flow_id += 1
-                yield (f'{{"ph":"s","id":{flow_id},"name":"dependency","cat":"dependency",'
-                       f'"pid":{pid},"tid":{tids[streams[src]]},'
-                       f'"ts":{(a1 - min(500, (a1 - a0) // 2)) / 1000!r}}}')
-                yield (f'{{"ph":"f","bp":"e","id":{flow_id},"name":"dependency",'
-                       f'"cat":"dependency","pid":{pid},"tid":{tids[streams[gid]]},'
-                       f'"ts":{(b0 + min(500, (b1 - b0) // 2)) / 1000!r}}}')
+                flows.events.append(("flow", flow_id, pid, tids[streams[src]],
+                                     a1 - min(500, (a1 - a0) // 2), tids[streams[gid]],
+                                     b0 + min(500, (b1 - b0) // 2)))
+                flows.out.setdefault(src, []).append(flow_id)
+                flows.into.setdefault(gid, []).append(flow_id)
+    return flows
 
 
 def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan
-              ) -> Iterator[dict[str, Any]]:
+              ) -> Iterator[tuple]:
     kinds = np.array(KIND_NAMES)[cols["kind"][ids]]
     t_end = end_ns[ids]
     changes: dict[str, list[tuple[int, float]]] = {}
@@ -287,8 +354,7 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
         level = 0.0
         for t, delta in sorted(changes[dev]):
             level += delta
-            yield {"ph": "C", "name": key, "pid": _pid(k), "ts": _us(t),
-                   "args": {key: round(level / 1e9, 6)}}
+            yield ("counter", _pid(k), key, t, round(level / 1e9, 6))
 
     # Link throughput, per direction.
     stream_names = run.program.streams
@@ -299,9 +365,7 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
         for i, g in enumerate(on_link):
             t0, t1 = int(start_ns[g]), int(end_ns[g])
             rate = float(nbytes[g]) / max(t1 - t0, 1)   # bytes/ns = GB/s
-            yield {"ph": "C", "name": label, "pid": _pid(k), "ts": _us(t0),
-                   "args": {label: round(float(rate), 3)}}
+            yield ("counter", _pid(k), label, t0, round(float(rate), 3))
             nxt = int(start_ns[on_link[i + 1]]) if i + 1 < len(on_link) else None
             if nxt is None or nxt > t1:
-                yield {"ph": "C", "name": label, "pid": _pid(k), "ts": _us(t1),
-                       "args": {label: 0.0}}
+                yield ("counter", _pid(k), label, t1, 0.0)

@@ -1,8 +1,10 @@
-"""Check a Chrome/Perfetto JSON trace against the rules Perfetto's importer enforces (SPEC 7).
+"""Check a trace against the rules Perfetto's importer enforces (SPEC 7).
 
 Perfetto's trace processor is downloaded at run time and not available offline, so tests (and
 users) check traces with this instead. It returns a list of problems; an empty list means the
-trace will import without dropped or moved events.
+trace will import without dropped or moved events. A Perfetto protobuf trace (``.pftrace``) is
+read back into the Chrome JSON form first (:func:`taskgraph.pftrace.decode`), so both formats
+meet the same checks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ _METADATA = {"process_name", "thread_name", "process_sort_index", "thread_sort_i
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
+    """A ``.json``, ``.json.gz`` or ``.pftrace`` trace in the Chrome JSON form."""
     path = Path(path)
+    if path.suffix == ".pftrace":
+        from taskgraph.pftrace import decode
+
+        return decode(path.read_bytes())
     raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
     return json.loads(raw)
 
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
-        print("usage: python -m taskgraph.tracecheck TRACE.json[.gz] ...", file=sys.stderr)
+        print("usage: python -m taskgraph.tracecheck TRACE.json[.gz]|TRACE.pftrace ...",
+              file=sys.stderr)
         return 2
     worst = 0
     for path in paths:

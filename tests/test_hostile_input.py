@@ -49,6 +49,8 @@ CASES = [
     ("trace replaces the scenario", ["simulate", "FOLDER/copy.yaml", "--trace",
                                      "FOLDER/copy.yaml"], "is the input"),
     ("empty trace path", ["simulate", TINY, "--trace", ""], "--trace is empty"),
+    ("trace of no known format", ["simulate", TINY, "--trace", "FOLDER/t.pftrace.gz"],
+     "must end in .json, .json.gz or .pftrace"),
     ("bad trace steps", ["simulate", TINY, "--trace", "FOLDER/t.json", "--trace-steps", "x"],
      "--trace-steps"),
     ("bad gantt suffix", ["simulate", TINY, "--gantt", "FOLDER/g.jpg"], "--gantt"),
@@ -136,27 +138,35 @@ def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
     assert _files(tmp_path) == {"s.json"}
 
 
-def test_interrupting_the_trace_write_keeps_the_results_and_the_old_file(tmp_path,
+@pytest.mark.parametrize("name", ["t.json", "t.pftrace"])
+def test_interrupting_the_trace_write_keeps_the_results_and_the_old_file(tmp_path, name,
                                                                         monkeypatch, capsys):
     from taskgraph import trace as trace_module
 
-    path = tmp_path / "t.json"
+    if name.endswith(".pftrace"):
+        pytest.importorskip("perfetto")
+    path = tmp_path / name
     path.write_text("previous")
+    events = trace_module._run_events
 
     def interrupted(*args, **kwargs):
+        yield from list(events(*args, **kwargs))[:100]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trace_module, "_write", interrupted)
+    monkeypatch.setattr(trace_module, "_run_events", interrupted)
     assert main(["simulate", TINY, "--json", "--trace", str(path)]) == 130
     out, err = capsys.readouterr()
     assert json.loads(out)["throughput_tok_s"] > 0 and "interrupted" in err
-    assert path.read_text() == "previous" and _files(tmp_path) == {"t.json"}
+    assert path.read_text() == "previous" and _files(tmp_path) == {name}
 
 
-def test_trace_bytes_do_not_depend_on_the_wall_clock(tmp_path):
-    for name in ("a.json", "b.json"):
-        assert main(["simulate", TINY, "--trace", str(tmp_path / name)]) == 0
-    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+@pytest.mark.parametrize("suffix", [".json", ".pftrace"])
+def test_trace_bytes_do_not_depend_on_the_wall_clock(tmp_path, suffix):
+    if suffix == ".pftrace":
+        pytest.importorskip("perfetto")
+    for name in ("a", "b"):
+        assert main(["simulate", TINY, "--trace", str(tmp_path / (name + suffix))]) == 0
+    assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
 
 
 def test_tracecheck_has_a_command_line(tmp_path):

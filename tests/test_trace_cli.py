@@ -175,3 +175,87 @@ def test_gantt_chart(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "scenarios/tiny.yaml", "--gantt", str(tmp_path / "g.svg")]) == 2
     assert ".png" in capsys.readouterr().err
+
+
+# --- Perfetto protobuf (.pftrace): the same trace as the JSON, event by event ------------------
+
+def _events_by_kind(trace: dict) -> tuple:
+    """A trace's tracks, slices, counters and flows, in orders that do not depend on the
+    format; each flow as the two slices it joins (Perfetto binds a flow's point to the slice
+    around it)."""
+    import bisect
+    from collections import Counter
+
+    events = trace["traceEvents"]
+    meta = sorted(json.dumps(e, sort_keys=True) for e in events if e["ph"] == "M")
+    slices = sorted((e["pid"], e["tid"], e["ts"], e["dur"], e["name"], e["cat"],
+                     json.dumps(e["args"], sort_keys=True)) for e in events if e["ph"] == "X")
+    counters = Counter((e["pid"], e["name"], e["ts"], float(e["args"][e["name"]]))
+                       for e in events if e["ph"] == "C")
+    tracks: dict = {}
+    for s in slices:
+        tracks.setdefault(s[:2], []).append(s)
+    starts = {k: [round(s[2] * 1000) for s in v] for k, v in tracks.items()}
+    flows: dict = {}
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            track = (e["pid"], e["tid"])
+            i = bisect.bisect_left(starts[track], round(e["ts"] * 1000)) - 1
+            flows.setdefault(e["id"], {})[e["ph"]] = tracks[track][i][:5]
+    return meta, slices, counters, flows
+
+
+def test_the_protobuf_trace_carries_the_json_trace_event_by_event(tmp_path):
+    """Simulated runs of every schedule in one file, and an executed run whose profiler ops
+    nest inside each other on their threads: the .pftrace, read back with the protobuf
+    messages, holds what the .json holds."""
+    pytest.importorskip("perfetto")
+    from taskgraph.execution import execute_scenario
+
+    sc = tiny(workload={"gen_len": 2})
+    runs = [simulate_scenario(tiny(schedule=s, workload={"gen_len": 2})).trace_run(f"{s} sim")
+            for s in ("S1", "S2", "S3", "S4")]
+    runs.append(execute_scenario(sc, "S1", "cpu", profile=True).trace_run("S1 measured"))
+    assert any(op.cat == "cpu_op" for op in runs[-1].ops)
+    n_json = write_trace(tmp_path / "t.json", runs, Window(None))
+    n_proto = write_trace(tmp_path / "t.pftrace", runs, Window(None))
+    as_json, as_proto = load_trace(tmp_path / "t.json"), load_trace(tmp_path / "t.pftrace")
+    assert check_trace(as_proto) == [] and check_trace(as_json) == []
+    assert n_json == n_proto
+    for what, a, b in zip(("tracks", "slices", "counters", "flows"),
+                          _events_by_kind(as_json), _events_by_kind(as_proto)):
+        assert a == b, what
+        assert len(a) > 0, what
+
+
+def test_the_checker_reads_protobuf_traces(tmp_path, capsys):
+    """Overlapping slices are found in a .pftrace as in a .json; bytes that are no trace are a
+    read error (exit 2), not a crash."""
+    pytest.importorskip("perfetto")
+    from taskgraph.tracecheck import main as check_main
+
+    sim = simulate_scenario(tiny())
+    run = sim.trace_run()
+    gpu = np.flatnonzero(sim.program.column("stream") == 0)
+    run.end = run.end.copy()
+    run.end[gpu[0]] = run.start[gpu[1]] + (run.end[gpu[1]] - run.start[gpu[1]]) / 2
+    for name in ("bad.json", "bad.pftrace"):
+        write_trace(tmp_path / name, [run], Window(None))
+        assert any("overlap" in p for p in check_trace(load_trace(tmp_path / name))), name
+    (tmp_path / "junk.pftrace").write_bytes(b"\xff\xff\xff not a trace")
+    assert check_main([str(tmp_path / "junk.pftrace")]) == 2
+    assert "cannot be read as a trace" in capsys.readouterr().err
+
+
+def test_pftrace_from_the_cli_and_without_the_package(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("perfetto")
+    path = tmp_path / "run.pftrace"
+    assert main(["simulate", "scenarios/tiny.yaml", "--trace", str(path)]) == 0
+    assert check_trace(load_trace(path)) == []
+    assert "wrote" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "perfetto", None)          # as if it were not installed
+    other = tmp_path / "other.pftrace"
+    assert main(["simulate", "scenarios/tiny.yaml", "--trace", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[perfetto]'" in err and "Traceback" not in err
+    assert not other.exists()
