@@ -223,14 +223,9 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
     if args.csv:
         with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
             out = csv.writer(f)
-            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch", "finish_s"])
-            for b, batch in enumerate(q.packing.batches):
-                for j, mb in enumerate(batch):
-                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j,
-                                   f"{q.finish_s[r.id]:.6g}" if r.id in q.finish_s else ""]
-                                  for r in mb.requests)
-            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", "", ""]
-                          for r in q.packing.aborted)
+            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch",
+                          "prefill_step", "finish_s"])
+            out.writerows(q.rows())
     if args.trace:
         _write_trace(args, q.trace_runs(), q.summary)
     _gantt(args, q.trace_runs()[:1])
@@ -249,18 +244,19 @@ def _compare(args: argparse.Namespace) -> int:
     from taskgraph.simulation import simulate_scenario
 
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = [n for n in names if n.removesuffix(":padded") not in SCHEDULES]
+    unknown = [n for n in names if _batching(n)[0] not in SCHEDULES]
     if unknown or not names:
         raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
-                      f"schedules: {', '.join(SCHEDULES)} (NAME:padded pads a request list).")
+                      f"schedules: {', '.join(SCHEDULES)} (NAME:padded pads a request list, "
+                      "NAME:refill runs it as one continuous batch).")
     # the command line chooses the schedules, not the file
-    args.schedule = names[0].removesuffix(":padded")
+    args.schedule = _batching(names[0])[0]
     scenario = _load(args)
     if scenario.requests is not None:
         return _compare_queues(args, scenario, names)
-    if any(n.endswith(":padded") for n in names):
-        raise TgError("NAME:padded pads a request list; this scenario lists none (give "
-                      "workload.requests or workload.lengths), so set workload.padded instead.")
+    if any(_batching(n)[1] for n in names):
+        raise TgError("NAME:padded and NAME:refill batch a request list; this scenario lists "
+                      "none (give workload.requests or workload.lengths).")
     if args.check:
         if scenario.expect is None:
             raise TgError(f"--check needs an `expect` section in {args.scenario}; see the "
@@ -307,7 +303,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int:
     """Each schedule over the whole request list; NAME:padded batches it as FlexGen does (the
-    paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests)."""
+    paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests),
+    NAME:refill as one continuous batch (MoE-Lens)."""
     from taskgraph.queue import simulate_queue
     from taskgraph.requests import with_padding
     from taskgraph.scenario import for_schedule
@@ -318,9 +315,15 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
     results, notes = [], {}
     with _progress(not args.json, "simulating queues") as tick:
         for entry in names:
-            name, padded = entry.removesuffix(":padded"), entry.endswith(":padded")
-            adapted, note = for_schedule(with_padding(scenario, padded or
-                                                      scenario.workload.padded), name)
+            name, batching = _batching(entry)
+            w = scenario.workload
+            if batching == "padded" or (not batching and w.padded):
+                queue = with_padding(scenario, True)
+            else:
+                queue = with_padding(scenario, False)
+                queue = queue.model_copy(update={"workload": queue.workload.model_copy(
+                    update={"refill": batching == "refill" or (not batching and w.refill)})})
+            adapted, note = for_schedule(queue, name)
             if note:
                 notes[name] = note
             results.append(simulate_queue(adapted, progress=tick).summary)
@@ -329,6 +332,14 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
 
     _emit(args, {"results": results}, lambda: _print_compare(results, notes))
     return _interrupted(results[-1]) if results[-1]["interrupted"] else 0
+
+
+def _batching(entry: str) -> tuple[str, str | None]:
+    """'S1:refill' -> ('S1', 'refill'); 'S4' -> ('S4', None)."""
+    name, _, batching = entry.partition(":")
+    if batching and batching not in ("padded", "refill"):
+        raise TgError(f"--schedules entry '{entry}': after the colon give padded or refill.")
+    return name, batching or None
 
 
 def _print_compare(results: list[dict[str, Any]], notes: dict[str, str]) -> None:

@@ -110,13 +110,14 @@ class Program:
                     continue
                 j, d = index[sel], step[sel]
                 a = seqs[j, d]
-                load = Load(a, ptok[j], psq[j])
+                load = (Load(a, ptok[j, 0], psq[j, 0]) if prefill else
+                        Load(a, 0.0, 0.0, admitted=ptok[j, d], admitted_sq=psq[j, d]))
                 work = self.plan.work.with_load(load).of(name, prefill=prefill)
                 mean_ctx = np.divide(ctx[j, d], a, out=np.zeros(len(sel)), where=a > 0)
                 f, b = work.at(mean_ctx)
                 flops[sel] = np.broadcast_to(f, len(sel))
                 nbytes[sel] = np.broadcast_to(b, len(sel))
-                idle[sel] = a == 0
+                idle[sel] = (a == 0) & (ptok[j, d] == 0)
         return flops, nbytes, idle
 
     def segment_of(self, gid: int) -> int:

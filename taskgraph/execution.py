@@ -216,6 +216,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         model, warnings = checkpoint_model(scenario.model, weights_path)
         scenario = scenario.model_copy(update={"model": model})
     requests, tokenizer = None, None
+    if scenario.requests is not None and not prompts_path:
+        warnings.append("the executor runs one batch at the request list's mean lengths; the "
+                        "list itself (its batches, early finish, refill) is simulated only.")
     if prompts_path:
         tokenizer = load_tokenizer(weights_path)
         requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,

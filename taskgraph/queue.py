@@ -8,6 +8,12 @@ still generating and the experts they reach. A request stops at its own generati
 its micro-batch shrinks; a micro-batch whose requests have all finished is skipped, and the
 batch ends with its longest request.
 
+With ``workload.refill`` the queue runs instead as one continuous batch
+(:func:`taskgraph.requests.refill`): a finished request's slot goes to the next request, whose
+prompt is prefilled within its micro-batch's tasks of the next decode step, so the GPU
+prefills while the CPU attends for the others (MoE-Lens's prefill/decode overlap). The graph is
+the schedule's own, one long run; only the work of its tasks changes.
+
 The figures add up over the batches (times, tasks) or are weighted by them (decode-layer
 latency by decode layers, utilisation by time); throughput counts every request's own
 generated tokens over the whole queue's time. Each request's finish time is the end of the LM
@@ -30,11 +36,12 @@ from taskgraph.compiled import KIND_NAMES, Program, compile_plan
 from taskgraph.cost import cost_model
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.requests import BatchLoad, Packing, pack_scenario
+from taskgraph.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
 from taskgraph.schedules import RESOURCES, SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
+from taskgraph.simulation import _check_size
 from taskgraph.specs import Scenario
 from taskgraph.trace import TraceRun
 
@@ -49,10 +56,26 @@ class BatchRun:
 
 @dataclass
 class QueueRun:
-    packing: Packing
+    packing: Packing | Refill
     batches: list[BatchRun]
     finish_s: dict[str, float]       # request id -> when its last token was produced
     summary: dict[str, Any]
+
+    def rows(self) -> list[tuple]:
+        """Per request: id, prompt_len, gen_len, batch, micro-batch, the step that prefilled it,
+        finish time (s); aborted requests last, with batch 'aborted'."""
+        out = []
+        if isinstance(self.packing, Refill):
+            placed = [(a.request, 0, a.micro_batch, a.step) for a in self.packing.admissions]
+        else:
+            placed = [(r, b, j, 0) for b, batch in enumerate(self.packing.batches)
+                      for j, mb in enumerate(batch) for r in mb.requests]
+        for r, b, j, step in placed:
+            finish = f"{self.finish_s[r.id]:.6g}" if r.id in self.finish_s else ""
+            out.append((r.id, r.prompt_len, r.gen_len, b, j, step, finish))
+        out += [(r.id, r.prompt_len, r.gen_len, "aborted", "", "", "")
+                for r in self.packing.aborted]
+        return out
 
     def trace_runs(self) -> list[TraceRun]:
         return [TraceRun(f"batch {b}", r.program, r.run.start, r.run.end, r.offset_s)
@@ -69,6 +92,19 @@ def simulate_queue(scenario: Scenario, progress: Callable[[int, int], None] | No
     mean_plan = make_plan(scenario)
     memory = memory_footprint(mean_plan)
     warnings = check_fits(memory, schedule.name)
+    if scenario.workload.refill:
+        q = _simulate_refill(scenario, memory, keep_runs)
+        if progress is not None:
+            progress(1, 1)
+    else:
+        q = _simulate_batches(scenario, memory, progress, keep_runs)
+    q.summary["warnings"] = warnings
+    q.summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    return q
+
+
+def _simulate_batches(scenario: Scenario, memory, progress, keep_runs: bool) -> QueueRun:
+    schedule = SCHEDULES[scenario.schedule]
     packing = pack_scenario(scenario)
     w, p = scenario.workload, scenario.policy
     padded = w.padded
@@ -92,25 +128,56 @@ def simulate_queue(scenario: Scenario, progress: Callable[[int, int], None] | No
         run = simulate_with_interference(program, cost_model(sc, schedule.name))
         batches.append(BatchRun(summarize(run, memory), offset,
                                 program if keep_runs else None, run if keep_runs else None))
-        lm = np.flatnonzero(program.column("kind") == KIND_NAMES.index("LMHead"))
-        ends = dict(zip(zip(program.step[lm].tolist(), program.column("index")[lm].tolist()),
-                        run.end[lm].tolist()))
+        ends = _lm_head_ends(program, run)
         for j, mb in enumerate(batch):
             for r in mb.requests:
-                finish[r.id] = offset + float(ends[steps if padded else r.gen_len, j])
+                finish[r.id] = offset + ends[steps if padded else r.gen_len, j]
         offset += float(np.nanmax(run.end)) if run.finished.any() else 0.0
         if progress is not None:
             progress(b + 1, len(packing.batches))
         if run.interrupted:
             break
-    summary = _summary(scenario, packing, batches, finish, memory)
-    summary["warnings"] = warnings
-    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    requests = [r for b in packing.batches for mb in b for r in mb.requests]
+    micro = sum(len(b) for b in packing.batches[:len(batches)])
+    summary = _summary(scenario, requests, packing.aborted, batches, finish, micro,
+                       packing.padded)
     return QueueRun(packing, batches, finish, summary)
 
 
-def _summary(scenario: Scenario, packing: Packing, batches: list[BatchRun],
-             finish: dict[str, float], memory) -> dict[str, Any]:
+def _simulate_refill(scenario: Scenario, memory, keep_runs: bool) -> QueueRun:
+    """The queue as one continuous batch: the schedule's graph for every step until the last
+    request finishes, each task priced by what its micro-batch holds at that step."""
+    schedule = SCHEDULES[scenario.schedule]
+    w, p = scenario.workload, scenario.policy
+    cont = refill(scenario.requests, p.mu, p.n_micro, p.mu * (w.context_prompt + w.gen_len))
+    n = max(p.n_micro, schedule.min_micro_batches)
+    sc = scenario.model_copy(update={
+        "workload": w.model_copy(update={"gen_len": cont.steps}),
+        "policy": p.model_copy(update={"N": n * p.mu})})
+    plan = dataclasses.replace(make_plan(sc), load=cont.load(n))
+    program = compile_plan(plan)
+    _check_size(program.total)
+    run = simulate_with_interference(program, cost_model(sc, schedule.name))
+    batch = BatchRun(summarize(run, memory), 0.0, program if keep_runs else None,
+                     run if keep_runs else None)
+    ends = _lm_head_ends(program, run)
+    finish = {a.request.id: ends[a.last_step, a.micro_batch] for a in cont.admissions
+              if not np.isnan(ends.get((a.last_step, a.micro_batch), np.nan))}
+    summary = _summary(scenario, [a.request for a in cont.admissions], cont.aborted, [batch],
+                       finish, p.n_micro, False)
+    summary["requests"]["refill"] = True
+    return QueueRun(cont, [batch], finish, summary)
+
+
+def _lm_head_ends(program: Program, run: SimRun) -> dict[tuple[int, int], float]:
+    """(step, micro-batch) -> when its LM head ended: a token for each request generating."""
+    lm = np.flatnonzero(program.column("kind") == KIND_NAMES.index("LMHead"))
+    return dict(zip(zip(program.step[lm].tolist(), program.column("index")[lm].tolist()),
+                    run.end[lm].tolist()))
+
+
+def _summary(scenario: Scenario, requests: list[Request], aborted, batches: list[BatchRun],
+             finish: dict[str, float], micro_batches: int, padded: bool) -> dict[str, Any]:
     s = [b.summary for b in batches]
     first = s[0]
     makespan = sum(x["makespan_s"] for x in s)
@@ -118,7 +185,7 @@ def _summary(scenario: Scenario, packing: Packing, batches: list[BatchRun],
     decode_s = sum(x["decode_s"] for x in s)
     layer_ms = decode_s / max(sum(layers), 1) * 1e3
     hrm_ms = sum(x["hrm_layer_ms"] * n for x, n in zip(s, layers)) / max(sum(layers), 1)
-    by_id = {r.id: r for b in packing.batches for mb in b for r in mb.requests}
+    by_id = {r.id: r for r in requests}
     tokens = sum(by_id[i].gen_len for i in finish)
     throughput = tokens / makespan if makespan else 0.0
     limit = hardware_limit_tok_s(scenario)
@@ -147,12 +214,13 @@ def _summary(scenario: Scenario, packing: Packing, batches: list[BatchRun],
         "requests": {
             "count": len(scenario.requests), "finished": len(finish),
             "generated_tokens": tokens, "batches": len(batches),
-            "micro_batches": sum(len(b) for b in packing.batches[:len(batches)]),
-            "padded": packing.padded,
+            "micro_batches": micro_batches,
+            "padded": padded,
             "finish_s": {"median": _r(statistics.median(times)) if times else None,
                          "p99": _r(times[min(len(times) - 1, int(0.99 * len(times)))])
                          if times else None},
-            "aborted": packing.to_json()["aborted"]},
+            "aborted": [{"id": r.id, "prompt_len": r.prompt_len, "gen_len": r.gen_len}
+                        for r in aborted]},
     })
     return out
 

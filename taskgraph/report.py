@@ -115,7 +115,8 @@ def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table
     for r in results:
         u = r["utilization"]
         q = r.get("requests")
-        label = r["schedule"] + ("" if q is None else " padded" if q["padded"] else " Alg. 2")
+        label = r["schedule"] + ("" if q is None else " padded" if q["padded"]
+                                 else " refill" if q.get("refill") else " Alg. 2")
         t.add_row(label, f"{r['throughput_tok_s']:.2f}",
                   f"{r['throughput_tok_s'] / best:.2f}x", f"{r['decode_layer_ms']:.1f}",
                   f"{r['hrm_layer_ms']:.1f}", f"{r['efficiency']:.0%}", r["hrm_binding"],

@@ -5,7 +5,8 @@ a file (CSV or JSONL with ``prompt_len``, ``gen_len`` and an optional ``id``) or
 match a dataset's mean and maximum lengths. :func:`pack` turns the list into batches of
 micro-batches, either with MoE-Lightning's Algorithm 2 (unpadded: longest prompts first, each
 into the micro-batch holding the fewest tokens, none past its cache limit) or in arrival order
-with every prompt padded to the longest, as FlexGen runs.
+with every prompt padded to the longest, as FlexGen runs. :func:`refill` runs the list as one
+continuous batch instead: a request's slot goes to the next one in the queue when it finishes.
 
 This module is plain data in, plain data out; nothing here simulates.
 """
@@ -288,9 +289,7 @@ class BatchLoad:
         return cls(tuple(prompts + empty), tuple(gens + empty))
 
     def tables(self, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per micro-batch j and step d (0 = prefill): sequences still generating
-        ``seqs[j, d]`` and the KV tokens they attend over ``ctx[j, d]`` (prompt + d each); per
-        micro-batch its prompt tokens and their sum of squares."""
+        """As :class:`StepLoad` gives them: prompts are prefilled at step 0 only."""
         n = len(self.prompts)
         d = np.arange(steps + 1)
         seqs = np.zeros((n, steps + 1))
@@ -302,9 +301,118 @@ class BatchLoad:
             active = (g[:, None] >= d[None, :]) | (d[None, :] == 0)         # [requests, steps]
             seqs[j] = active.sum(0)
             ctx[j] = (active * (p[:, None] + d[None, :])).sum(0)
-        ptok = np.array([float(sum(ps)) for ps in self.prompts])
-        psq = np.array([float(sum(x * x for x in ps)) for ps in self.prompts])
+        ptok = np.zeros((n, steps + 1))
+        psq = np.zeros((n, steps + 1))
+        ptok[:, 0] = [float(sum(ps)) for ps in self.prompts]
+        psq[:, 0] = [float(sum(x * x for x in ps)) for ps in self.prompts]
         return seqs, ctx, ptok, psq
+
+
+# --- continuous batching ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admission:
+    """A request in a continuous batch: its micro-batch, and the step whose tasks prefill its
+    prompt (0: the first prefill; later: mixed into that decode step's tasks). It then takes
+    part in decode steps ``step + 1`` to ``step + gen_len`` and leaves."""
+
+    request: Request
+    micro_batch: int
+    step: int
+
+    @property
+    def last_step(self) -> int:
+        return self.step + self.request.gen_len
+
+
+@dataclass(frozen=True)
+class Refill:
+    """A queue run as one continuous batch (MoE-Lens's refill): every micro-batch keeps its
+    slots full, each request admitted as soon as one frees."""
+
+    admissions: tuple[Admission, ...]
+    aborted: tuple[Request, ...]
+    n_micro: int
+    cache_tokens: int
+
+    @property
+    def steps(self) -> int:
+        """Decode steps until the last request finishes."""
+        return max(a.last_step for a in self.admissions)
+
+    def load(self, n_micro: int | None = None) -> "StepLoad":
+        """The batch's load per micro-batch and step; `n_micro` rows (at least the batch's own:
+        a schedule may need more micro-batches than the policy fills, which stay empty)."""
+        n, steps = max(n_micro or 0, self.n_micro), self.steps
+        seqs = np.zeros((n, steps + 2))       # difference arrays over steps, then summed
+        held = np.zeros((n, steps + 2))       # sum over decoding requests of (prompt - admitted)
+        ptok = np.zeros((n, steps + 1))
+        psq = np.zeros((n, steps + 1))
+        for a in self.admissions:
+            p, j, d = a.request.prompt_len, a.micro_batch, a.step
+            seqs[j, d + 1] += 1
+            seqs[j, a.last_step + 1] -= 1
+            held[j, d + 1] += p - d
+            held[j, a.last_step + 1] -= p - d
+            ptok[j, d] += p
+            psq[j, d] += p * p
+        seqs = np.cumsum(seqs, axis=1)[:, :steps + 1]
+        seqs[:, 0] = [sum(1 for a in self.admissions if a.step == 0 and a.micro_batch == j)
+                      for j in range(n)]           # step 0 prefills the first requests
+        # a request admitted at step a holds prompt + (d - a) tokens at decode step d
+        ctx = np.cumsum(held, axis=1)[:, :steps + 1] + seqs * np.arange(steps + 1)
+        return StepLoad(seqs, ctx, ptok, psq)
+
+
+def refill(requests: list[Request], ubs: int, n_ub: int, cache_tokens: int) -> Refill:
+    """The queue in arrival order as one continuous batch of `n_ub` micro-batches of at most
+    `ubs` requests. Before each step, the requests that finished leave and the queue's head
+    joins the micro-batch with a free slot that holds the fewest tokens, as long as the
+    tokens it reserves (prompt plus generation, as Algorithm 2 counts them) keep that
+    micro-batch within `cache_tokens`; a head that fits nowhere waits (first come, first
+    served). Requests that fit no micro-batch even alone are aborted."""
+    aborted = tuple(r for r in requests if r.tokens > cache_tokens)
+    queue = [r for r in requests if r.tokens <= cache_tokens]
+    active: list[list[Admission]] = [[] for _ in range(n_ub)]
+    reserved = [0] * n_ub
+    admissions: list[Admission] = []
+    head, step = 0, 0
+    while head < len(queue):
+        for j in range(n_ub):
+            done = [a for a in active[j] if a.last_step < step]
+            if done:
+                active[j] = [a for a in active[j] if a.last_step >= step]
+                reserved[j] -= sum(a.request.tokens for a in done)
+        while head < len(queue):
+            r = queue[head]
+            room = [j for j in range(n_ub)
+                    if len(active[j]) < ubs and reserved[j] + r.tokens <= cache_tokens]
+            if not room:
+                break
+            j = min(room, key=lambda j: reserved[j])
+            a = Admission(r, j, step)
+            active[j].append(a)
+            reserved[j] += r.tokens
+            admissions.append(a)
+            head += 1
+        # Nothing changes until the next request finishes: jump there.
+        step = max(step + 1, min((a.last_step + 1 for mb in active for a in mb), default=step + 1))
+    return Refill(tuple(admissions), aborted, n_ub, cache_tokens)
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """Per micro-batch j and step d (0 = prefill): sequences generating ``seqs[j, d]``, the KV
+    tokens they attend over ``ctx[j, d]``, and the prompt tokens admitted (prefilled) in that
+    step's tasks ``ptok[j, d]`` with their sum of squares ``psq[j, d]``."""
+
+    seqs: np.ndarray
+    ctx: np.ndarray
+    ptok: np.ndarray
+    psq: np.ndarray
+
+    def tables(self, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.seqs, self.ctx, self.ptok, self.psq
 
 
 def with_padding(scenario, padded: bool):
@@ -313,5 +421,6 @@ def with_padding(scenario, padded: bool):
     mean-length fields that follow from that."""
     s = summary(scenario.requests)
     gen = s["gen_max"] if padded else max(1, round(s["gen_mean"]))
-    w = scenario.workload.model_copy(update={"padded": padded, "gen_len": gen})
+    update = {"padded": padded, "gen_len": gen, **({"refill": False} if padded else {})}
+    w = scenario.workload.model_copy(update=update)
     return scenario.model_copy(update={"workload": w})

@@ -329,6 +329,9 @@ class WorkloadSpec(BaseModel):
     padded: bool = False
     requests: str | None = None
     lengths: LengthsSpec | None = None
+    # One continuous batch: a finished request's slot goes to the next in the queue, its prompt
+    # prefilled within the next decode step (MoE-Lens). Needs a request list, unpadded.
+    refill: bool = False
 
     @model_validator(mode="after")
     def _max(self) -> "WorkloadSpec":
@@ -336,6 +339,12 @@ class WorkloadSpec(BaseModel):
             raise ValueError(
                 f"max_prompt_len = {self.max_prompt_len} is below prompt_len = {self.prompt_len}"
             )
+        if self.refill and self.padded:
+            raise ValueError("refill runs requests unpadded (each at its own length); padded "
+                             "batches (FlexGen) run one fixed batch at a time")
+        if self.refill and self.requests is None and self.lengths is None:
+            raise ValueError("refill needs a request list: give workload.requests (a file) or "
+                             "workload.lengths (generated)")
         return self
 
     @property

@@ -98,11 +98,17 @@ class WeightLayout:
 class Load:
     """What one micro-batch holds (numbers or arrays of them, one per task): `seqs` sequences
     still generating, and for prefill `prompt_tokens` prompt tokens whose squares sum to
-    `prompt_sq` (causal attention grows with each prompt's square)."""
+    `prompt_sq` (causal attention grows with each prompt's square). In a decode step of a
+    continuous batch, `admitted` prompt tokens (squares summing to `admitted_sq`) of requests
+    that just took a free slot are prefilled in the same tasks, on the GPU: their QKV and causal
+    attention in PreAttn, their K,V to the CPU cache with the step's own, their FFN in PostAttn
+    (MoE-Lens's prefill/decode overlap)."""
 
     seqs: Number
     prompt_tokens: Number
     prompt_sq: Number
+    admitted: Number = 0.0
+    admitted_sq: Number = 0.0
 
 
 class TaskWork:
@@ -120,19 +126,22 @@ class TaskWork:
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         if kind == "KVOut":
             # Prefill writes the prompt's K,V to the CPU; decode (GPU attention) one token's.
-            tokens = self.load.prompt_tokens if prefill else self.load.seqs
+            tokens = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
             return Work(bytes=(1 - self.p.r_c) * tokens * self.m.kv_bytes_per_token)
         return getattr(self, "_" + kind)()
 
     # Decode, one micro-batch of `seqs` sequences, one layer.
     def _PreAttn(self) -> Work:
-        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
-        return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv),
+        m, b, new = self.m, self.m.dtype_bytes, self.load.admitted
+        mu = self.load.seqs + new
+        return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv)
+                    + 2 * self.load.admitted_sq * m.q_dim,       # the admitted prompts' attention
                     bytes=m.qkv_bytes + b * mu * (m.h + m.q_dim + 2 * m.h_kv))
 
     def _D1(self) -> Work:
-        m = self.m
-        return Work(bytes=m.dtype_bytes * self.load.seqs * (m.q_dim + 2 * m.h_kv))
+        m, b = self.m, self.m.dtype_bytes
+        return Work(bytes=b * self.load.seqs * (m.q_dim + 2 * m.h_kv)
+                    + b * self.load.admitted * 2 * m.h_kv)      # admitted prompts: K,V only
 
     def _CPUAttn(self) -> Work:
         m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
@@ -151,8 +160,8 @@ class TaskWork:
         return Work(bytes_per_ctx=(1 - self.p.r_c) * self.load.seqs * m.kv_bytes_per_token)
 
     def _PostAttn(self) -> Work:
-        m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
-        tokens = mu
+        m, b = self.m, self.m.dtype_bytes
+        tokens = self.load.seqs + self.load.admitted
         return Work(
             flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
             + 6 * tokens * m.k * m.h * m.h_i,

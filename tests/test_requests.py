@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ from taskgraph.cli import main
 from taskgraph.compiled import KIND_NAMES
 from taskgraph.errors import TgError
 from taskgraph.requests import (Request, algorithm2, generate_requests, pack, read_requests,
-                                summary)
+                                refill, summary)
 from taskgraph.scenario import load_scenario
 from taskgraph.simulation import simulate_scenario
 
@@ -250,7 +251,8 @@ def test_simulate_cli_on_a_request_list(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["requests"]["count"] == 12 and out["requests"]["finished"] == 12
     lines = out_csv.read_text().splitlines()
-    assert lines[0] == "id,prompt_len,gen_len,batch,micro_batch,finish_s" and len(lines) == 13
+    assert lines[0] == "id,prompt_len,gen_len,batch,micro_batch,prefill_step,finish_s"
+    assert len(lines) == 13
     assert main(["simulate", "scenarios/tiny.yaml", "--csv", str(out_csv)]) == 2
     assert "lists no requests" in capsys.readouterr().err
 
@@ -267,3 +269,134 @@ def test_compare_puts_unpadded_next_to_padded_on_one_request_list(tmp_path, caps
     assert s1["requests"]["generated_tokens"] == s4["requests"]["generated_tokens"] == 60
     assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S4:padded"]) == 2
     assert "lists none" in capsys.readouterr().err
+
+
+# --- refill: one continuous batch ------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(requests_st, st.integers(1, 8), st.integers(1, 6), st.integers(50, 2000))
+def test_refill_admits_every_request_once_within_its_limits(requests, ubs, n_ub, cache):
+    """Every request is admitted once (or aborted, only if it cannot fit alone), in queue
+    order; at no step does a micro-batch hold more than `ubs` requests or reserve more than
+    its cache; a request takes part in exactly its own gen_len decode steps."""
+    cont = refill(requests, ubs, n_ub, cache)
+    admitted = [a.request.id for a in cont.admissions]
+    assert sorted(admitted + [r.id for r in cont.aborted], key=int) == [r.id for r in requests]
+    assert all(r.tokens > cache for r in cont.aborted)
+    steps = [a.step for a in cont.admissions]
+    assert steps == sorted(steps) and admitted == sorted(admitted, key=int)   # first come first
+    if not cont.admissions:
+        return
+    load = cont.load()
+    for j in range(n_ub):
+        mine = [a for a in cont.admissions if a.micro_batch == j]
+        for d in range(cont.steps + 1):
+            holding = [a for a in mine if a.step <= d <= a.last_step]
+            assert len(holding) <= ubs
+            assert sum(a.request.tokens for a in holding) <= cache
+            decoding = [a for a in holding if a.step < d]
+            assert load.seqs[j, d] == (len(decoding) if d else len(holding))
+            assert load.ctx[j, d] == sum(a.request.prompt_len + d - a.step for a in decoding)
+            assert load.ptok[j, d] == sum(a.request.prompt_len for a in mine if a.step == d)
+    # every generated token is one decode step of one request
+    assert load.seqs[:, 1:].sum() == sum(a.request.gen_len for a in cont.admissions)
+
+
+def test_refill_never_leaves_a_slot_empty_while_the_queue_head_fits():
+    cont = refill([Request(str(i), 10, g) for i, g in enumerate([5, 1, 3, 2, 8, 1, 1, 4])],
+                  ubs=2, n_ub=2, cache_tokens=1000)
+    by_id = {a.request.id: a for a in cont.admissions}
+    assert [by_id[i].step for i in "0123"] == [0, 0, 0, 0]
+    # "1" (gen 1) leaves after step 1, so "4" joins its micro-batch at step 2, and so on
+    assert by_id["4"].step == 2 and by_id["4"].micro_batch == by_id["1"].micro_batch
+    assert cont.steps == max(a.step + a.request.gen_len for a in cont.admissions)
+
+
+def test_refill_of_a_queue_that_fits_one_batch_is_that_batch(tmp_path):
+    """Nothing to refill: the continuous batch is the consecutive batch, to the number."""
+    from taskgraph.queue import simulate_queue
+
+    rows = [(40, 6)] * 16
+    one = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 16, mu: 4}")).summary
+    cont = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 16, mu: 4}",
+                                          extra=", refill: true")).summary
+    for key in ("throughput_tok_s", "makespan_s", "decode_layer_ms", "tasks"):
+        assert cont[key] == one[key], key
+    assert cont["requests"]["refill"] and cont["requests"]["generated_tokens"] == 16 * 6
+
+
+def test_refill_prefills_newcomers_inside_decode_steps_and_beats_waiting(tmp_path):
+    """Requests of mixed lengths, twice the batch: with refill a newcomer's prompt is priced in
+    the decode step that admits it (its micro-batch's PreAttn and PostAttn grow), each request
+    still finishes with its own last token, and the queue ends sooner than in consecutive
+    batches, each of which waits for its longest request."""
+    from taskgraph.queue import simulate_queue
+
+    rows = [(30, 12), (30, 2), (20, 3), (40, 2), (25, 11), (35, 1), (30, 2), (20, 3)] * 2
+    plain = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}")).summary
+    q = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}",
+                                       extra=", refill: true"), keep_runs=True)
+    s = q.summary
+    assert s["requests"]["finished"] == len(rows)
+    assert s["requests"]["generated_tokens"] == plain["requests"]["generated_tokens"]
+    assert s["makespan_s"] < plain["makespan_s"] and s["throughput_tok_s"] > plain[
+        "throughput_tok_s"]
+    prog, run = q.batches[0].program, q.batches[0].run
+    kind, step, index = prog.column("kind"), prog.step, prog.column("index")
+    flops, nbytes, _ = prog.work()
+    # the same run with nobody admitted after step 0: only the admitting tasks change
+    load = prog.plan.load
+    bare = dataclasses.replace(load, ptok=np.where(np.arange(load.ptok.shape[1]) > 0, 0,
+                                                   load.ptok),
+                               psq=np.where(np.arange(load.psq.shape[1]) > 0, 0, load.psq))
+    flops0, nbytes0, _ = dataclasses.replace(
+        prog, plan=dataclasses.replace(prog.plan, load=bare)).work()
+    late = [a for a in q.packing.admissions if a.step > 0]
+    assert late
+    admitting = np.zeros(prog.total, bool)
+    for a in late:
+        admitting |= (index == a.micro_batch) & (step == a.step)
+        lm = (kind == KIND_NAMES.index("LMHead")) & (index == a.micro_batch) & (
+            step == a.last_step)
+        assert q.finish_s[a.request.id] == pytest.approx(run.end[lm].max())
+    for k in ("PreAttn", "PostAttn", "D1"):
+        sel = (kind == KIND_NAMES.index(k)) & admitting
+        assert ((flops[sel] > flops0[sel]) | (nbytes[sel] > nbytes0[sel])).all(), k
+    assert (flops[~admitting] == flops0[~admitting]).all()
+    assert (nbytes[~admitting] == nbytes0[~admitting]).all()
+    assert s["decode_layer_ms"] >= s["hrm_layer_ms"] * (1 - 1e-9)
+
+
+def test_refill_needs_an_unpadded_request_list(tmp_path, capsys):
+    assert main(["simulate", "scenarios/tiny.yaml", "--set", "workload.refill=true"]) == 2
+    assert "refill needs a request list" in capsys.readouterr().err
+    _queue_scenario(tmp_path, [(30, 3)] * 4)
+    path = str(tmp_path / "s.yaml")
+    assert main(["simulate", path, "--set", "workload.padded=true", "--set",
+                 "workload.refill=true"]) == 2
+    assert "refill runs requests unpadded" in capsys.readouterr().err
+    assert main(["compare", path, "--schedules", "S1,S1:refill,S4:padded", "--json"]) == 0
+    alg2, cont, padded = json.loads(capsys.readouterr().out)["results"]
+    assert not alg2["requests"].get("refill") and cont["requests"]["refill"]
+    assert padded["requests"]["padded"] and not padded["requests"].get("refill")
+    assert main(["compare", path, "--schedules", "S1:fast"]) == 2
+    assert "padded or refill" in capsys.readouterr().err
+
+
+def test_search_verify_simulates_the_request_list(tmp_path, capsys):
+    """The search ranks by the mean lengths; --verify simulates each candidate's whole queue,
+    and what it reports is what simulating that queue gives."""
+    from taskgraph.queue import simulate_queue
+    from taskgraph.search import Candidate
+
+    rows = [(30, 12), (30, 2), (20, 3), (40, 2), (25, 11), (35, 1)] * 3
+    sc = _queue_scenario(tmp_path, rows, extra=", refill: true")
+    path = str(tmp_path / "s.yaml")
+    assert main(["search", path, "--top", "3", "--verify", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("verified on the request list (18 requests, refill)" in n for n in out["notes"])
+    best = Candidate(**{k: v for k, v in out["best"].items()
+                        if k in Candidate.__dataclass_fields__})
+    queue = simulate_queue(best.scenario(sc)).summary
+    assert out["best"]["simulated_tok_s"] == queue["throughput_tok_s"]
+    assert queue["requests"]["generated_tokens"] == sum(g for _, g in rows)
