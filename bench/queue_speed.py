@@ -3,11 +3,15 @@
 Runs ``tg simulate scenarios/t4.yaml`` with ``workload.lengths`` set to the mtbench preset
 (prompts 77 mean / 418 max, 128 generated) in a fresh subprocess and prints its wall time, peak
 RSS, batches, tasks and throughput, next to the single-batch mean-length run of the same
-scenario measured in the same way.
+scenario measured in the same way, and the same queue run as one continuous batch
+(``workload.refill``).
 
     python bench/queue_speed.py [--count 20000] [--check]
 
-With --check it exits 1 unless the queue takes <= 30 s and <= 1 GB (issue 11's targets).
+With --check it exits 1 unless the queue in consecutive batches takes <= 30 s and <= 1 GB
+(issue 11's targets). The refill run is printed beside it, not checked: it is one program of
+every step (16.7 M tasks for 20,000 requests), held whole while it is simulated, so it needs
+about 175 bytes a task (2.9 GB here) where consecutive batches hold one batch at a time.
 """
 
 from __future__ import annotations
@@ -47,13 +51,17 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     single = _run([])
-    queue = _run(["workload.lengths.preset=mtbench", f"workload.lengths.count={args.count}"])
+    mtbench = ["workload.lengths.preset=mtbench", f"workload.lengths.count={args.count}"]
+    queue = _run(mtbench)
+    refill = _run(mtbench + ["workload.refill=true"])
     for label, r in (("t4.yaml, one batch (mean lengths)", single),
-                     (f"t4.yaml, {args.count:,} mtbench requests", queue)):
+                     (f"t4.yaml, {args.count:,} mtbench requests", queue),
+                     (f"t4.yaml, {args.count:,} mtbench, refill", refill)):
         print(f"{label:40} {r['wall_s']:6.1f} s {r['rss_mb']:7.0f} MB  {r['batches']:4d} "
               f"batches {r['tasks']:>11,} tasks  {r['throughput_tok_s']:.1f} tok/s")
     ok = queue["wall_s"] <= 30 and queue["rss_mb"] <= 1024
-    print(f"targets {'met' if ok else 'MISSED'}: queue wall <= 30 s, RSS <= 1 GB")
+    print(f"targets {'met' if ok else 'MISSED'}: queue wall <= 30 s, RSS <= 1 GB (consecutive "
+          "batches; refill not checked)")
     return 0 if ok or not args.check else 1
 
 
