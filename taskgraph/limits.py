@@ -4,11 +4,16 @@ However well a schedule overlaps, a machine cannot decode faster than
 ``T_max = min(PME * M / delta, T_GPU)``. Every decode step must stream the model over the link:
 ``delta = model bytes / link bandwidth`` seconds. The KV capacity ``M`` (tokens) caps how many
 sequences share that cost. ``PME = 2(p+g) / ((2p+g) g)`` converts capacity into generated tokens
-over a request's life, given the average prompt ``p`` and generation ``g``. ``T_GPU`` is the GPU's
-own ceiling: the achieved FLOP rate over the FLOPs a token costs.
+over a request's life, given the average prompt ``p`` and generation ``g``; for a request list
+it is the same ratio summed over the requests, ``sum 2(p+g) / sum (2p+g) g`` (each request's own
+lengths, or the longest prompt and generation for every one when padded), which equals the
+formula when every length is equal. ``T_GPU`` is the GPU's own ceiling: the achieved FLOP rate
+over the FLOPs a token costs.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from taskgraph.memory import GB
 from taskgraph.specs import Scenario
@@ -16,8 +21,15 @@ from taskgraph.specs import Scenario
 
 def hardware_limit_tok_s(scenario: Scenario) -> float:
     m, hw, w = scenario.model, scenario.hardware, scenario.workload
-    p, g = float(w.context_prompt), float(w.gen_len)
-    pme = 2 * (p + g) / ((2 * p + g) * g)
+    if scenario.requests is None:
+        p, g = np.array([float(w.context_prompt)]), np.array([float(w.gen_len)])
+    elif w.padded:
+        p = np.full(len(scenario.requests), float(max(r.prompt_len for r in scenario.requests)))
+        g = np.full(len(scenario.requests), float(max(r.gen_len for r in scenario.requests)))
+    else:
+        p = np.array([float(r.prompt_len) for r in scenario.requests])
+        g = np.array([float(r.gen_len) for r in scenario.requests])
+    pme = float((2 * (p + g)).sum() / ((2 * p + g) * g).sum())
     link = hw.link.h2d_gbps * 1e9 * hw.link.h2d_eff * hw.gpu.count
     delta = m.model_bytes / link
     # KV capacity: what host and GPU memory hold beyond the weights.

@@ -400,3 +400,25 @@ def test_search_verify_simulates_the_request_list(tmp_path, capsys):
     queue = simulate_queue(best.scenario(sc)).summary
     assert out["best"]["simulated_tok_s"] == queue["throughput_tok_s"]
     assert queue["requests"]["generated_tokens"] == sum(g for _, g in rows)
+
+
+def test_the_hardware_limit_follows_the_request_distribution(tmp_path):
+    """Equal lengths: the mean-length limit exactly. A spread at the same means: each request
+    counts with its own lengths, and long generations hold their KV for longer per token."""
+    from taskgraph.limits import hardware_limit_tok_s
+
+    def slow_link(sc):          # so that the KV capacity, not the GPU, bounds the tiny model
+        link = sc.hardware.link.model_copy(update={"h2d_gbps": 0.001})
+        return sc.model_copy(update={"hardware": sc.hardware.model_copy(update={"link": link})})
+
+    equal = slow_link(_queue_scenario(tmp_path, [(40, 20)] * 8))
+    mean = equal.model_copy()
+    mean._requests = None
+    assert hardware_limit_tok_s(equal) == pytest.approx(hardware_limit_tok_s(mean), rel=1e-12)
+    spread = slow_link(_queue_scenario(tmp_path, [(40, 5), (40, 35)] * 4))
+    assert spread.workload.gen_len == equal.workload.gen_len == 20
+    p, g = 40.0, np.array([5.0, 35.0])
+    pme = (2 * (p + g)).sum() / ((2 * p + g) * g).sum()
+    ratio = pme / (2 * (p + 20) / ((2 * p + 20) * 20))
+    assert hardware_limit_tok_s(spread) == pytest.approx(hardware_limit_tok_s(equal) * ratio)
+    assert ratio < 1
