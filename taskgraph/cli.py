@@ -355,8 +355,7 @@ def _execute(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise TgError(f"--steps must be at least 1, not {args.steps}.")
-    if args.out and not args.prompts:
-        raise TgError("--out writes the tokens generated for --prompts; give a prompts file.")
+
     if args.profile and not args.trace:
         raise TgError("--profile puts the PyTorch profiler's ops in the trace; give --trace "
                       "PATH.")
@@ -365,6 +364,11 @@ def _execute(args: argparse.Namespace) -> int:
         overrides.append(f"workload.gen_len={args.steps}")
     args.overrides = overrides
     scenario = _load(args)
+    if scenario.requests is not None and not args.prompts:
+        return _execute_queue(args, scenario)
+    if args.out and not args.prompts:
+        raise TgError("--out writes each request's generated tokens; give --prompts FILE or a "
+                      "scenario with a request list.")
     with _progress(not args.json, "executing") as tick:
         ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
                               prompts_path=args.prompts, zero_copy=args.zero_copy,
@@ -394,6 +398,39 @@ def _execute(args: argparse.Namespace) -> int:
 
     _emit(args, ex.summary, human)
     return _interrupted(ex.summary)
+
+
+def _execute_queue(args: argparse.Namespace, scenario) -> int:
+    """A scenario's request list, executed in the simulator's batches; each request checked
+    against the reference run on it alone."""
+    from taskgraph.execution import execute_queue
+
+    if args.profile:
+        raise TgError("--profile traces one batch; run it without a request list (or with "
+                      "--prompts).")
+    with _progress(not args.json, "executing batches", "batches") as tick:
+        q = execute_queue(scenario, args.device, args.weights, progress=tick,
+                          zero_copy=args.zero_copy)
+    if args.trace:
+        runs, offset = [], 0.0
+        for b, ex in enumerate(q.batches):
+            run = ex.trace_run(f"batch {b} measured")
+            run.offset_s = offset
+            offset += ex.summary["makespan_s"]
+            runs.append(run)
+        _write_trace(args, runs, {"scenario": scenario.name})
+    _gantt(args, [q.batches[0].trace_run("batch 0 measured")])
+    if args.out:
+        from taskgraph.exec.prompts import write_outputs
+
+        write_outputs(args.out, q.summary.pop("outputs"))
+        q.summary["out"] = args.out
+    _emit(args, q.summary, lambda: (_console().print(_tables().execute_queue_table(q.summary)),
+                                    _print_warnings(q.summary)))
+    if q.summary["requests_match_alone"] is False:
+        raise CheckFailed(f"{len(q.summary['mismatched'])} requests generated other tokens in "
+                          f"their batch than alone: {', '.join(map(str, q.summary['mismatched'][:10]))}.")
+    return _interrupted(q.summary)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ class Execution(Simulation):
     PyTorch profiler saw inside it when it ran under ``--profile``."""
 
     ops: list = field(default_factory=list)
+    weights: Any = None           # what ran: the reference forward can be re-run on them
 
     def trace_run(self, label: str = "measured") -> TraceRun:
         run = super().trace_run(label)
@@ -153,23 +154,36 @@ def _torch_dtype(torch, m: ModelSpec, dev: str) -> tuple[Any, list[str]]:
     return dtype, []
 
 
-def _for_requests(scenario: Scenario, schedule: str | None, requests: list) -> Scenario:
-    """The scenario resized to run these requests: N the request count rounded up to whole
-    micro-batches, and to as many as the schedule needs (the rest filler sequences, whose output
-    is dropped), prompts padded to the longest, as many decode steps as the longest request
-    needs."""
+def _for_requests(scenario: Scenario, schedule: str | None, requests: list
+                  ) -> tuple[Scenario, list]:
+    """The scenario resized to run these requests in one batch, in order: N the request count
+    rounded up to whole micro-batches, and to as many as the schedule needs. Returns it with
+    each sequence slot's request (None: a filler, whose output is dropped)."""
+    mu = min(scenario.policy.mu, len(requests))
+    return _for_batch(scenario, schedule, [requests[i:i + mu]
+                                           for i in range(0, len(requests), mu)], mu)
+
+
+def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: int
+               ) -> tuple[Scenario, list]:
+    """The scenario resized to run one batch of micro-batches of requests (at most `mu` each):
+    prompts padded to the longest, as many decode steps as the longest request needs, as many
+    micro-batches as the schedule needs. Returns it with each sequence slot's request (None: a
+    filler sequence, whose output is dropped)."""
     from taskgraph.schedules import SCHEDULES
 
-    count = len(requests)
-    mu = min(scenario.policy.mu, count)
     needed = SCHEDULES[schedule or scenario.schedule].min_micro_batches
-    N = max(-(-count // mu), needed) * mu
+    n = max(len(batch), needed)
+    slots = [r for mb in batch for r in list(mb) + [None] * (mu - len(mb))]
+    slots += [None] * (n * mu - len(slots))
+    requests = [r for r in slots if r is not None]
     lens = [len(r.prompt_ids) for r in requests]
     workload = scenario.workload.model_copy(update=dict(
-        prompt_len=max(1, round(sum(lens) / count)), max_prompt_len=max(lens), padded=True,
-        gen_len=max(1, max(r.max_new_tokens for r in requests) - 1)))
+        prompt_len=max(1, round(sum(lens) / len(lens))), max_prompt_len=max(lens), padded=True,
+        gen_len=max(1, max(r.max_new_tokens for r in requests) - 1), refill=False))
     return scenario.model_copy(update=dict(
-        workload=workload, policy=scenario.policy.model_copy(update=dict(N=N, mu=mu))))
+        workload=workload, policy=scenario.policy.model_copy(update=dict(N=n * mu, mu=mu)))
+    ), slots
 
 
 _last_weights: dict[tuple, Any] = {}
@@ -192,13 +206,16 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      weights_path: str | None = None, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None,
                      prompts_path: str | None = None, zero_copy: bool = False,
-                     check: bool = True, profile: bool = False) -> Execution:
+                     check: bool = True, profile: bool = False,
+                     batch: list[list] | None = None) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
     (unless `check` is False: calibration runs only want the timings). `profile` runs it under
     the PyTorch profiler and keeps the ops it saw (:mod:`taskgraph.exec.profiling`). With
     `prompts_path`, run those requests (see :mod:`taskgraph.exec.prompts`) and put what each
-    generated in ``summary["outputs"]``. `zero_copy` (CPU only) makes every transfer a no-op
-    over shared buffers (:class:`taskgraph.exec.runtime.Runtime`)."""
+    generated in ``summary["outputs"]``; `batch` runs given requests (``exec.prompts.Request``)
+    as those micro-batches instead (:func:`execute_queue` runs a request list batch by batch).
+    `zero_copy` (CPU only) makes every transfer a no-op over shared buffers
+    (:class:`taskgraph.exec.runtime.Runtime`)."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -215,15 +232,14 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if weights_path:
         model, warnings = checkpoint_model(scenario.model, weights_path)
         scenario = scenario.model_copy(update={"model": model})
-    requests, tokenizer = None, None
-    if scenario.requests is not None and not prompts_path:
-        warnings.append("the executor runs one batch at the request list's mean lengths; the "
-                        "list itself (its batches, early finish, refill) is simulated only.")
+    slots, tokenizer = None, None
     if prompts_path:
         tokenizer = load_tokenizer(weights_path)
         requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,
                                 tokenizer)
-        scenario = _for_requests(scenario, schedule, requests)
+        scenario, slots = _for_requests(scenario, schedule, requests)
+    elif batch is not None:
+        scenario, slots = _for_batch(scenario, schedule, batch, scenario.policy.mu)
     m, p = scenario.model, scenario.policy
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
     dtype, more = _torch_dtype(torch, m, dev)
@@ -237,14 +253,15 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
          else _synthetic_weights(m, seed, dtype))
     P = scenario.workload.context_prompt
-    if requests is None:
+    if slots is None:
         prompts, lens = synthetic_prompts(p.N, P, m.V, seed=seed + 1), None
     else:
         prompts = torch.zeros(p.N, P, dtype=torch.long)
         lens = torch.ones(p.N, dtype=torch.long)      # fillers: one token
-        for i, r in enumerate(requests):
-            prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-            lens[i] = len(r.prompt_ids)
+        for i, r in enumerate(slots):
+            if r is not None:
+                prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+                lens[i] = len(r.prompt_ids)
     runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda",
                       prompt_lens=lens, zero_copy=zero_copy)
     total = len(program.seg_template)
@@ -273,19 +290,98 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         tokens, logits, _ = runtime.outputs()
         summary["max_abs_err"] = float((logits.float() - ref.logits.float()).abs().max())
         summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
-        if requests is not None:
+        if slots is not None:
             eos = eos_ids(weights_path)
             summary["outputs"] = []
-            for i, r in enumerate(requests):
+            for i, r in enumerate(slots):
+                if r is None:
+                    continue
                 out = trim(tokens[i].tolist(), r.max_new_tokens, eos)
                 row = {"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": out}
                 if tokenizer is not None:
                     row["text"] = tokenizer.decode(out, skip_special_tokens=True)
                 summary["outputs"].append(row)
-    if requests is not None:
-        summary["requests"] = len(requests)
+    if slots is not None:
+        summary["requests"] = sum(r is not None for r in slots)
     summary["warnings"] = warnings
     if profile:
         summary["profiled_ops"] = len(ops)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(plan, program, memory, run, summary, ops)
+    return Execution(plan, program, memory, run, summary, ops, w)
+
+
+@dataclass
+class QueueExecution:
+    """A request list executed batch after batch, as the simulator batches it."""
+
+    batches: list[Execution]
+    summary: dict[str, Any]
+
+
+def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | None = None,
+                  seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                  zero_copy: bool = False, check: bool = True) -> QueueExecution:
+    """Execute the scenario's request list (``workload.requests`` or ``workload.lengths``) in
+    the batches the simulator packs it into (:func:`taskgraph.requests.pack_scenario`:
+    Algorithm 2, or padded), each request a prompt of random token ids of its own length that
+    generates its own ``gen_len`` tokens (the first from prefill, as ``max_new_tokens`` counts
+    them). With `check`, each request's tokens are compared with the reference forward run on
+    that request alone: batching, padding and neighbours must not change what it generates."""
+    torch = _torch()
+    from taskgraph.exec.prompts import Request as Prompt
+    from taskgraph.kernels.reference import reference_forward
+    from taskgraph.requests import pack_scenario
+
+    t0 = time.perf_counter()
+    warnings: list[str] = []
+    if scenario.workload.refill:
+        warnings.append("refill is simulated only; the executor runs the list in consecutive "
+                        "batches (Algorithm 2).")
+        scenario = scenario.model_copy(update={
+            "workload": scenario.workload.model_copy(update={"refill": False})})
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = {r.id: Prompt(r.id, torch.randint(0, scenario.model.V, (r.prompt_len,),
+                                                generator=gen).tolist(), r.gen_len)
+               for r in scenario.requests}
+    packing = pack_scenario(scenario)
+    runs: list[Execution] = []
+    for b, batch in enumerate(packing.batches):
+        mbs = [[prompts[r.id] for r in mb.requests] for mb in batch]
+        runs.append(execute_scenario(scenario, None, device, weights_path, seed,
+                                     zero_copy=zero_copy, check=check, batch=mbs))
+        if progress:
+            progress(b + 1, len(packing.batches))
+        if runs[-1].run.interrupted:
+            break
+    outputs = [row for ex in runs for row in ex.summary.get("outputs") or []]
+    mismatched = []
+    if check:
+        for row in outputs:
+            p = prompts[row["id"]]
+            alone = reference_forward(runs[0].weights, torch.tensor([p.prompt_ids]), 1,
+                                      max(1, p.max_new_tokens - 1))
+            if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
+                mismatched.append(row["id"])
+    makespan = sum(ex.summary["makespan_s"] for ex in runs)
+    tokens = sum(len(row["output_ids"]) for row in outputs)
+    first = runs[0].summary
+    summary = {k: first[k] for k in ("scenario", "schedule", "schedule_title", "model",
+                                     "hardware", "device", "dtype")}
+    summary.update({
+        "policy": scenario.policy.model_dump(),
+        "throughput_tok_s": round(tokens / makespan, 6) if makespan else 0.0,
+        "makespan_s": round(makespan, 6),
+        "measured": True,
+        "requests": {"count": len(scenario.requests), "executed": len(outputs),
+                     "batches": len(runs), "generated_tokens": tokens,
+                     "padded": packing.padded,
+                     "aborted": [r.id for r in packing.aborted]},
+        "tokens_match": all(ex.summary["tokens_match"] for ex in runs) if check else None,
+        "requests_match_alone": (not mismatched) if check else None,
+        "mismatched": mismatched,
+        "outputs": outputs,
+        "interrupted": any(ex.run.interrupted for ex in runs),
+        "warnings": warnings + sorted({w for ex in runs for w in ex.summary["warnings"]}),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    })
+    return QueueExecution(runs, summary)

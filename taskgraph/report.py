@@ -37,12 +37,33 @@ def simulate_table(r: dict[str, Any]) -> Table:
         q = r["requests"]
         fin = q["finish_s"]
         t.add_row("requests", f"{q['finished']:,} of {q['count']:,} in {q['batches']} batches "
-                              f"({'padded' if q['padded'] else 'Algorithm 2'}), "
+                              f"({'padded' if q['padded'] else 'refill' if q.get('refill') else 'Algorithm 2'}), "
                               f"{len(q['aborted'])} aborted")
         t.add_row("finished", f"{fin['median']:.2f} s median, {fin['p99']:.2f} s p99")
     verb = "executed" if r.get("measured") else "simulated"
     t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
+    return t
+
+
+def execute_queue_table(r: dict[str, Any]) -> Table:
+    q = r["requests"]
+    t = Table(title=f"tg execute {r['scenario']}: {r['schedule']} ({r['schedule_title']}) on "
+                    f"{r['device']}, {r['model']} dimensions, a request list (measured)",
+              show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("policy", _policy(r["policy"]))
+    t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s "
+                            f"({q['generated_tokens']:,} tokens in {r['makespan_s']:.2f} s)")
+    t.add_row("requests", f"{q['executed']:,} of {q['count']:,} in {q['batches']} batches "
+                          f"({'padded' if q['padded'] else 'Algorithm 2'}), "
+                          f"{len(q['aborted'])} aborted")
+    batched, alone = r["tokens_match"], r["requests_match_alone"]
+    t.add_row("vs reference", "not checked" if batched is None else
+              f"batches {'identical' if batched else 'DIFFER'}; each request alone: "
+              + ("identical" if alone else f"{len(r['mismatched'])} DIFFER"))
+    t.add_row("weights", r["dtype"])
     return t
 
 

@@ -85,7 +85,9 @@ def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy
 
 
 def generate(model, ids):
-    out = model.generate(ids[None], max_new_tokens=STEPS + 1, do_sample=False,
+    # an explicit mask: with pad_token_id 0, generate would take every token 0 for padding
+    out = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
+                         max_new_tokens=STEPS + 1, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(ids):], torch.stack(out.logits, 1)[0]
 
@@ -187,7 +189,8 @@ def test_cli_prompts_in_tokens_out_with_a_tokenizer(tmp_path, capsys):
         ids = row["prompt_ids"]
         if "prompt" in line:
             assert ids == tok.encode(line["prompt"]).ids
-        want = model.generate(torch.tensor([ids]), do_sample=False, pad_token_id=0,
+        want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                              do_sample=False, pad_token_id=0,
                               max_new_tokens=line.get("max_new_tokens", 5))[0, len(ids):]
         assert row["output_ids"] == want.tolist()
         assert row["text"] == tok.decode(row["output_ids"], skip_special_tokens=True)
@@ -245,3 +248,45 @@ def test_dbrx_configs_simulate_but_are_refused_by_the_executor(tmp_path, capsys)
     capsys.readouterr()
     assert main(["execute", str(scen)]) == 2
     assert "DBRX checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_request_list_executes_in_the_simulators_batches_as_transformers_does(
+        tmp_path, capsys, padded):
+    """`tg execute` on a scenario with a request list: the batches and micro-batches the
+    simulator packs (Algorithm 2, or padded), each request generating its own gen_len tokens,
+    which equal transformers' greedy generate on that request alone."""
+    from taskgraph.cli import main
+    from taskgraph.requests import pack_scenario
+    from taskgraph.scenario import load_scenario
+
+    ckpt = tmp_path / "ckpt"
+    model = make_checkpoint(ckpt, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+    rows = [(12, 5), (30, 2), (7, 8), (20, 3), (25, 6), (9, 1), (16, 4), (28, 7), (5, 2)]
+    (tmp_path / "r.jsonl").write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt_len": p, "gen_len": g}) + "\n"
+        for i, (p, g) in enumerate(rows)))
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {ckpt / 'config.json'}}}\nhardware: t4\n"
+                    f"workload: {{requests: r.jsonl, padded: {str(padded).lower()}}}\n"
+                    "policy: {N: 4, mu: 2}\nschedule: S1\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["execute", str(scen), "--weights", str(ckpt), "--out", str(out),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    packing = pack_scenario(load_scenario(scen))
+    q = summary["requests"]
+    assert q["batches"] == len(packing.batches) >= 2 and q["executed"] == len(rows)
+    assert summary["tokens_match"] and summary["requests_match_alone"]
+    executed = [json.loads(x) for x in out.read_text().splitlines()]
+    # in the simulator's order: batch by batch, micro-batch by micro-batch
+    assert [r["id"] for r in executed] == [r.id for b in packing.batches for mb in b
+                                            for r in mb.requests]
+    gens = {f"r{i}": g for i, (_, g) in enumerate(rows)}
+    for row in executed:
+        assert len(row["output_ids"]) == gens[row["id"]]
+        ids = torch.tensor([row["prompt_ids"]])
+        # an explicit mask: generate would otherwise take every token 0 for padding
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              pad_token_id=0, max_new_tokens=gens[row["id"]])
+        assert row["output_ids"] == want[0, len(row["prompt_ids"]):].tolist(), row["id"]
