@@ -309,10 +309,11 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
     from taskgraph.requests import with_padding
     from taskgraph.scenario import for_schedule
 
-    if args.trace or args.gantt or args.check:
-        raise TgError("tg compare on a request list writes no trace, Gantt chart or checks "
-                      "yet; run tg simulate --schedule NAME --trace for one schedule's queue.")
-    results, notes = [], {}
+    if args.check:
+        raise TgError("tg compare --check gates a mean-length scenario's schedules; on a request "
+                      "list, compare the queues' figures (--json) instead.")
+    results, notes, runs = [], {}, []
+    keep = bool(args.trace or args.gantt)
     with _progress(not args.json, "simulating queues") as tick:
         for entry in names:
             name, batching = _batching(entry)
@@ -326,9 +327,17 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
             adapted, note = for_schedule(queue, name)
             if note:
                 notes[name] = note
-            results.append(simulate_queue(adapted, progress=tick).summary)
+            q = simulate_queue(adapted, progress=tick, keep_runs=keep)
+            results.append(q.summary)
+            for run in q.trace_runs():
+                run.label = f"{entry} {run.label}"
+                runs.append(run)
             if results[-1]["interrupted"]:
                 break
+    if args.trace:
+        _write_trace(args, runs, {"scenario": scenario.name})
+    # the first batch of each queue: how the schedules' steps differ
+    _gantt(args, [r for r in runs if r.label.endswith("batch 0")])
 
     _emit(args, {"results": results}, lambda: _print_compare(results, notes))
     return _interrupted(results[-1]) if results[-1]["interrupted"] else 0

@@ -422,3 +422,21 @@ def test_the_hardware_limit_follows_the_request_distribution(tmp_path):
     ratio = pme / (2 * (p + 20) / ((2 * p + 20) * 20))
     assert hardware_limit_tok_s(spread) == pytest.approx(hardware_limit_tok_s(equal) * ratio)
     assert ratio < 1
+
+
+def test_compare_on_a_request_list_traces_every_batch_of_every_queue(tmp_path, capsys):
+    from taskgraph.tracecheck import check_trace, load_trace
+
+    _queue_scenario(tmp_path, [(60, 4), (10, 2), (35, 6), (5, 3)] * 3)
+    path, trace = str(tmp_path / "s.yaml"), tmp_path / "c.json"
+    assert main(["compare", path, "--schedules", "S1,S1:refill", "--trace", str(trace),
+                 "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    t = load_trace(trace)
+    assert check_trace(t) == []
+    names = [e["args"]["name"] for e in t["traceEvents"] if e.get("name") == "process_name"]
+    batches = results[0]["requests"]["batches"]
+    assert names == [f"{i + 1}. S1 batch {b}" for i, b in enumerate(range(batches))] + [
+        f"{batches + 1}. S1:refill batch 0"]
+    assert main(["compare", path, "--check"]) == 2
+    assert "request list" in capsys.readouterr().err
