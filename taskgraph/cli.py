@@ -603,6 +603,10 @@ def _batch(args: argparse.Namespace) -> int:
     from taskgraph.requests import pack_scenario
 
     scenario = _load(args)
+    if scenario.workload.refill:
+        raise TgError("tg batch shows consecutive batches; with workload.refill the list runs "
+                      "as one continuous batch: tg simulate --csv FILE lists each request's "
+                      "micro-batch and the step that prefilled it.")
     packing = pack_scenario(scenario)
     if args.csv:
         with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
