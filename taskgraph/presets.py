@@ -124,6 +124,16 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "moe-lightning": dict(
         name="moe-lightning", title="MoE-Lightning (CGOPipe's system)",
         sources=["MoE-Lightning, ASPLOS 2025: pinned staging of weights (Algorithm 1)"]),
+    # DeepSpeed ZeRO-Inference: transformers' eager Mixtral under ZeRO-3 parameter offload.
+    # Nothing here is fitted to DeepSpeed's measured throughputs. Its parameters are offloaded
+    # to pinned CPU memory (offload_param.pin_memory, as the ZeRO-Inference examples set it),
+    # so weights cross at the pinned rate; the eager kernels are PyTorch's GEMMs and SDPA at the
+    # machine's rates, and the eager MoE block reads the weights of every expert it routes to,
+    # which the cost model charges already.
+    "deepspeed": dict(
+        name="deepspeed", title="DeepSpeed ZeRO-Inference (transformers' eager Mixtral)",
+        sources=["DeepSpeed ZeRO-3 offload_param with pin_memory (deepspeed.readthedocs.io, "
+                 "zero3.html); transformers MixtralSparseMoeBlock: a loop over the experts hit"]),
     "flexgen": dict(
         name="flexgen", title="FlexGen (its Mixtral port in the MoE-Lightning artifact)",
         pageable_weights=True,

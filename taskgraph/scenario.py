@@ -111,11 +111,20 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
                 f"choose a schedule that allows policy.{key}={have:g} "
                 f"({', '.join(allowing) or 'none does yet'}).")
         changes[key] = value
+    cap = s.max_micro_batches * policy.mu
+    if cap and policy.N > cap:
+        where, everywhere = scenario._pins.get("N", (None, False))
+        if where is not None and (everywhere or schedule == scenario.schedule):
+            raise TgError(f"{where} conflicts with schedule {s.name} ({s.title}), which runs "
+                          f"at most {s.max_micro_batches} micro-batch(es) of mu = {policy.mu}: "
+                          f"set policy.N = {cap} (or give it no N).")
+        changes["N"] = cap
     if not changes and scenario.schedule == schedule:
         return scenario, None
     placed = scenario.model_copy(update={
         "schedule": schedule, "policy": policy.model_copy(update=changes)})
-    note = (f"{schedule} decides " + ", ".join(f"{PLACEMENT_MEANS[k]}: {k}={v:g}"
+    means = dict(PLACEMENT_MEANS, N="how many sequences (one micro-batch)")
+    note = (f"{schedule} decides " + ", ".join(f"{means[k]}: {k}={v:g}"
                                                 for k, v in changes.items())) if changes else None
     return placed, note
 

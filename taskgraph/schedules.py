@@ -71,6 +71,8 @@ class Schedule:
     # The policy fields the schedule decides (where attention, the KV cache and the FFN live).
     # Choosing the schedule sets them; only an explicit, different value is an error.
     placement: dict[str, float] = field(default_factory=dict)
+    # At most this many micro-batches (0: any); choosing the schedule caps N at mu times it.
+    max_micro_batches: int = 0
 
 
 #: What each placement field decides, for messages.
@@ -152,4 +154,16 @@ S4 = Schedule(
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4)}
+DS = Schedule(
+    name="DS", title="DeepSpeed ZeRO-Inference",
+    summary="S4's order with one micro-batch and the whole KV cache on the GPU: each layer's "
+            "weights cross whole, prefetched one layer ahead; the KV moves carry nothing",
+    attention="gpu", paged=False, staging=False, implementation="deepspeed",
+    placement={"A_g": 1, "r_c": 1.0, "F_g": 1}, max_micro_batches=1,
+    prefill=S4.prefill,
+    decode_prologue=S4.decode_prologue,
+    decode=S4.decode,
+    streams=S4.streams,
+)
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS)}

@@ -26,6 +26,8 @@ TINY: dict[str, Any] = {
 def tiny(**sections: Any) -> Scenario:
     """The tiny scenario with sections (or fields of them) replaced."""
     doc = copy.deepcopy(TINY)
+    if sections.get("schedule") == "DS":      # its own placement: one micro-batch, KV on the GPU
+        doc["policy"].update(N=doc["policy"]["mu"], r_c=1.0)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(doc.get(key), dict):
             doc[key].update(value)

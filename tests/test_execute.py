@@ -27,6 +27,8 @@ POLICIES = [
     ("S3", 10, 2, 0.6, 0.0),
     ("S4", 6, 2, 0.0, 0.5),      # GPU attention, half the KV resident
     ("S4", 3, 3, 0.25, 0.0),
+    ("DS", 4, 4, 0.0, 1.0),      # one micro-batch, the whole KV cache on the GPU
+    ("DS", 3, 3, 0.4, 1.0),
 ]
 
 
@@ -54,15 +56,16 @@ def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_
     torch.testing.assert_close(hidden, ref.hidden, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S4"])
-def test_random_delays_do_not_change_the_numbers(schedule):
+@pytest.mark.parametrize("schedule,N,mu,r_c", [("S1", 8, 2, 0.0), ("S2", 8, 2, 0.0),
+                                               ("S4", 8, 2, 0.0), ("DS", 4, 4, 1.0)])
+def test_random_delays_do_not_change_the_numbers(schedule, N, mu, r_c):
     rng = random.Random(7)
     delays = {}
 
     def delay(gid):
         return delays.setdefault(gid, rng.random() * 0.003)
 
-    run, rt, ref = _run(schedule, 8, 2, 0.0, 0.0, steps=2, delay=delay)
+    run, rt, ref = _run(schedule, N, mu, 0.0, r_c, steps=2, delay=delay)
     tokens, logits, _ = rt.outputs()
     assert torch.equal(tokens, ref.tokens)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)

@@ -25,11 +25,12 @@ from tests.helpers import unrolled_edges
 
 @st.composite
 def scenarios(draw):
-    schedule = draw(st.sampled_from(["S1", "S2", "S3", "S4"]))
+    schedule = draw(st.sampled_from(["S1", "S2", "S3", "S4", "DS"]))
     n_q = draw(st.sampled_from([2, 4, 8]))
     n_kv = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_q % d == 0]))
     E = draw(st.sampled_from([2, 4, 8]))
-    L = draw(st.integers(1, 4))
+    # DS runs one micro-batch, so its KV prefetch needs a second layer to look ahead to
+    L = draw(st.integers(2 if schedule == "DS" else 1, 4))
     h = n_q * draw(st.sampled_from([8, 16, 32]))
     # MoE-shaped: expert weights dominate a layer, as in every real MoE (a QKV projection larger
     # than a weight page is a separate, tested error).
@@ -39,12 +40,13 @@ def scenarios(draw):
     # S1/S2 need two micro-batches; S4 prefetches the next (layer, micro-batch), which must not
     # be the one it is computing (test_builder covers the errors for these).
     min_micro = 2 if schedule in ("S1", "S2") or (schedule == "S4" and L == 1) else 1
-    n_micro = draw(st.integers(min_micro, 5))
+    n_micro = 1 if schedule == "DS" else draw(st.integers(min_micro, 5))
     mu = draw(st.integers(1, 6))
-    gpu_attention = schedule == "S4"
+    gpu_attention = schedule in ("S4", "DS")
     policy = {"N": n_micro * mu, "mu": mu, "A_g": int(gpu_attention), "F_g": 1,
               "r_w": draw(st.sampled_from([0.0, 0.0, 0.3, 0.9, 1.0])),
-              "r_c": draw(st.sampled_from([0.0, 0.5])) if gpu_attention else 0.0}
+              "r_c": 1.0 if schedule == "DS" else
+              draw(st.sampled_from([0.0, 0.5])) if gpu_attention else 0.0}
     prompt = draw(st.integers(1, 64))
     workload = {"prompt_len": prompt, "max_prompt_len": prompt + draw(st.integers(0, 32)),
                 "gen_len": draw(st.integers(1, 4)), "padded": draw(st.booleans())}

@@ -33,7 +33,9 @@ class CountingDevice(HostDevice):
 
 
 def _setup(schedule, device="cpu"):
-    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 2, "r_w": 0.25},
+    one = schedule == "DS"              # one micro-batch, the KV cache on the GPU
+    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 6 if one else 2, "r_w": 0.25,
+                                         "r_c": 1.0 if one else 0.0},
               workload={"prompt_len": 6, "gen_len": 2})
     plan = make_plan(sc, schedule)
     w = synthetic_weights(sc.model, seed=4)
@@ -42,7 +44,7 @@ def _setup(schedule, device="cpu"):
     return plan, compile_plan(plan), rt, reference_forward(w, prompts, 2, 2)
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
 def test_stream_protocol_reproduces_the_reference(schedule, tmp_path):
     plan, program, rt, ref = _setup(schedule)
     rng = random.Random(3)
@@ -58,7 +60,7 @@ def test_stream_protocol_reproduces_the_reference(schedule, tmp_path):
     assert check_trace(load_trace(path)) == []
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
 def test_asynchronous_queues_reproduce_the_reference(schedule):
     """Launches return before the work runs, queues drift apart: the events the dispatcher
     records and waits on are all that orders the work, as on a GPU."""
@@ -91,7 +93,7 @@ def test_asynchronous_queues_catch_a_missing_synchronisation():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
 def test_cuda_backend_reproduces_the_reference(schedule):
     plan, program, rt, ref = _setup(schedule, "cuda")
     run = execute(program, rt, CudaDevice(torch))

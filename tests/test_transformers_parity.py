@@ -65,7 +65,7 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
     return scenario_from_dict({
         "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": dtype_bytes},
         "hardware": "t4", "workload": {"prompt_len": P, "gen_len": steps},
-        "policy": {"N": N, "mu": mu, "A_g": int(schedule == "S4"),
+        "policy": {"N": N, "mu": mu, "A_g": int(schedule in ("S4", "DS")),
                    "r_w": 0.3 if schedule == "S1" else 0.0},
         "schedule": schedule})
 
@@ -73,6 +73,8 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
 def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy=False,
            device="cpu"):
     """tg's executor on `device`; returns (tokens, every step's logits) on the host, weights."""
+    if schedule == "DS":             # one micro-batch of every sequence
+        mu = len(lens)
     sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS,
                       dtype_bytes=4 if dtype == torch.float32 else 2)
     plan = make_plan(sc)
@@ -113,7 +115,7 @@ MODES = [("cpu", False), ("cpu", True)] + [(d, False) for d in DEVICES if d != "
 
 @pytest.mark.parametrize("device,zero_copy", MODES,
                          ids=["emulating", "zero-copy"] + DEVICES[1:])
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
 def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, device, zero_copy):
     folder, prompts, lens, expected = checkpoint
     tokens, step_logits, w = run_tg(folder, schedule, prompts, lens, zero_copy=zero_copy,
