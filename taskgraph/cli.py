@@ -337,7 +337,7 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
     if args.trace:
         _write_trace(args, runs, {"scenario": scenario.name})
     # the first batch of each queue: how the schedules' steps differ
-    _gantt(args, [r for r in runs if r.label.endswith("batch 0")])
+    _gantt(args, [r for r in runs if r.label.endswith((" batch 0", " window 0"))])
 
     _emit(args, {"results": results}, lambda: _print_compare(results, notes))
     return _interrupted(results[-1]) if results[-1]["interrupted"] else 0

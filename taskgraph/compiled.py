@@ -118,6 +118,8 @@ class Program:
                 flops[sel] = np.broadcast_to(f, len(sel))
                 nbytes[sel] = np.broadcast_to(b, len(sel))
                 idle[sel] = (a == 0) & (ptok[j, d] == 0)
+        if getattr(self.plan.load, "continuation", False):
+            idle |= step == 0       # a window of a longer run: its prefill segment did not happen
         return flops, nbytes, idle
 
     def segment_of(self, gid: int) -> int:

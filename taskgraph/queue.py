@@ -78,7 +78,8 @@ class QueueRun:
         return out
 
     def trace_runs(self) -> list[TraceRun]:
-        return [TraceRun(f"batch {b}", r.program, r.run.start, r.run.end, r.offset_s)
+        part = "window" if isinstance(self.packing, Refill) else "batch"
+        return [TraceRun(f"{part} {b}", r.program, r.run.start, r.run.end, r.offset_s)
                 for b, r in enumerate(self.batches) if r.run is not None]
 
 
@@ -93,9 +94,7 @@ def simulate_queue(scenario: Scenario, progress: Callable[[int, int], None] | No
     memory = memory_footprint(mean_plan)
     warnings = check_fits(memory, schedule.name)
     if scenario.workload.refill:
-        q = _simulate_refill(scenario, memory, keep_runs)
-        if progress is not None:
-            progress(1, 1)
+        q = _simulate_refill(scenario, memory, progress, keep_runs)
     else:
         q = _simulate_batches(scenario, memory, progress, keep_runs)
     q.summary["warnings"] = warnings
@@ -144,29 +143,66 @@ def _simulate_batches(scenario: Scenario, memory, progress, keep_runs: bool) -> 
     return QueueRun(packing, batches, finish, summary)
 
 
-def _simulate_refill(scenario: Scenario, memory, keep_runs: bool) -> QueueRun:
+#: Tasks simulated at once in a refill run: each window of steps is its own program, so memory
+#: stays that of one window (~175 bytes a task) however long the queue.
+_WINDOW_TASKS = 1_000_000
+
+
+def _simulate_refill(scenario: Scenario, memory, progress, keep_runs: bool) -> QueueRun:
     """The queue as one continuous batch: the schedule's graph for every step until the last
-    request finishes, each task priced by what its micro-batch holds at that step."""
+    request finishes, each task priced by what its micro-batch holds at that step. Long runs
+    are simulated in windows of steps back to back, each a program whose step 0 (the prefill
+    segment) does nothing: a window starts with an empty pipeline, which costs it about one
+    layer's weight transfer against the run it stands for (a window is hundreds of steps)."""
     schedule = SCHEDULES[scenario.schedule]
     w, p = scenario.workload, scenario.policy
     cont = refill(scenario.requests, p.mu, p.n_micro, p.mu * (w.context_prompt + w.gen_len))
     n = max(p.n_micro, schedule.min_micro_batches)
-    sc = scenario.model_copy(update={
-        "workload": w.model_copy(update={"gen_len": cont.steps}),
-        "policy": p.model_copy(update={"N": n * p.mu})})
-    plan = dataclasses.replace(make_plan(sc), load=cont.load(n))
-    program = compile_plan(plan)
-    _check_size(program.total)
-    run = simulate_with_interference(program, cost_model(sc, schedule.name))
-    batch = BatchRun(summarize(run, memory), 0.0, program if keep_runs else None,
-                     run if keep_runs else None)
-    ends = _lm_head_ends(program, run)
+    load = cont.load(n)
+    per_step = _tasks_per_step(scenario, n)
+    width = max(8, _WINDOW_TASKS // per_step)
+    windows = [(d0, min(cont.steps, d0 + width)) for d0 in range(0, cont.steps, width)]
+    batches: list[BatchRun] = []
+    ends: dict[tuple[int, int], float] = {}
+    compiled: dict[int, Program] = {}
+    offset = 0.0
+    for k, (d0, d1) in enumerate(windows):
+        sc = scenario.model_copy(update={
+            "workload": w.model_copy(update={"gen_len": d1 - d0}),
+            "policy": p.model_copy(update={"N": n * p.mu})})
+        plan = dataclasses.replace(make_plan(sc), load=load.window(d0, d1))
+        if d1 - d0 not in compiled:        # windows of one width share their task graph
+            compiled[d1 - d0] = compile_plan(plan)
+            _check_size(compiled[d1 - d0].total)
+        program = dataclasses.replace(compiled[d1 - d0], plan=plan)
+        run = simulate_with_interference(program, cost_model(sc, schedule.name))
+        batches.append(BatchRun(summarize(run, memory), offset, program if keep_runs else None,
+                                run if keep_runs else None))
+        ends.update({(step + d0, j): offset + t
+                     for (step, j), t in _lm_head_ends(program, run).items() if step > 0})
+        offset += float(np.nanmax(run.end)) if run.finished.any() else 0.0
+        if progress is not None:
+            progress(k + 1, len(windows))
+        if run.interrupted:
+            break
     finish = {a.request.id: ends[a.last_step, a.micro_batch] for a in cont.admissions
               if not np.isnan(ends.get((a.last_step, a.micro_batch), np.nan))}
-    summary = _summary(scenario, [a.request for a in cont.admissions], cont.aborted, [batch],
+    summary = _summary(scenario, [a.request for a in cont.admissions], cont.aborted, batches,
                        finish, p.n_micro, False)
     summary["requests"]["refill"] = True
-    return QueueRun(cont, [batch], finish, summary)
+    summary["requests"]["batches"] = 1
+    summary["requests"]["windows"] = len(batches)
+    return QueueRun(cont, batches, finish, summary)
+
+
+def _tasks_per_step(scenario: Scenario, n: int) -> int:
+    """Tasks in one decode step of `n` micro-batches under the scenario's schedule."""
+    p = scenario.policy
+    sc = scenario.model_copy(update={
+        "workload": scenario.workload.model_copy(update={"gen_len": 3}),
+        "policy": p.model_copy(update={"N": n * p.mu})})
+    program = compile_plan(make_plan(sc))
+    return max(1, int((program.step == 2).sum()))
 
 
 def _lm_head_ends(program: Program, run: SimRun) -> dict[tuple[int, int], float]:

@@ -411,8 +411,25 @@ class StepLoad:
     ptok: np.ndarray
     psq: np.ndarray
 
+    # A window of a longer run (:meth:`window`): its step 0 stands for nothing that happens.
+    continuation: bool = False
+
     def tables(self, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return self.seqs, self.ctx, self.ptok, self.psq
+
+    def window(self, d0: int, d1: int) -> "StepLoad":
+        """Steps ``d0 + 1 .. d1`` as steps ``1 .. d1 - d0`` of their own run; with ``d0 = 0``
+        the run's own start, prefill included."""
+        if d0 == 0:
+            cols = slice(0, d1 + 1)
+            return StepLoad(self.seqs[:, cols], self.ctx[:, cols], self.ptok[:, cols],
+                            self.psq[:, cols])
+        idle = np.zeros((self.seqs.shape[0], 1))
+        cols = slice(d0 + 1, d1 + 1)
+        return StepLoad(np.hstack([idle, self.seqs[:, cols]]),   # contexts are absolute
+                        np.hstack([idle, self.ctx[:, cols]]),
+                        np.hstack([idle, self.ptok[:, cols]]), np.hstack([idle, self.psq[:, cols]]),
+                        continuation=True)
 
 
 def with_padding(scenario, padded: bool):

@@ -437,6 +437,24 @@ def test_compare_on_a_request_list_traces_every_batch_of_every_queue(tmp_path, c
     names = [e["args"]["name"] for e in t["traceEvents"] if e.get("name") == "process_name"]
     batches = results[0]["requests"]["batches"]
     assert names == [f"{i + 1}. S1 batch {b}" for i, b in enumerate(range(batches))] + [
-        f"{batches + 1}. S1:refill batch 0"]
+        f"{batches + 1}. S1:refill window 0"]
     assert main(["compare", path, "--check"]) == 2
     assert "request list" in capsys.readouterr().err
+
+
+def test_a_long_refill_run_is_simulated_in_windows_that_agree_with_one(tmp_path, monkeypatch):
+    """Memory stays one window's: the windows, each starting with an empty pipeline, give the
+    one-program run's figures within a fraction of a percent, and every request's tokens."""
+    from taskgraph import queue
+
+    rows = [(30, 12), (30, 2), (20, 3), (40, 9), (25, 11), (35, 1), (30, 7), (20, 3)] * 6
+    sc = _queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}", extra=", refill: true")
+    whole = queue.simulate_queue(sc)
+    monkeypatch.setattr(queue, "_WINDOW_TASKS", 1)         # the smallest windows: 8 steps
+    parts = queue.simulate_queue(sc)
+    assert whole.summary["requests"]["windows"] == 1
+    assert parts.summary["requests"]["windows"] > 3
+    assert parts.summary["requests"]["generated_tokens"] == sum(g for _, g in rows)
+    assert parts.summary["makespan_s"] == pytest.approx(whole.summary["makespan_s"], rel=0.02)
+    for rid, t in whole.finish_s.items():
+        assert parts.finish_s[rid] == pytest.approx(t, rel=0.05, abs=1e-4)
