@@ -26,11 +26,9 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
+from taskgraph.compiled import KIND_NAMES, Program
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-
-from taskgraph.builder import TaskKey
-from taskgraph.compiled import KIND_NAMES, Program
 from taskgraph.work import PAGED, TRANSFERS, WEIGHT_SECTIONS
 
 _STREAM_INFO = {
