@@ -52,6 +52,10 @@ class PairResult:
                                     / self.measured["throughput_tok_s"] - 1, 4),
                 "per_task_median": {k: round(v["error"], 4) for k, v in self.per_kind.items()},
             },
+            # each task kind's median duration, simulated and measured (ms)
+            "per_kind_median_ms": {k: {"simulated": round(v["simulated_s"] * 1e3, 6),
+                                       "measured": round(v["measured_s"] * 1e3, 6)}
+                                   for k, v in self.per_kind.items()},
         }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 
 pytest.importorskip("torch")
@@ -75,6 +77,17 @@ def test_validate_end_to_end(profile, tmp_path, capsys):
     assert procs == ["1. S1 mu=2 simulated", "2. S1 mu=2 measured", "3. S3 mu=2 simulated",
                      "4. S3 mu=2 measured"]
     assert plot.stat().st_size > 10_000
+    # each kind's measured median is the median of that kind's slices in the measured trace
+    pid = next(e["pid"] for e in loaded["traceEvents"]
+               if e["name"] == "process_name" and e["args"]["name"] == "2. S1 mu=2 measured")
+    medians = out["pairs"][0]["per_kind_median_ms"]
+    for kind in ("PreAttn", "CPUAttn", "PostAttn"):
+        durs = [e["dur"] for e in loaded["traceEvents"]
+                if e["ph"] == "X" and e["pid"] == pid and e["name"] == kind]
+        assert medians[kind]["measured"] == pytest.approx(np.median(durs) / 1e3, abs=2e-6)
+        sim, meas = medians[kind]["simulated"], medians[kind]["measured"]
+        assert out["pairs"][0]["error"]["per_task_median"][kind] == pytest.approx(
+            sim / meas - 1, abs=1e-3)
 
 
 def test_validate_and_calibrate_bad_input(capsys, tmp_path):
