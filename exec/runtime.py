@@ -23,7 +23,7 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    post_attention, pre_attention, prefill_layer, rotate_qkv,
                                    split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import KINDS, WEIGHT_SECTIONS
+from taskgraph.work import KINDS, PAGED, WEIGHT_SECTIONS
 
 
 class Runtime:
@@ -36,6 +36,10 @@ class Runtime:
     an unpadded run. ``record_logits`` keeps every step's logits (for checking against another
     implementation).
 
+    ``last_steps`` (one per micro-batch) is the last step a micro-batch's requests need, -1 for
+    one holding none: its tasks of later steps do nothing (they are still scheduled and timed),
+    as the simulator prices a micro-batch whose requests have all finished.
+
     ``zero_copy`` (CPU backend only) runs the CPU executor as a CPU inference engine rather than
     a transfer emulator: device and host buffers are one (weights are read where they lie, the
     KV cache and hidden states have one copy), and every transfer task is a no-op, still
@@ -47,7 +51,7 @@ class Runtime:
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, pin_memory: bool = False,
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
-                 zero_copy: bool = False):
+                 zero_copy: bool = False, last_steps: list[int] | None = None):
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
@@ -74,6 +78,7 @@ class Runtime:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
 
         self.zero_copy = zero_copy
+        self.last_steps = last_steps
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS}
         if zero_copy:
             self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
@@ -118,6 +123,9 @@ class Runtime:
     # --- the tasks ---------------------------------------------------------------------------
 
     def run(self, step: int, kind: str, layer: int, index: int) -> None:
+        if (self.last_steps is not None and kind not in PAGED
+                and step > self.last_steps[index]):
+            return                       # every request of this micro-batch has finished
         self._tasks[kind](step, layer, index)
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

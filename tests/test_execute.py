@@ -237,3 +237,26 @@ def test_profile_needs_a_trace(capsys):
 
     assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--profile"]) == 2
     assert "--profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S3", "S4"])
+def test_micro_batches_past_their_last_step_are_skipped(schedule):
+    """As the simulator prices them: a micro-batch whose requests have all finished does no
+    work in later steps (its LM head writes no token), one that holds none does nothing at all,
+    and the others compute exactly what the reference computes."""
+    steps = 3
+    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 2, "r_w": 0.0, "r_c": 0.0},
+              workload={"prompt_len": 6, "gen_len": steps})
+    plan = make_plan(sc, schedule)
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(6, 6, sc.model.V, seed=2)
+    last = [1, steps, -1]
+    rt = Runtime(plan, w, prompts, torch.device("cpu"), last_steps=last)
+    run = execute(compile_plan(plan), rt)
+    assert run.finished.all() and run.failure is None
+    tokens = rt.outputs()[0]
+    ref = reference_forward(w, prompts, 2, steps)
+    assert torch.equal(tokens[0:2, :2], ref.tokens[0:2, :2])
+    assert (tokens[0:2, 2:] == 0).all()
+    assert torch.equal(tokens[2:4], ref.tokens[2:4])
+    assert (tokens[4:6] == 0).all()
