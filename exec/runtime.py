@@ -19,9 +19,9 @@ import math
 import torch
 
 from taskgraph.builder import Plan
-from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, lm_head,
-                                   post_attention, pre_attention, prefill_layer, rotate_qkv,
-                                   split_qkv)
+from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, experts,
+                                   lm_head, post_attention, pre_attention, prefill_attention,
+                                   prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.work import KINDS, PAGED, WEIGHT_SECTIONS
 
@@ -46,7 +46,7 @@ class Runtime:
     scheduled and timed, so the graph, its order and its trace are unchanged."""
 
     #: Task kinds that only move data between host and device.
-    TRANSFERS = frozenset({"D1", "D2", "D3", "D4", "KVOut", "W_CtoPin"})
+    TRANSFERS = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "KVOut", "W_CtoPin"})
 
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, pin_memory: bool = False,
@@ -67,7 +67,9 @@ class Runtime:
         self.lens_host = [lens[j * self.mu:(j + 1) * self.mu] for j in range(self.n)]
         self.rope = Rope(m, device)
         dtype = weights.embed.dtype
-        numel = weights.layer_numel
+        # Elements of a layer that live on the device (all, or all but the experts when they
+        # run on the CPU): resident below `cut`, streamed in `pages` above it.
+        numel = math.ceil(plan.layout.extent_bytes / m.dtype_bytes)
         self.cut, self.pages = _page_elements(plan, numel)
         self._check_pages()
 
@@ -78,6 +80,7 @@ class Runtime:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
 
         self.zero_copy = zero_copy
+        self.pin_memory = pin_memory
         self.last_steps = last_steps
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS}
         if zero_copy:
@@ -113,6 +116,8 @@ class Runtime:
         else:
             self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
             self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
+        if plan.schedule.ffn == "cpu":
+            self._ffn_buffers(dev, host, zero_copy)
         # Outputs stay on the device until the run ends (reading them back mid-run would stall
         # a stream).
         self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
@@ -215,6 +220,75 @@ class Runtime:
         self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],
                                        self._view(s, l), self.m))
 
+    # --- FFN on the CPU (S5): rows are a micro-batch's prompt tokens in prefill, else its
+    # sequences
+
+    def _ffn_buffers(self, dev, host, zero_copy: bool) -> None:
+        m, rows = self.m, self.mu * self.P
+        self.attn_prefill = [dev(rows, m.q_dim) for _ in range(self.n)]
+        self.normed = [dev(rows, m.h) for _ in range(self.n)]
+        self.gates = [dev(rows, m.k) for _ in range(self.n)]
+        self.expert_ids = [torch.zeros(rows, m.k, dtype=torch.long, device=self.device)
+                           for _ in range(self.n)]
+        self.ffn_out_host = [host(rows, m.h) for _ in range(self.n)]
+        if zero_copy:
+            self.normed_host, self.gates_host = self.normed, self.gates
+            self.expert_ids_host, self.ffn_out = self.expert_ids, self.ffn_out_host
+        else:
+            self.normed_host = [host(rows, m.h) for _ in range(self.n)]
+            self.gates_host = [host(rows, m.k) for _ in range(self.n)]
+            self.expert_ids_host = [torch.zeros(rows, m.k, dtype=torch.long,
+                                                pin_memory=self.pin_memory)
+                                    for _ in range(self.n)]
+            self.ffn_out = [dev(rows, m.h) for _ in range(self.n)]
+        empty = torch.empty(0, dtype=self.w.embed.dtype)
+        self._host_views = [LayerView(m, flat, empty) for flat in self.w.layers]
+
+    def _hidden(self, s: int, j: int) -> torch.Tensor:
+        """The residual stream of micro-batch j as rows [T, h]: a view, updated in place."""
+        return self.x_prefill[j].view(-1, self.m.h) if s == 0 else self.x[j]
+
+    def _PrefillAttn(self, s: int, l: int, j: int) -> None:
+        rows = slice(j * self.mu, (j + 1) * self.mu)
+        if l == 0:               # the residual stream starts at the prompts' embeddings
+            self.x_prefill[j].copy_(self.embed[self.prompts[rows]])
+        attn, k, v = prefill_attention(self.x_prefill[j], self.norms[l][0], self._view(s, l),
+                                       self.m, self.rope, self.lens[j] if self.ragged else None)
+        self.attn_prefill[j].copy_(attn)
+        K, V = self._device_kv(s, l, j)
+        K[:, :self.P].copy_(k)
+        V[:, :self.P].copy_(v)
+
+    def _Route(self, s: int, l: int, j: int) -> None:
+        x, W = self._hidden(s, j), self._view(s, l)
+        x += (self.attn_prefill[j] if s == 0 else self.attn[j]) @ W["o"].T
+        normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
+        ids, gates = route(normed, W, self.m)
+        T = x.shape[0]
+        self.normed[j][:T].copy_(normed)
+        self.expert_ids[j][:T].copy_(ids)
+        self.gates[j][:T].copy_(gates)
+
+    def _D5(self, s: int, l: int, j: int) -> None:
+        T = self._hidden(s, j).shape[0]
+        self.normed_host[j][:T].copy_(self.normed[j][:T], non_blocking=True)
+        self.expert_ids_host[j][:T].copy_(self.expert_ids[j][:T], non_blocking=True)
+        self.gates_host[j][:T].copy_(self.gates[j][:T], non_blocking=True)
+
+    def _CPUFFN(self, s: int, l: int, j: int) -> None:
+        T = self.mu * self.P if s == 0 else self.mu
+        self.ffn_out_host[j][:T].copy_(experts(
+            self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
+            self._host_views[l], self.m))
+
+    def _D6(self, s: int, l: int, j: int) -> None:
+        T = self._hidden(s, j).shape[0]
+        self.ffn_out[j][:T].copy_(self.ffn_out_host[j][:T], non_blocking=True)
+
+    def _Merge(self, s: int, l: int, j: int) -> None:
+        x = self._hidden(s, j)
+        x += self.ffn_out[j][:x.shape[0]]
+
     def _D3(self, s: int, l: int, page: int) -> None:
         a, b = self.pages[page]
         dst = self.halves[(s * self.L + l) % 2][a - self.cut:b - self.cut]
@@ -237,8 +311,11 @@ class Runtime:
         layout = self.plan.layout
         sections = {s.name: (s.offset, s.offset + s.size) for s in layer_sections(self.m)}
         groups = {"qkv": ("q", "k", "v"), "post": tuple(n for n in sections if n not in ("q", "k", "v")),
-                  "all": tuple(sections)}
-        for section in set(WEIGHT_SECTIONS.values()):
+                  "route": ("o", "router"), "all": tuple(sections)}
+        sched = self.plan.schedule
+        launched = {op.kind for loop in (*sched.prefill, *sched.decode_prologue)
+                    for op in loop.ops} | {op.kind for op in sched.decode}
+        for section in {WEIGHT_SECTIONS[k] for k in launched if k in WEIGHT_SECTIONS}:
             allowed = set(layout.pages_for(section))
             for name in groups[section]:
                 a, b = sections[name]

@@ -153,11 +153,21 @@ def decode_attention_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
-    """Top-k routed SwiGLU experts (Mixtral): x [T, h] -> [T, h]. The router's softmax runs in
+    """Top-k routed SwiGLU experts (Mixtral): x [T, h] -> [T, h]."""
+    return experts(x, *route(x, W, m), W, m)
+
+
+def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: each token's top-k experts [T, k] and their gates [T, k]. The softmax runs in
     fp32 over all experts, then the top k are renormalised, as transformers does."""
     probs = (x @ W["router"].T).float().softmax(-1)
     top, idx = probs.topk(m.k, dim=-1)
-    gates = (top / top.sum(-1, keepdim=True)).to(x.dtype)
+    return idx, (top / top.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerView,
+            m: ModelSpec) -> torch.Tensor:
+    """The routed SwiGLU experts: x [T, h] with each token's experts and gates -> [T, h]."""
     # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
     # instead of a unique() and a nonzero() per expert.
     flat = idx.reshape(-1)
@@ -192,8 +202,19 @@ def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: 
     rotated. Prompts shorter than P (`lens` [B]) are right-padded: their padding columns are
     masked out of every real token's attention and their outputs are ignored."""
     B, P, _ = x.shape
+    attn, k, v = prefill_attention(x, norms[0], W, m, rope, lens)
+    out = post_attention(x.reshape(B * P, m.h), attn, norms[1], W, m)
+    return out.reshape(B, P, m.h), k, v
+
+
+def prefill_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView, m: ModelSpec,
+                      rope: Rope, lens: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, QKV and causal attention over whole prompts: x [B, P, h] -> (attention output
+    [B*P, q_dim], k, v [B, P, n_kv, d], k rotated), padding masked as in prefill_layer."""
+    B, P, _ = x.shape
     positions = torch.arange(P, device=x.device)
-    q, k, v = split_qkv(rotate_qkv(pre_attention(x, norms[0], W), positions, rope, m), m)
+    q, k, v = split_qkv(rotate_qkv(pre_attention(x, norm, W), positions, rope, m), m)
     mask = None
     if lens is not None:
         cols = torch.arange(P, device=x.device)
@@ -201,9 +222,7 @@ def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: 
         mask = (causal[None] & (cols[None, None, :] < lens[:, None, None]))[:, None]
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    attn = attn.transpose(1, 2).reshape(B * P, m.q_dim)
-    out = post_attention(x.reshape(B * P, m.h), attn, norms[1], W, m)
-    return out.reshape(B, P, m.h), k, v
+    return attn.transpose(1, 2).reshape(B * P, m.q_dim), k, v
 
 
 def decode_mask(lens: torch.Tensor, P: int, columns: int) -> torch.Tensor:

@@ -71,7 +71,8 @@ class Plan:
     def layout(self) -> WeightLayout:
         streamed = self.scenario.policy.r_w < 1.0
         pages = (self.n if self.schedule.paged else 1) if streamed else 0
-        return WeightLayout(self.scenario.model, self.scenario.policy.r_w, pages)
+        return WeightLayout(self.scenario.model, self.scenario.policy.r_w, pages,
+                            streams_experts=self.schedule.ffn == "gpu")
 
     @cached_property
     def work(self) -> TaskWork:
@@ -165,15 +166,30 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     s, kind, l, j = t
     L, sched = plan.L, plan.schedule
     K = TaskKey
-    if kind == "Prefill":
-        deps = [K(0, "Prefill", l - 1, j)] if l else []
+    # What ends a layer: the MoE FFN's output back in the hidden state.
+    cpu_ffn = sched.ffn == "cpu"
+    end = "Merge" if cpu_ffn else "PostAttn"
+    prefill_end = "Merge" if cpu_ffn else "Prefill"
+    prefill_attn = "PrefillAttn" if cpu_ffn else "Prefill"
+    if kind in ("Prefill", "PrefillAttn"):
+        deps = [K(0, prefill_end, l - 1, j)] if l else []
     elif kind == "KVOut":
         # Copies the new K,V out of the GPU KV slot, where prefill or GPU attention put them.
-        deps = [K(0, "Prefill", l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
+        deps = [K(0, prefill_attn, l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
     elif kind == "LMHead":
-        deps = [K(0, "Prefill", L - 1, j)] if s == 0 else [K(s, "PostAttn", L - 1, j)]
+        deps = [K(0, prefill_end, L - 1, j)] if s == 0 else [K(s, end, L - 1, j)]
     elif kind == "PreAttn":
-        deps = [K(s, "PostAttn", l - 1, j)] if l else [K(s - 1, "LMHead", L - 1, j)]
+        deps = [K(s, end, l - 1, j)] if l else [K(s - 1, "LMHead", L - 1, j)]
+    elif kind == "Route":
+        deps = [K(0, "PrefillAttn", l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
+    elif kind == "D5":
+        deps = [K(s, "Route", l, j)]
+    elif kind == "CPUFFN":
+        deps = [K(s, "D5", l, j)]
+    elif kind == "D6":
+        deps = [K(s, "CPUFFN", l, j)]
+    elif kind == "Merge":
+        deps = [K(s, "D6", l, j)]
     elif kind == "D1":
         deps = [K(s, "PreAttn", l, j)]
     elif kind == "CPUAttn":
@@ -238,7 +254,7 @@ def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callabl
     # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; with GPU
     # attention, decode prefetches the KV cache into them (D4) for GPUAttn, which appends the new
     # K,V that KVOut copies back.
-    kv = _Ring("kv", ("Prefill", "D4"), sched.kv_slots, plan.n, L)
+    kv = _Ring("kv", ("Prefill", "PrefillAttn", "D4"), sched.kv_slots, plan.n, L)
     rings.append(kv)
     for kind in ("GPUAttn", "KVOut"):
         readers.setdefault(kind, []).append((kv, same_item(kv)))

@@ -70,13 +70,16 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     prompt = w.context_prompt
     context = prompt + sc.decode_steps
     kv_all = N * m.L * context * m.kv_bytes_per_token
-    streamed = (1 - r_w) * m.layer_bytes
+    # With the FFN on the CPU the experts never leave host memory; r_w covers the rest.
+    experts_on_cpu = m.E * m.expert_bytes if schedule.ffn == "cpu" else 0
+    extent = m.layer_bytes - experts_on_cpu
+    streamed = (1 - r_w) * extent
 
     decode_act = b * mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
     prefill_act = b * (mu * prompt * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
                        + mu * m.n_q * prompt * prompt)  # attention scores, not fused
     gpu = {
-        "resident weights (r_w)": r_w * m.L * m.layer_bytes,
+        "resident weights (r_w)": r_w * m.L * extent,
         "embedding + LM head": float(m.embed_bytes),
         "weight double buffer": 2 * streamed,
         "activations (one micro-batch)": float(max(decode_act, prefill_act)),
@@ -88,12 +91,16 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     else:   # prefill's K,V pass through the slots on their way to the CPU cache
         gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token)
     cpu = {
-        "weights (1 - r_w)": (1 - r_w) * m.L * m.layer_bytes,
+        "weights (1 - r_w)": (1 - r_w) * m.L * extent,
         "KV cache (1 - r_c)": (1 - r_c) * kv_all,
         "hidden-state buffers": 2 * b * N * (2 * m.h + 2 * m.h_kv),
     }
     if schedule.staging:
         cpu["pinned staging"] = schedule.pin_slots * streamed / np.maximum(n_pages, 1)
+    if experts_on_cpu:
+        cpu["experts (FFN on the CPU)"] = float(m.L * experts_on_cpu)
+        # a micro-batch's prompt tokens in and out of the CPU experts, in prefill
+        cpu["expert FFN buffers"] = float(b * mu * prompt * (2 * m.h + 2 * m.k * m.h_i))
     return gpu, cpu
 
 

@@ -70,8 +70,9 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
-                                        F_g=1, r_w=r_w, r_c=r_c)
-    work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0))
+                                        F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
+    work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0,
+                                               streams_experts=schedule.ffn == "gpu"))
     contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
 
     decode = _per_layer_time(schedule, schedule.decode, work, cost, n, n_pages, L, contexts,

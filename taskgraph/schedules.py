@@ -47,6 +47,8 @@ _STREAMS = {
     "Prefill": "gpu", "PreAttn": "gpu", "GPUAttn": "gpu", "PostAttn": "gpu", "LMHead": "gpu",
     "CPUAttn": "cpu", "D1": "d2h", "KVOut": "d2h", "D2": "h2d", "D3": "h2d", "D4": "h2d",
     "W_CtoPin": "pin",
+    "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
+    "D6": "h2d",
 }
 
 
@@ -73,6 +75,9 @@ class Schedule:
     placement: dict[str, float] = field(default_factory=dict)
     # At most this many micro-batches (0: any); choosing the schedule caps N at mu times it.
     max_micro_batches: int = 0
+    # Where the routed experts run: "gpu" (their weights cross the link) or "cpu" (F_g = 0:
+    # they stay in host memory and the CPU computes them).
+    ffn: Literal["gpu", "cpu"] = "gpu"
 
 
 #: What each placement field decides, for messages.
@@ -166,4 +171,27 @@ DS = Schedule(
     streams=S4.streams,
 )
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS)}
+_EXPERTS_ON_CPU = (Op("Route", ahead=1), Op("D5", ahead=1), Op("CPUFFN", ahead=1))
+
+S5 = Schedule(
+    name="S5", title="FFN on the CPU",
+    summary="attention and routing on the GPU, the routed experts on the CPU where their weights "
+            "lie (Fiddler, kTransformers); the next micro-batch's attention overlaps this one's "
+            "experts, and only attention and router weights cross the link",
+    attention="gpu", paged=False, staging=False, ffn="cpu", min_micro_batches=2,
+    placement={"A_g": 1, "F_g": 0},
+    prefill=(Loop("once", (Op("D3"),)),
+             Loop("layers", (Op("D3", layer=1, when="first"), Op("PrefillAttn"), Op("KVOut"),
+                             Op("Route"), Op("D5"), Op("CPUFFN"), Op("D6"), Op("Merge"),
+                             _LMHEAD))),
+    # Micro-batch 1's attention and routing run before micro-batch 0's merge, so the GPU works
+    # while the CPU computes experts.
+    decode_prologue=(Loop("once", (Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"),
+                                   Op("Route"), Op("D5"), Op("CPUFFN"))),),
+    decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn", ahead=1),
+            Op("GPUAttn", ahead=1), Op("KVOut", ahead=1), *_EXPERTS_ON_CPU, Op("D6"),
+            Op("Merge"), _LMHEAD),
+    streams=dict(_STREAMS, D4="h2d_kv"),
+)
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5)}

@@ -35,12 +35,22 @@ KINDS: dict[str, str] = {
     "D3": "a page of a layer's streamed weights, CPU -> GPU",
     "W_CtoPin": "a page of weights, pageable CPU memory -> pinned staging buffer",
     "LMHead": "final norm + LM head + sampling of one micro-batch",
+    # FFN on the CPU (S5): the GPU routes, the CPU runs the experts where their weights lie.
+    "PrefillAttn": "one layer's RMSNorm, QKV and causal attention over the prompt, on the GPU",
+    "Route": "O projection + residual + RMSNorm + router (top-k) on the GPU",
+    "D5": "normed hidden state and routing of a micro-batch, GPU -> CPU",
+    "CPUFFN": "top-k SwiGLU experts on the CPU, reading their weights in host memory",
+    "D6": "expert output of a micro-batch, CPU -> GPU",
+    "Merge": "residual add of the expert output on the GPU",
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4"})
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
-WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post"}
+WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
+                                   "PrefillAttn": "qkv", "Route": "route"}
+#: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
+_EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
 
@@ -66,27 +76,37 @@ class WeightLayout:
     model: ModelSpec
     r_w: float
     n_pages: int
+    # False (FFN on the CPU): the experts never leave host memory; r_w and the pages cover the
+    # rest of the layer (qkv | o | router).
+    streams_experts: bool = True
+
+    @property
+    def extent_bytes(self) -> float:
+        """The bytes of a layer that live on the GPU, resident or streamed."""
+        m = self.model
+        return m.layer_bytes if self.streams_experts else m.layer_bytes - m.E * m.expert_bytes
 
     @property
     def resident_bytes(self) -> float:
-        return self.r_w * self.model.layer_bytes
+        return self.r_w * self.extent_bytes
 
     @property
     def streamed_bytes(self) -> float:
-        return self.model.layer_bytes - self.resident_bytes
+        return self.extent_bytes - self.resident_bytes
 
     @property
     def page_bytes(self) -> float:
         return self.streamed_bytes / self.n_pages if self.n_pages else 0.0
 
     def pages_for(self, section: str) -> range:
-        """Pages that hold any byte of a section ('qkv', 'post' or 'all')."""
+        """Pages that hold any byte of a section ('qkv', 'route', 'post' or 'all')."""
         if not self.n_pages:
             return range(0)
         m = self.model
         lo, hi = {"qkv": (0, m.qkv_bytes), "post": (m.qkv_bytes, m.layer_bytes),
+                  "route": (m.qkv_bytes, m.qkv_bytes + m.o_bytes + m.router_bytes),
                   "all": (0, m.layer_bytes)}[section]
-        lo = max(lo, self.resident_bytes)
+        lo, hi = max(lo, self.resident_bytes), min(hi, self.extent_bytes)
         if hi <= lo:
             return range(0)
         first = int((lo - self.resident_bytes) // self.page_bytes)
@@ -128,6 +148,9 @@ class TaskWork:
             # Prefill writes the prompt's K,V to the CPU; decode (GPU attention) one token's.
             tokens = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
             return Work(bytes=(1 - self.p.r_c) * tokens * self.m.kv_bytes_per_token)
+        if kind in _EITHER_PHASE:
+            return getattr(self, "_" + kind)(
+                self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted)
         return getattr(self, "_" + kind)()
 
     # Decode, one micro-batch of `seqs` sequences, one layer.
@@ -172,6 +195,32 @@ class TaskWork:
     def _LMHead(self) -> Work:
         m, mu, b = self.m, self.load.seqs, self.m.dtype_bytes
         return Work(flops=2 * mu * m.h * m.V, bytes=b * m.V * m.h + b * mu * (m.h + m.V))
+
+    # FFN on the CPU (S5), over `t` tokens: the prompt's in prefill, one per sequence in decode.
+    def _PrefillAttn(self, t: Number) -> Work:
+        m, b = self.m, self.m.dtype_bytes
+        return Work(flops=2 * t * m.h * (m.q_dim + 2 * m.h_kv) + 2 * self.load.prompt_sq * m.q_dim,
+                    bytes=m.qkv_bytes + b * t * (2 * m.h + 2 * m.q_dim + 2 * m.h_kv))
+
+    def _Route(self, t: Number) -> Work:
+        m, b = self.m, self.m.dtype_bytes
+        return Work(flops=2 * t * m.q_dim * m.h + 2 * t * m.h * m.E,
+                    bytes=m.o_bytes + m.router_bytes + b * t * (m.q_dim + 3 * m.h))
+
+    def _D5(self, t: Number) -> Work:
+        # the normed hidden state, the k expert ids (int64) and gates
+        return Work(bytes=t * (self.m.dtype_bytes * (self.m.h + self.m.k) + 8 * self.m.k))
+
+    def _CPUFFN(self, t: Number) -> Work:
+        m, b = self.m, self.m.dtype_bytes
+        return Work(flops=6 * t * m.k * m.h * m.h_i,
+                    bytes=m.experts_hit(t) * m.expert_bytes + b * t * (2 * m.h + 2 * m.k * m.h_i))
+
+    def _D6(self, t: Number) -> Work:
+        return Work(bytes=self.m.dtype_bytes * t * self.m.h)
+
+    def _Merge(self, t: Number) -> Work:
+        return Work(flops=t * self.m.h, bytes=3 * self.m.dtype_bytes * t * self.m.h)
 
     # Weights.
     def _D3(self) -> Work:

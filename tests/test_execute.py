@@ -29,6 +29,8 @@ POLICIES = [
     ("S4", 3, 3, 0.25, 0.0),
     ("DS", 4, 4, 0.0, 1.0),      # one micro-batch, the whole KV cache on the GPU
     ("DS", 3, 3, 0.4, 1.0),
+    ("S5", 6, 2, 0.0, 0.0),      # the experts on the CPU
+    ("S5", 4, 2, 0.5, 0.5),
 ]
 
 
@@ -57,7 +59,8 @@ def test_every_schedule_computes_what_the_reference_computes(schedule, N, mu, r_
 
 
 @pytest.mark.parametrize("schedule,N,mu,r_c", [("S1", 8, 2, 0.0), ("S2", 8, 2, 0.0),
-                                               ("S4", 8, 2, 0.0), ("DS", 4, 4, 1.0)])
+                                               ("S4", 8, 2, 0.0), ("DS", 4, 4, 1.0),
+                                               ("S5", 8, 2, 0.0)])
 def test_random_delays_do_not_change_the_numbers(schedule, N, mu, r_c):
     rng = random.Random(7)
     delays = {}

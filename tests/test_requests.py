@@ -216,7 +216,7 @@ def test_longer_prompts_cost_more_prefill(tmp_path):
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 6)), min_size=1, max_size=20),
-       st.sampled_from(["S1", "S2", "S3", "S4", "DS"]), st.booleans())
+       st.sampled_from(["S1", "S2", "S3", "S4", "DS", "S5"]), st.booleans())
 def test_simulated_queues_keep_the_invariants(tmp_path_factory, rows, schedule, padded):
     """Every request finishes exactly once with its own tokens; in every batch no task starts
     before its stream's previous one ends, the makespan covers the busiest resource, and the

@@ -148,7 +148,7 @@ def test_a_schedule_chosen_on_the_command_line_sets_its_placement(capsys, argv):
 
 @pytest.mark.parametrize("argv, words", [
     (["--schedule", "S4", "--set", "policy.A_g=0"], ["--set policy.A_g=0", "S4", "S1, S2, S3"]),
-    (["--set", "policy.A_g=1"], ["--set policy.A_g=1", "schedule S1", "(S4, DS)"]),
+    (["--set", "policy.A_g=1"], ["--set policy.A_g=1", "schedule S1", "(S4, DS, S5)"]),
     (["--schedule", "S1", "--set", "policy.r_c=0.25"], ["--set policy.r_c=0.25", "KV cache"]),
 ])
 def test_an_explicit_conflicting_set_names_both(capsys, argv, words):
@@ -170,7 +170,7 @@ def test_a_file_that_contradicts_its_own_schedule_is_refused(tmp_path, capsys):
 def test_compare_and_execute_place_each_schedule(capsys):
     assert main(["compare", "scenarios/tiny.yaml", "--json"]) == 0
     placed = {r["schedule"]: r["policy"]["A_g"] for r in json.loads(capsys.readouterr().out)["results"]}
-    assert placed == {"S1": 0, "S2": 0, "S3": 0, "S4": 1, "DS": 1}
+    assert placed == {"S1": 0, "S2": 0, "S3": 0, "S4": 1, "DS": 1, "S5": 1}
     # A --set binds every schedule compared: r_c on the GPU suits S4 alone.
     assert main(["compare", "scenarios/tiny.yaml", "--schedules", "S4",
                  "--set", "policy.r_c=0.5", "--json"]) == 0

@@ -44,7 +44,7 @@ def _setup(schedule, device="cpu"):
     return plan, compile_plan(plan), rt, reference_forward(w, prompts, 2, 2)
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS", "S5"])
 def test_stream_protocol_reproduces_the_reference(schedule, tmp_path):
     plan, program, rt, ref = _setup(schedule)
     rng = random.Random(3)
@@ -60,7 +60,7 @@ def test_stream_protocol_reproduces_the_reference(schedule, tmp_path):
     assert check_trace(load_trace(path)) == []
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS", "S5"])
 def test_asynchronous_queues_reproduce_the_reference(schedule):
     """Launches return before the work runs, queues drift apart: the events the dispatcher
     records and waits on are all that orders the work, as on a GPU."""
@@ -93,7 +93,7 @@ def test_asynchronous_queues_catch_a_missing_synchronisation():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS", "S5"])
 def test_cuda_backend_reproduces_the_reference(schedule):
     plan, program, rt, ref = _setup(schedule, "cuda")
     run = execute(program, rt, CudaDevice(torch))

@@ -26,7 +26,7 @@ CONTRACT = {"scenario", "schedule", "policy", "throughput_tok_s", "prefill_s", "
             "decode_layer_ms", "hrm_layer_ms", "utilization", "memory", "tasks", "wall_s"}
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS", "S5"])
 def test_trace_follows_perfetto_rules(tmp_path, schedule):
     sc = tiny(schedule=schedule)
     sim = simulate_scenario(sc, schedule)

@@ -65,7 +65,8 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
     return scenario_from_dict({
         "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": dtype_bytes},
         "hardware": "t4", "workload": {"prompt_len": P, "gen_len": steps},
-        "policy": {"N": N, "mu": mu, "A_g": int(schedule in ("S4", "DS")),
+        "policy": {"N": N, "mu": mu, "A_g": int(schedule in ("S4", "DS", "S5")),
+                   "F_g": int(schedule != "S5"),
                    "r_w": 0.3 if schedule == "S1" else 0.0},
         "schedule": schedule})
 
@@ -115,7 +116,7 @@ MODES = [("cpu", False), ("cpu", True)] + [(d, False) for d in DEVICES if d != "
 
 @pytest.mark.parametrize("device,zero_copy", MODES,
                          ids=["emulating", "zero-copy"] + DEVICES[1:])
-@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS", "S5"])
 def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, device, zero_copy):
     folder, prompts, lens, expected = checkpoint
     tokens, step_logits, w = run_tg(folder, schedule, prompts, lens, zero_copy=zero_copy,
