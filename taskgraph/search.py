@@ -4,8 +4,8 @@ by simulation.
 The grid is enumerated per (schedule, mu, r_w, r_c), vectorised over the number of micro-batches
 (N = n * mu), filtered by the one memory model and ranked by the HRM prediction of end-to-end
 throughput (:mod:`taskgraph.predict`). Attention placement picks the schedule: CPU attention runs
-the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4. The MoE FFN
-stays on the GPU (F_g = 1): no schedule here runs it on the CPU.
+the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4, and GPU
+attention with the routed experts on the CPU (F_g = 0) runs S5.
 
 Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`SimJob`) for
 :func:`taskgraph.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
@@ -48,6 +48,7 @@ class Grid:
     r_c: tuple[float, ...] = R_C
     max_micro_batches: int = MAX_MICRO_BATCHES
     attention: tuple[str, ...] = ("cpu", "gpu")
+    ffn: tuple[str, ...] = ("gpu", "cpu")        # where the routed experts run (F_g = 1, 0)
 
 
 @dataclass
@@ -100,7 +101,8 @@ class GridJob:
         for name, mu, r_w, r_c in self.combos:
             schedule = SCHEDULES[name]
             cost = costs.get(name) or costs.setdefault(name, cost_model(self.scenario, name))
-            n = np.arange(_min_micro(self.scenario, schedule), self.max_micro_batches + 1)
+            n = np.arange(_min_micro(self.scenario, schedule),
+                          (schedule.max_micro_batches or self.max_micro_batches) + 1)
             considered += len(n)
             fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)
             if not fits.any():
@@ -128,7 +130,6 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(),
     best = ranked[0]
     result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
                           binding=_binding(scenario, best, grid.max_micro_batches))
-    result.notes.append("F_g=1 throughout: no schedule runs the MoE FFN on the CPU.")
     result.wall_s = time.perf_counter() - t0
     return result
 
@@ -244,22 +245,30 @@ class SimJob:
 
 def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:
     combos = []
-    for attention in grid.attention:
-        schedule = _schedule_for(scenario, attention)
+    for attention, ffn in ((a, f) for a in grid.attention for f in grid.ffn):
+        schedule = _schedule_for(scenario, attention, ffn)
+        if schedule is None:
+            continue
         for mu in grid.mu:
             for r_w in grid.r_w:
-                for r_c in (grid.r_c if attention == "gpu" else (0.0,)):
+                # where the schedule decides the KV cache's place (S1-S3, DS), only its own
+                r_cs = (schedule.placement["r_c"],) if "r_c" in schedule.placement else grid.r_c
+                for r_c in r_cs:
                     combos.append((schedule.name, mu, r_w, r_c))
     size = math.ceil(len(combos) / chunks)
     return [GridJob(scenario, tuple(combos[i:i + size]), grid.max_micro_batches)
             for i in range(0, len(combos), size)]
 
 
-def _schedule_for(scenario: Scenario, attention: str) -> Schedule:
+def _schedule_for(scenario: Scenario, attention: str, ffn: str = "gpu") -> Schedule | None:
+    """The schedule a search runs for an attention and FFN placement: the scenario's own where
+    it places them so, else CGOPipe (CPU attention), S4 (GPU attention) or S5 (GPU attention,
+    experts on the CPU); None where no schedule does (CPU attention with CPU experts)."""
     own = SCHEDULES[scenario.schedule]
-    if own.attention == attention:
+    if own.attention == attention and own.ffn == ffn:
         return own
-    return SCHEDULES["S1"] if attention == "cpu" else SCHEDULES["S4"]
+    return {("cpu", "gpu"): SCHEDULES["S1"], ("gpu", "gpu"): SCHEDULES["S4"],
+            ("gpu", "cpu"): SCHEDULES["S5"]}.get((attention, ffn))
 
 
 def _min_micro(scenario: Scenario, schedule: Schedule) -> int:
@@ -269,7 +278,8 @@ def _min_micro(scenario: Scenario, schedule: Schedule) -> int:
 
 
 def _policy(N: int, mu: int, schedule: Schedule, r_w: float, r_c: float) -> dict[str, Any]:
-    return {"N": int(N), "mu": int(mu), "A_g": int(schedule.attention == "gpu"), "F_g": 1,
+    return {"N": int(N), "mu": int(mu), "A_g": int(schedule.attention == "gpu"),
+            "F_g": int(schedule.ffn == "gpu"),
             "r_w": float(r_w), "r_c": float(r_c)}
 
 
