@@ -631,6 +631,8 @@ def _roofline(args: argparse.Namespace) -> int:
     lines = [f"wrote {args.out}"]
     lines += [f"  {k}: I = {v:.1f} FLOP/byte" for k, v in pts["turning_points"].items()]
     lines += [f"  {k}: I = {v:.1f}" for k, v in pts["intensities"].items()]
+    lines += [f"  {k} belongs on the {v} (its intensity against P1)"
+              for k, v in pts["verdicts"].items()]
     _console().print("\n".join(lines))
     return 0
 

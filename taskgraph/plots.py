@@ -51,14 +51,21 @@ def roofline_points(scenario: Scenario) -> dict[str, Any]:
         f"MoE FFN, batch of {pol.N} (weights over the link)":
             pol.N * ffn_flops_token / expert_weights,
     }
+    p1 = p_cpu / b_link
+    ffn = pol.N * ffn_flops_token / expert_weights
     return {
         "roofs": {"GPU compute": p_gpu, "CPU compute": p_cpu},
         "slopes": {"GPU memory": b_gpu, "CPU memory": b_cpu, "CPU->GPU link": b_link},
         "turning_points": {
-            "P1: moving data to the GPU pays off": p_cpu / b_link,
+            "P1: moving data to the GPU pays off": p1,
             "P2: GPU no longer link-bound": p_gpu / b_link,
         },
         "intensities": intensities,
+        # Below P1 the CPU computes the experts faster than their weights cross the link (S5).
+        "verdicts": {
+            "attention": "CPU" if attn_f / attn_b < p1 else "GPU",
+            "MoE FFN": "CPU (S5)" if ffn < p1 else "GPU",
+        },
     }
 
 

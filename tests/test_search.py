@@ -217,3 +217,20 @@ def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
     assert report["loss_vs_best"] == pytest.approx(
         1 - result.best.simulated_tok_s / simulated[0].simulated_tok_s, abs=1e-4)
     assert report["simulated"] == len(simulated)
+
+
+def test_the_roofline_and_the_search_agree_on_where_the_experts_run():
+    """The T4 as it is: attention on the CPU, experts on the GPU, and the search's best keeps
+    them there. A slow link and a strong host put P1 above the FFN's intensity: the roofline
+    sends the experts to the CPU, and the search, pricing whole schedules, picks S5."""
+    from taskgraph.plots import roofline_points
+
+    t4 = load_scenario("scenarios/t4.yaml")
+    assert roofline_points(t4)["verdicts"] == {"attention": "CPU", "MoE FFN": "GPU"}
+    assert search(t4, top=1).best.policy["F_g"] == 1
+    weak = load_scenario("scenarios/t4.yaml", ["hardware.link.h2d_gbps=4",
+                                               "hardware.link.d2h_gbps=4",
+                                               "hardware.cpu.tflops=6"])
+    assert roofline_points(weak)["verdicts"]["MoE FFN"] == "CPU (S5)"
+    best = search(weak, top=1).best
+    assert (best.schedule, best.policy["F_g"], best.policy["A_g"]) == ("S5", 0, 1)
