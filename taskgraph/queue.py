@@ -41,7 +41,7 @@ from taskgraph.schedules import RESOURCES, SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
-from taskgraph.simulation import _check_size
+from taskgraph.simulation import check_size
 from taskgraph.specs import Scenario
 from taskgraph.trace import TraceRun
 
@@ -173,7 +173,7 @@ def _simulate_refill(scenario: Scenario, memory, progress, keep_runs: bool) -> Q
         plan = dataclasses.replace(make_plan(sc), load=load.window(d0, d1))
         if d1 - d0 not in compiled:        # windows of one width share their task graph
             compiled[d1 - d0] = compile_plan(plan)
-            _check_size(compiled[d1 - d0].total)
+            check_size(compiled[d1 - d0].total)
         program = dataclasses.replace(compiled[d1 - d0], plan=plan)
         run = simulate_with_interference(program, cost_model(sc, schedule.name))
         batches.append(BatchRun(summarize(run, memory), offset, program if keep_runs else None,

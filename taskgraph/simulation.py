@@ -42,7 +42,7 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     memory = memory_footprint(plan)
     warnings = check_fits(memory, plan.schedule.name)
     program = compile_plan(plan)
-    _check_size(program.total)
+    check_size(program.total)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
     run = simulate_with_interference(program, cost_model(scenario, plan.schedule.name), tick)
@@ -58,7 +58,7 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
 _BYTES_PER_TASK = 150
 
 
-def _check_size(tasks: int) -> None:
+def check_size(tasks: int) -> None:
     """Refuse, with an estimate, a run that would not fit in this machine's memory, rather than
     run out of it part-way."""
     import os
