@@ -77,7 +77,7 @@ class ProtoWriter:
         if self.count >= self._BATCH:
             self.flush()
 
-    def _slice(self, pid, tid, name, cat, t0, t1, args, flows_out, flows_in) -> None:
+    def _slice(self, pid, tid, name, cat, t0, t1, args, flows, gid) -> None:
         begin = self._packet(t0).track_event
         begin.type = self._event.TYPE_SLICE_BEGIN
         begin.track_uuid = _THREAD + tid
@@ -92,8 +92,9 @@ class ProtoWriter:
                 note.int_value = value
             else:
                 note.double_value = value
-        begin.flow_ids.extend(flows_out)
-        begin.terminating_flow_ids.extend(flows_in)
+        if flows is not None:
+            begin.flow_ids.extend(flows.leaving(gid))
+            begin.terminating_flow_ids.extend(flows.entering(gid))
         end = self._packet(t1).track_event
         end.type = self._event.TYPE_SLICE_END
         end.track_uuid = _THREAD + tid

@@ -295,7 +295,7 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
     if "preset" in value:
         table, plural, elsewhere = _PRESETS[section]
         name = value.pop("preset")
-        if name not in table:
+        if not isinstance(name, str) or name not in table:
             raise TgError(
                 f"Invalid scenario {source}: {section} '{_short(name)}' is not a preset; known "
                 f"{plural}: {', '.join(table)}{elsewhere}."

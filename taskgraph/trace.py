@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import gzip
 import json
+from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -195,10 +197,11 @@ def _tid(run_index: int, stream_index: int) -> int:
 #
 # ("process", pid, name, sort_index)
 # ("thread", pid, tid, name, sort_index)
-# ("slice", pid, tid, name, cat, t0_ns, t1_ns, args, flows_out, flows_in); `args` is a tuple of
-#     (key, value) pairs, or already-formatted JSON text for the many task slices
+# ("slice", pid, tid, name, cat, t0_ns, t1_ns, args, flows, gid); `args` is a tuple of
+#     (key, value) pairs, or already-formatted JSON text for the many task slices; `flows`
+#     (a _Flows, or None) says which arrows leave and enter task `gid`
 # ("flow", id, pid, src_tid, s_ns, dst_tid, f_ns): Chrome's "s"/"f" points, strictly inside the
-#     slices whose flows_out / flows_in name the id
+#     slices they join
 # ("counter", pid, name, t_ns, value)
 
 def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[tuple]:
@@ -241,7 +244,6 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     copies = [kind in TRANSFERS or kind == "W_CtoPin" for kind in KIND_NAMES]
     tags = ["p" if kind in PAGED else "m" for kind in KIND_NAMES]
     idx_keys = ["page" if kind in PAGED else "micro_batch" for kind in KIND_NAMES]
-    out, into = flows.out, flows.into
     columns = zip(ids.tolist(), cols["kind"][ids].tolist(), cols["stream"][ids].tolist(),
                   prog.step[ids].tolist(), cols["layer"][ids].tolist(),
                   cols["index"][ids].tolist(), start_ns[ids].tolist(), end_ns[ids].tolist(),
@@ -253,8 +255,7 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
                 if copies[kind_i] else f'"flops":{int(fl)}')
         args = (f'{{"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
                 f'"layer":{layer},"{idx_keys[kind_i]}":{index},"bytes":{nb},{work}}}')
-        yield ("slice", pid, tids[sid], kind, cats[sid], t0, t1, args,
-               out.get(gid, ()), into.get(gid, ()))
+        yield ("slice", pid, tids[sid], kind, cats[sid], t0, t1, args, flows, gid)
 
 
 def _profiled(run: TraceRun, k: int, first: int, until_ns: int) -> Iterator[tuple]:
@@ -271,23 +272,50 @@ def _profiled(run: TraceRun, k: int, first: int, until_ns: int) -> Iterator[tupl
             yield ("thread", pid, tid, f"torch: {op.track}", first + len(tids) - 1)
     for op in ops:
         yield ("slice", pid, tids[op.track], op.name, op.cat, op.start_ns + offset,
-               op.end_ns + offset, (), (), ())
+               op.end_ns + offset, (), None, None)
 
 
-@dataclass
 class _Flows:
-    """Cross-stream dependency arrows: their events, and the ids leaving and entering each
-    task."""
+    """Cross-stream dependency arrows of one run, in compact arrays: each arrow's id, the tasks
+    it leaves and enters, and its two points. The JSON encoder writes them as "s"/"f" events;
+    the protobuf encoder asks each slice for the arrows leaving and entering it."""
 
-    events: list[tuple] = field(default_factory=list)
-    out: dict[int, list[int]] = field(default_factory=dict)
-    into: dict[int, list[int]] = field(default_factory=dict)
+    def __init__(self, pid: int, first_id: int):
+        self.pid, self.first_id = pid, first_id
+        self.cols = {c: array("q") for c in ("src", "dst", "src_tid", "dst_tid", "s", "f")}
+
+    def add(self, src: int, dst: int, src_tid: int, dst_tid: int, s_ns: int, f_ns: int) -> None:
+        for c, v in zip(("src", "dst", "src_tid", "dst_tid", "s", "f"),
+                        (src, dst, src_tid, dst_tid, s_ns, f_ns)):
+            self.cols[c].append(v)
+
+    @property
+    def events(self) -> Iterator[tuple]:
+        c = self.cols
+        for i, (a, b, s_ns, f_ns) in enumerate(zip(c["src_tid"], c["dst_tid"], c["s"], c["f"])):
+            yield ("flow", self.first_id + i + 1, self.pid, a, s_ns, b, f_ns)
+
+    @cached_property
+    def _by_task(self) -> dict[str, dict[int, list[int]]]:
+        """Arrow ids by the task they leave ("src") and enter ("dst"); built only when asked
+        (by the protobuf encoder), since the JSON needs none of it."""
+        out: dict[str, dict[int, list[int]]] = {}
+        for end in ("src", "dst"):
+            table: dict[int, list[int]] = {}
+            for i, gid in enumerate(self.cols[end], self.first_id + 1):
+                table.setdefault(gid, []).append(i)
+            out[end] = table
+        return out
+
+    def leaving(self, gid: int) -> list[int]:
+        return self._by_task["src"].get(gid, [])
+
+    def entering(self, gid: int) -> list[int]:
+        return self._by_task["dst"].get(gid, [])
 
 
 def _flows(prog: Program, shown, start_ns, end_ns, stream, k) -> _Flows:
-    flows = _Flows()
-    flow_id = k * _FLOW_ID_STRIDE
-    pid = _pid(k)
+    flows = _Flows(_pid(k), k * _FLOW_ID_STRIDE)
     tids = [_tid(k, sid) for sid in range(len(prog.streams))]
     starts, ends, streams = start_ns.tolist(), end_ns.tolist(), stream.tolist()
     shown_list = shown.tolist()
@@ -306,12 +334,8 @@ def _flows(prog: Program, shown, start_ns, end_ns, stream, k) -> _Flows:
                 a0, a1 = starts[src], ends[src]
                 if a1 - a0 < 2 or b1 - b0 < 2:
                     continue  # no point strictly inside a slice this short
-                flow_id += 1
-                flows.events.append(("flow", flow_id, pid, tids[streams[src]],
-                                     a1 - min(500, (a1 - a0) // 2), tids[streams[gid]],
-                                     b0 + min(500, (b1 - b0) // 2)))
-                flows.out.setdefault(src, []).append(flow_id)
-                flows.into.setdefault(gid, []).append(flow_id)
+                flows.add(src, gid, tids[streams[src]], tids[streams[gid]],
+                          a1 - min(500, (a1 - a0) // 2), b0 + min(500, (b1 - b0) // 2))
     return flows
 
 

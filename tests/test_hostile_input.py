@@ -49,6 +49,8 @@ CASES = [
     ("trace replaces the scenario", ["simulate", "FOLDER/copy.yaml", "--trace",
                                      "FOLDER/copy.yaml"], "is the input"),
     ("empty trace path", ["simulate", TINY, "--trace", ""], "--trace is empty"),
+    ("a preset that is a list", ["simulate", TINY, "--set", "model.preset=[]"],
+     "is not a preset"),
     ("trace of no known format", ["simulate", TINY, "--trace", "FOLDER/t.pftrace.gz"],
      "must end in .json, .json.gz or .pftrace"),
     ("bad trace steps", ["simulate", TINY, "--trace", "FOLDER/t.json", "--trace-steps", "x"],
