@@ -118,7 +118,7 @@ class Program:
                 flops[sel] = np.broadcast_to(f, len(sel))
                 nbytes[sel] = np.broadcast_to(b, len(sel))
                 idle[sel] = (a == 0) & (ptok[j, d] == 0)
-        if getattr(self.plan.load, "continuation", False):
+        if self.plan.load.continuation:
             idle |= step == 0       # a window of a longer run: its prefill segment did not happen
         return flops, nbytes, idle
 

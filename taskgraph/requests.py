@@ -279,6 +279,7 @@ class BatchLoad:
 
     prompts: tuple[tuple[int, ...], ...]
     gens: tuple[tuple[int, ...], ...]
+    continuation = False            # a batch starts with its own prefill (see StepLoad.window)
 
     @classmethod
     def of(cls, batch: list[MicroBatch], n_micro: int, padded_to: int | None = None,
