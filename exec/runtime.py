@@ -23,7 +23,7 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import KINDS, PAGED, WEIGHT_SECTIONS
+from taskgraph.work import COLLECTIVES, KINDS, PAGED, WEIGHT_SECTIONS
 
 
 class Runtime:
@@ -82,7 +82,8 @@ class Runtime:
         self.zero_copy = zero_copy
         self.pin_memory = pin_memory
         self.last_steps = last_steps
-        self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS}
+        self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
+                       if kind not in COLLECTIVES}     # one GPU: no collectives to run
         if zero_copy:
             self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
             self.cut, self.pages = numel, []

@@ -51,12 +51,18 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
     layers_done, steps_done = G * L, G
     if run.interrupted:
         post = done & decode & (prog.column("kind") == KIND_NAMES.index("PostAttn"))
-        layers_done = int(post.sum()) // plan.n
+        layers_done = int(post.sum()) // (plan.n * plan.tp)     # every GPU's shard
         steps_done = layers_done // L
-    busy = {r: float(run.durations[(resource == i) & done].sum()) for i, r in enumerate(RESOURCES)}
-    window_busy = {r: _busy_between(run.start[(resource == i) & done],
-                                    run.end[(resource == i) & done], prefill_end, makespan)
-                   for i, r in enumerate(RESOURCES)}
+    # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;
+    # utilization is their mean and the HRM bound the busiest of them.
+    busy = {r: 0.0 for r in _reported(prog)}
+    window_busy = dict(busy)
+    device = prog.device
+    for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
+        mine = (device == d) & done
+        busy[r] += float(run.durations[mine].sum()) / _instances(prog, r)
+        window_busy[r] = max(window_busy[r], _busy_between(run.start[mine], run.end[mine],
+                                                           prefill_end, makespan))
     bound_s, binding = hrm_bound(window_busy, max(layers_done, 1))
     layer_s = decode_s / max(layers_done, 1)
     throughput = p.N * steps_done / makespan if makespan else 0.0
@@ -79,7 +85,7 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "hrm_layer_ms": _r(bound_s * 1e3),
         "hrm_binding": binding,
         "efficiency": _r(bound_s / layer_s if layer_s else 0.0),
-        "utilization": {r: _r(busy[r] / makespan if makespan else 0.0) for r in RESOURCES},
+        "utilization": {r: _r(busy[r] / makespan if makespan else 0.0) for r in busy},
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
@@ -89,6 +95,16 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "interrupted": run.interrupted,
         "wall_s": round(run.wall_s, 3),
     }
+
+
+def _reported(prog) -> tuple[str, ...]:
+    """The resources a result reports: all of them, the GPUs' interconnect only where there are
+    several GPUs."""
+    return tuple(r for r in RESOURCES if r != "peer" or prog.plan.tp > 1)
+
+
+def _instances(prog, resource: str) -> int:
+    return sum(1 for r, _ in dict.fromkeys(prog.stream_device) if r == resource) or 1
 
 
 def _phases(run: SimRun, prog, done: np.ndarray, makespan: float) -> tuple[float, float]:

@@ -28,9 +28,11 @@ from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 import networkx as nx
 
 from taskgraph.errors import ScheduleError
-from taskgraph.schedules import PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op, Schedule
+from taskgraph.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
+                                 Schedule)
 from taskgraph.specs import Scenario
-from taskgraph.work import PAGED, WEIGHT_SECTIONS, TaskWork, WeightLayout
+from taskgraph.work import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SHARDED, WEIGHT_SECTIONS,
+                            TaskWork, WeightLayout)
 
 
 class TaskKey(NamedTuple):
@@ -38,11 +40,13 @@ class TaskKey(NamedTuple):
     kind: str
     layer: int      # 0-based
     index: int      # micro-batch, or page for paged kinds
+    gpu: int = -1   # the GPU whose shard this is (tensor parallelism); -1: not sharded
 
     @property
     def name(self) -> str:
         tag = "p" if self.kind in PAGED else "m"
-        return f"{self.kind}[s{self.step},L{self.layer},{tag}{self.index}]"
+        shard = f",g{self.gpu}" if self.gpu >= 0 else ""
+        return f"{self.kind}[s{self.step},L{self.layer},{tag}{self.index}{shard}]"
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,30 @@ class Plan:
     def n(self) -> int:
         return self.scenario.policy.n_micro
 
+    @property
+    def tp(self) -> int:
+        """GPUs in tensor parallel: every GPU task and copy runs as one shard per GPU."""
+        return self.scenario.hardware.gpu.count
+
+    def stream_of(self, key: TaskKey) -> str:
+        """The stream a task is launched on: its kind's, on its own GPU for a shard."""
+        base = self.schedule.streams[key.kind]
+        return f"{base}:{key.gpu}" if key.gpu >= 0 else base
+
+    @cached_property
+    def streams(self) -> tuple[str, ...]:
+        """Every stream of the plan, one per GPU for the per-GPU resources."""
+        used = set(self.schedule.streams.values())
+        out: list[str] = []
+        for base in _STREAM_ORDER:
+            if base not in used or (base == "peer" and self.tp == 1):
+                continue
+            if self.tp > 1 and STREAM_RESOURCE[base] in PER_GPU:
+                out += [f"{base}:{g}" for g in range(self.tp)]
+            else:
+                out.append(base)
+        return tuple(out)
+
     @cached_property
     def layout(self) -> WeightLayout:
         streamed = self.scenario.policy.r_w < 1.0
@@ -77,7 +105,7 @@ class Plan:
     @cached_property
     def work(self) -> TaskWork:
         s = self.scenario
-        return TaskWork(s.model, s.policy, s.workload, self.layout)
+        return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp)
 
     def items(self, kind: str) -> int:
         return self.layout.n_pages if kind in PAGED else self.n
@@ -101,6 +129,11 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
             raise ScheduleError(
                 f"Schedule {s.name} ({s.title}) decides {PLACEMENT_MEANS[key]}: policy.{key} "
                 f"must be {value:g}, not {getattr(p, key):g} (scenario.for_schedule sets it).")
+    gpus = scenario.hardware.gpu.count
+    if gpus > 1 and s.ffn == "cpu":
+        raise ScheduleError(
+            f"Schedule {s.name} ({s.title}) runs on one GPU; hardware.gpu.count is {gpus}. "
+            "Choose a one-GPU machine, or a schedule with the FFN on the GPUs.")
     if p.n_micro < s.min_micro_batches:
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) needs at least {s.min_micro_batches} micro-batches, "
@@ -111,6 +144,9 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
 
 
 # --- launch order ----------------------------------------------------------------------------
+
+_STREAM_ORDER: tuple[str, ...] = ("gpu", "cpu", "h2d", "h2d_kv", "d2h", "pin", "peer")
+
 
 def segment_count(plan: Plan) -> int:
     return plan.G + 1
@@ -125,8 +161,23 @@ def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
         loops = [(0, lp) for lp in sched.prefill] + [(1, lp) for lp in sched.decode_prologue]
     else:
         loops = [(d, Loop("layers", sched.decode))]
-    return [key for step, loop in loops for key in _expand(plan, step, loop)
+    keys = [key for step, loop in loops for key in _expand(plan, step, loop)
             if key.step <= plan.G]
+    return _shard(plan, keys) if plan.tp > 1 else keys
+
+
+def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
+    """Tensor parallelism: each GPU task and copy launched as one shard per GPU, and a task
+    whose output is a partial sum followed by the collective that completes it."""
+    out: list[TaskKey] = []
+    for key in keys:
+        if key.kind not in SHARDED:
+            out.append(key)
+            continue
+        out += [key._replace(gpu=g) for g in range(plan.tp)]
+        if key.kind in COLLECTIVE_AFTER:
+            out.append(TaskKey(key.step, COLLECTIVE_AFTER[key.kind], key.layer, key.index))
+    return out
 
 
 def lookahead_steps(plan: Plan) -> int:
@@ -161,9 +212,32 @@ def _place(plan: Plan, step: int, i: int, j: int, op: Op) -> TaskKey:
 
 # --- dependencies ----------------------------------------------------------------------------
 
+def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
+    """Read-after-write dependencies of a task, shards and collectives included: a shard reads
+    its own GPU's shards, a host task every GPU's, and whatever reads a partial sum (the hidden
+    state after a layer, the logits) waits for the collective that completes it."""
+    if plan.tp == 1:
+        return _data_deps(plan, t)
+    if t.kind in COLLECTIVES:
+        producer = ("LMHead" if t.kind == "GatherLogits" else
+                    "Prefill" if t.step == 0 else "PostAttn")
+        return [TaskKey(t.step, producer, t.layer, t.index, g) for g in range(plan.tp)]
+    out: list[TaskKey] = []
+    for d in _data_deps(plan, t._replace(gpu=-1)):
+        if d.kind not in SHARDED:
+            out.append(d)
+        elif t.kind not in SHARDED:
+            out += [d._replace(gpu=g) for g in range(plan.tp)]
+        elif d.kind in COLLECTIVE_AFTER and t.kind != "KVOut":   # KVOut copies K,V: a shard's own
+            out.append(TaskKey(d.step, COLLECTIVE_AFTER[d.kind], d.layer, d.index))
+        else:
+            out.append(d._replace(gpu=t.gpu))
+    return out
+
+
 def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     """Read-after-write dependencies of a task: what it reads and which task wrote it."""
-    s, kind, l, j = t
+    s, kind, l, j, _ = t
     L, sched = plan.L, plan.schedule
     K = TaskKey
     # What ends a layer: the MoE FFN's output back in the hidden state.
@@ -225,6 +299,8 @@ class _Ring:
                  L: int):
         self.name, self.producers, self.back = name, producers, back
         self.per_layer, self.L = items_per_layer, L
+        # A GPU-side buffer exists once per GPU; the host's pinned staging serves them all.
+        self.per_gpu = any(p in SHARDED for p in producers)
 
     def item(self, step: int, layer: int, index: int) -> int:
         """Position in the ring's use order (negative items are empty slots)."""
@@ -271,8 +347,9 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
     rings, ring_readers = _rings(plan)
     producer_of = {kind: r for r in rings for kind in r.producers}
     launched: dict[TaskKey, tuple[int, int]] = {}       # key -> (segment offset, position)
-    last_reader: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}  # -> stream -> where
-    overwritten: dict[tuple[str, int], TaskKey] = {}
+    # (ring, item, GPU or -1) -> stream -> where its last reader was launched
+    last_reader: dict[tuple[str, int, int], dict[str, tuple[int, int]]] = {}
+    overwritten: dict[tuple[str, int, int], TaskKey] = {}
     later: set[TaskKey] | None = None
     g = nx.DiGraph(schedule=plan.schedule.name, segment=d, prev_len=len(prev))
 
@@ -280,9 +357,10 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
         for pos, key in enumerate(seq):
             ring = producer_of.get(key.kind)
             old = ring.item(key.step, key.layer, key.index) - ring.back if ring else -1
+            slot = (ring.name, old, key.gpu if ring.per_gpu else -1) if ring else None
             if seg == 0:
                 _add_node(g, plan, key, pos, external=False)
-                for dep in _data_deps(plan, key):
+                for dep in _deps(plan, key):
                     where = launched.get(dep)
                     if where is None:
                         if later is None:
@@ -292,7 +370,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                 if old >= 0:
                     # The last reader on each stream: readers on different streams can finish
                     # in any order.
-                    last = last_reader.get((ring.name, old))
+                    last = last_reader.get(slot)
                     if not last:
                         raise ScheduleError(
                             f"Schedule {plan.schedule.name} launches {key.name}, which reuses a "
@@ -302,26 +380,27 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                         src = prev[where[1]] if where[0] < 0 else cur[where[1]]
                         _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
             launched[key] = (seg, pos)
-            if ring is not None:
-                overwritten[(ring.name, old)] = key
+            if slot is not None:
+                overwritten[slot] = key
             for r, items_of in ring_readers.get(key.kind, ()):
                 for item in items_of(key):
-                    if seg == 0 and (r.name, item) in overwritten:
+                    read = (r.name, item, key.gpu if r.per_gpu else -1)
+                    if seg == 0 and read in overwritten:
                         raise ScheduleError(
                             f"Schedule {plan.schedule.name} launches {key.name} after "
-                            f"{overwritten[(r.name, item)].name}, which overwrites the "
+                            f"{overwritten[read].name}, which overwrites the "
                             f"{r.name} buffer slot it reads."
                         )
-                    stream = plan.schedule.streams[key.kind]
-                    last_reader.setdefault((r.name, item), {})[stream] = (seg, pos)
+                    last_reader.setdefault(read, {})[plan.stream_of(key)] = (seg, pos)
     return g
 
 
 def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool) -> None:
-    stream = plan.schedule.streams[key.kind]
     work = plan.work.of(key.kind, prefill=key.step == 0)
     g.add_node(key.name, kind=key.kind, step=key.step, layer=key.layer, index=key.index,
-               stream=stream, resource=STREAM_RESOURCE[stream], order=pos, external=external,
+               gpu=key.gpu, stream=plan.stream_of(key),
+               resource=STREAM_RESOURCE[plan.schedule.streams[key.kind]], order=pos,
+               external=external,
                flops=work.flops, flops_per_ctx=work.flops_per_ctx, bytes=work.bytes,
                bytes_per_ctx=work.bytes_per_ctx)
 

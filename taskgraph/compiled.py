@@ -24,7 +24,6 @@ from taskgraph.builder import Plan, build_segment, lookahead_steps
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
 from taskgraph.work import KINDS, PAGED, Load
 
-STREAM_ORDER: tuple[str, ...] = ("gpu", "cpu", "h2d", "h2d_kv", "d2h", "pin")
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 
 
@@ -35,7 +34,7 @@ class Template:
     graph: nx.DiGraph
     kind: np.ndarray          # index into KIND_NAMES
     stream: np.ndarray        # index into Program.streams
-    resource: np.ndarray      # index into RESOURCES
+    resource: np.ndarray      # index into RESOURCES (the kind of resource; see Program.device)
     step_rel: np.ndarray      # task step minus the segment number
     layer: np.ndarray
     index: np.ndarray
@@ -60,9 +59,26 @@ class Program:
     seg_base: np.ndarray       # per segment: global id of its first task
     total: int
 
+    @cached_property
+    def stream_device(self) -> list[tuple[str, int]]:
+        """Per stream, the resource it occupies: (kind of resource, GPU or -1). Two streams on
+        one GPU's link (S4's weight and KV loads) occupy the same one."""
+        out = []
+        for s in self.streams:
+            base, _, gpu = s.partition(":")
+            out.append((STREAM_RESOURCE[base], int(gpu) if gpu else -1))
+        return out
+
     @property
     def stream_resource(self) -> list[int]:
-        return [RESOURCES.index(STREAM_RESOURCE[s]) for s in self.streams]
+        """Per stream, an id of the resource it occupies (equal ids: one resource)."""
+        ids: dict[tuple[str, int], int] = {}
+        return [ids.setdefault(d, len(ids)) for d in self.stream_device]
+
+    @cached_property
+    def device(self) -> np.ndarray:
+        """Per task, in global id order, the id (as in `stream_resource`) of what it occupies."""
+        return np.asarray(self.stream_resource)[self.column("stream")]
 
     def context(self, step: np.ndarray | int) -> np.ndarray | int:
         """KV tokens per sequence when a task of `step` runs (prompt + tokens so far)."""
@@ -145,7 +161,7 @@ def compile_plan(plan: Plan) -> Program:
     horizon = lookahead_steps(plan)
     templates: list[Template] = []
     seen: dict[tuple[bool, bool, int], int] = {}
-    streams = tuple(s for s in STREAM_ORDER if s in set(plan.schedule.streams.values()))
+    streams = plan.streams
     seg_template = np.empty(G + 1, dtype=np.int64)
     for d in range(G + 1):
         key = (d == 0, d == 1, min(G - d, horizon + 1))

@@ -3,8 +3,10 @@
 A compute task at a level takes its roofline time, ``max(F / P, B / BW)`` with achieved (peak x
 efficiency) FLOP rate and memory bandwidth, plus a fixed per-task overhead (kernel launches,
 thread hand-off). A transfer takes ``bytes / (link bandwidth x efficiency)`` plus the link's
-latency. The pinned staging copy is bound by host memcpy bandwidth. A multi-GPU machine is modelled
-as tensor-parallel: GPU compute, GPU memory and the per-GPU links add up.
+latency. The pinned staging copy is bound by host memcpy bandwidth. On a multi-GPU machine every GPU and
+its link are resources of their own, priced at one GPU's rates (a task there is one GPU's shard
+of the work); the host's cores and memory copies serve them all, and a ring collective crosses
+the interconnect, paying its latency at each of its 2 (n - 1) steps.
 
 The HRM bound of a decode layer (Eq. 12-14) is ``max(comm_CPU->GPU, T_cpu, T_gpu)``: each term the
 time the layer's tasks need on that resource, which no overlap can beat. It is computed from the
@@ -29,16 +31,19 @@ class CostModel:
 
     def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None):
         g, c, k = hw.gpu, hw.cpu, hw.link
-        n = g.count
+        peer = hw.interconnect
+        peer_rate, peer_latency = ((peer.gbps * 1e9 * peer.eff, peer.latency_us) if peer else
+                                   (k.d2h_gbps * 1e9 * k.d2h_eff, k.latency_us))
         rates = {
             # resource: (FLOP/s, bytes/s, fixed seconds per task)
-            "gpu": (g.tflops * 1e12 * g.flops_eff * n, g.mem_gbps * 1e9 * g.mem_eff * n,
+            "gpu": (g.tflops * 1e12 * g.flops_eff, g.mem_gbps * 1e9 * g.mem_eff,
                     g.task_overhead_us * 1e-6),
             "cpu": (c.tflops * 1e12 * c.flops_eff, c.mem_gbps * 1e9 * c.mem_eff,
                     c.task_overhead_us * 1e-6),
-            "h2d": (math.inf, k.h2d_gbps * 1e9 * k.h2d_eff * n, k.latency_us * 1e-6),
-            "d2h": (math.inf, k.d2h_gbps * 1e9 * k.d2h_eff * n, k.latency_us * 1e-6),
+            "h2d": (math.inf, k.h2d_gbps * 1e9 * k.h2d_eff, k.latency_us * 1e-6),
+            "d2h": (math.inf, k.d2h_gbps * 1e9 * k.d2h_eff, k.latency_us * 1e-6),
             "pin": (math.inf, c.memcpy_gbps * 1e9, c.task_overhead_us * 1e-6),
+            "peer": (math.inf, peer_rate, 2 * (g.count - 1) * peer_latency * 1e-6),
         }
         self.hardware = hw
         self.flops_rate = np.array([rates[r][0] for r in RESOURCES])
@@ -58,7 +63,7 @@ class CostModel:
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
         if impl.pageable_weights and k.pageable_h2d_gbps is not None:
-            self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9 * n
+            self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
 
     def fixed(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
         """Fixed seconds per task: the kind's own if the profile has one, else the resource's,

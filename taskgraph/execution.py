@@ -245,6 +245,12 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     dtype, more = _torch_dtype(torch, m, dev)
     warnings += more
     plan = make_plan(scenario, schedule)
+    if plan.tp > 1:
+        raise TgError(
+            f"hardware.gpu.count is {plan.tp}: the executor runs one GPU's schedule, and "
+            "tensor-parallel execution (one process per GPU) is not built yet. `tg simulate` "
+            "models the GPUs, their links and their all-reduces; execute on a one-GPU machine "
+            "(--set hardware.gpu.count=1).")
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     if dev == "cpu":

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from taskgraph.cost import KIND_INDEX, CostModel, cost_model
-from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Schedule
+from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.specs import PolicySpec, Scenario
-from taskgraph.work import PAGED, TaskWork, WeightLayout
+from taskgraph.work import COLLECTIVE_AFTER, PAGED, TaskWork, WeightLayout
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,16 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
                                         F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
+    tp = scenario.hardware.gpu.count
     work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0,
-                                               streams_experts=schedule.ffn == "gpu"))
+                                               streams_experts=schedule.ffn == "gpu"), tp=tp)
     contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
 
-    decode = _per_layer_time(schedule, schedule.decode, work, cost, n, n_pages, L, contexts,
+    decode_ops = _with_collectives(schedule.decode, tp)
+    decode = _per_layer_time(schedule, decode_ops, work, cost, n, n_pages, L, contexts,
                              prefill=False)                       # (resources, n, steps)
-    prefill_ops = tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops)
+    prefill_ops = _with_collectives(
+        tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), tp)
     prefill = _per_layer_time(schedule, prefill_ops, work, cost, n, n_pages, L,
                               np.array([float(w.context_prompt)]), prefill=True)[..., 0]
 
@@ -88,7 +91,7 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     per_micro_batch = (decode - copy) / n[:, None]                # (resources, n, steps)
     # Launched with lookahead, micro-batches pipeline and the busiest resource sets the pace;
     # launched one after the other (FlexGen's order), each waits for the one before it.
-    lookahead = any(op.ahead > 0 for op in schedule.decode)
+    lookahead = any(op.ahead > 0 for op in decode_ops)
     pace = per_micro_batch.max(axis=0) if lookahead else per_micro_batch.sum(axis=0)
     if whole:
         layer = np.maximum(hrm, np.sum(copy, axis=0) + (n - 1)[:, None] * pace)
@@ -106,6 +109,20 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
         hrm_layer_ms=L * hrm.sum(axis=1) / (G * L) * 1e3,
         binding=decode.sum(axis=2).argmax(axis=0),
     )
+
+
+def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
+    """Under tensor parallelism, each op whose output is a partial sum followed by its
+    collective, as the builder launches them (every GPU's shard takes one GPU's time, so a
+    resource's time below is that of each GPU's)."""
+    if tp == 1:
+        return ops
+    out: list[Op] = []
+    for op in ops:
+        out.append(op)
+        if op.kind in COLLECTIVE_AFTER:
+            out.append(Op(COLLECTIVE_AFTER[op.kind], op.ahead, op.layer, op.when))
+    return tuple(out)
 
 
 def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n: np.ndarray,

@@ -57,6 +57,16 @@ _LINKS: dict[str, dict[str, Any]] = {
     "pcie5": dict(h2d_gbps=63.0, d2h_gbps=63.0, h2d_eff=0.8, d2h_eff=0.8, latency_us=8),
 }
 
+# Between the GPUs of one machine, for tensor parallelism's all-reduces (reasoned, not measured
+# here; `gbps` is what one GPU sends at in a ring, nccl-tests' "bus bandwidth").
+_INTERCONNECTS: dict[str, dict[str, Any]] = {
+    # T4s have no NVLink, and cloud VMs rarely allow PCIe peer-to-peer: NCCL's ring goes through
+    # host memory, every hop crossing PCIe 3.0 twice (~12.6 GB/s achieved, halved).
+    "pcie3-host": dict(name="PCIe 3.0 through host memory", gbps=12.6, eff=0.5, latency_us=20),
+    # A100 SXM NVLink 3: 300 GB/s each way; NCCL reaches ~230 GB/s bus bandwidth.
+    "nvlink3": dict(name="NVLink 3", gbps=300, eff=0.77, latency_us=8),
+}
+
 _HOSTS: dict[str, dict[str, Any]] = {
     # The paper's 1xT4 / 1xL4 host: 24-core Xeon @2.2-2.3 GHz, 192 GB.
     "xeon-24c": dict(name="Xeon 24-core 2.3 GHz", cores=24, memory_gb=192, mem_gbps=140,
@@ -78,26 +88,29 @@ _HOSTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _machine(name: str, gpu: str, count: int, link: str, host: str, **extra: Any
-             ) -> dict[str, Any]:
-    return dict(
+def _machine(name: str, gpu: str, count: int, link: str, host: str,
+             interconnect: str | None = None, **extra: Any) -> dict[str, Any]:
+    out = dict(
         name=name,
         gpu=dict(name=gpu, count=count, **_GPUS[gpu]),
         cpu=dict(_HOSTS[host]),
         link=dict(_LINKS[link]),
         **extra,
     )
+    if interconnect:
+        out["interconnect"] = dict(_INTERCONNECTS[interconnect])
+    return out
 
 
 HARDWARE: dict[str, dict[str, Any]] = {
     "t4": _machine("1xT4", "T4", 1, "pcie3-paper", "xeon-24c",
                    fitted=f"gpu.flops_eff: {FITTED}"),
-    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c"),
-    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c"),
+    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c", "pcie3-host"),
+    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c", "pcie3-host"),
     "l4": _machine("1xL4", "L4", 1, "pcie4-l4-paper", "xeon-24c-l4",
                    fitted=f"gpu.flops_eff: {FITTED}"),
     "a100-80g": _machine("1xA100-80G", "A100-80G", 1, "pcie4", "epyc-64c"),
-    "2xa100-80g": _machine("2xA100-80G", "A100-80G", 2, "pcie4", "epyc-64c"),
+    "2xa100-80g": _machine("2xA100-80G", "A100-80G", 2, "pcie4", "epyc-64c", "nvlink3"),
     "h100": _machine("1xH100", "H100-SXM", 1, "pcie5", "xeon-112c"),
     "h100-weak-host": _machine("1xH100, weak host", "H100-SXM", 1, "pcie5", "weak-16c"),
     "h200": _machine("1xH200", "H200", 1, "pcie5", "xeon-112c"),

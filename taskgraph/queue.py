@@ -37,7 +37,7 @@ from taskgraph.cost import cost_model
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
-from taskgraph.schedules import RESOURCES, SCHEDULES
+from taskgraph.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
@@ -241,7 +241,7 @@ def _summary(scenario: Scenario, requests: list[Request], aborted, batches: list
         "hrm_binding": Counter(x["hrm_binding"] for x in s).most_common(1)[0][0],
         "efficiency": _r(hrm_ms / layer_ms if layer_ms else 0.0),
         "utilization": {r: _r(sum(x["utilization"][r] * x["makespan_s"] for x in s) / makespan
-                              if makespan else 0.0) for r in RESOURCES},
+                              if makespan else 0.0) for r in first["utilization"]},
         "memory": first["memory"],
         "steps": sum(x["steps"] for x in s),
         "layers": first["layers"],

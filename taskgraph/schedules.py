@@ -20,8 +20,13 @@ from typing import Literal
 #: time. Two streams on one resource (S4's weight and KV loads) take turns on it.
 STREAM_RESOURCE: dict[str, str] = {
     "gpu": "gpu", "cpu": "cpu", "h2d": "h2d", "h2d_kv": "h2d", "d2h": "d2h", "pin": "pin",
+    "peer": "peer",
 }
-RESOURCES: tuple[str, ...] = ("gpu", "cpu", "h2d", "d2h", "pin")
+#: Kinds of resource. On a machine with several GPUs, every GPU has its own ``gpu``, ``h2d`` and
+#: ``d2h`` (its compute and its own PCIe link, see PER_GPU); the host's ``cpu`` and ``pin`` (its
+#: cores and memory copies) and the GPUs' ``peer`` interconnect (all-reduces) are shared.
+RESOURCES: tuple[str, ...] = ("gpu", "cpu", "h2d", "d2h", "pin", "peer")
+PER_GPU: frozenset[str] = frozenset({"gpu", "h2d", "d2h"})
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ _STREAMS = {
     "W_CtoPin": "pin",
     "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
     "D6": "h2d",
+    "AllReduce": "peer", "GatherLogits": "peer",
 }
 
 

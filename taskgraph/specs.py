@@ -178,6 +178,19 @@ class LinkSpec(BaseModel):
     pageable_h2d_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
+class InterconnectSpec(BaseModel):
+    """What carries the GPUs' collectives (tensor parallelism's all-reduces): NVLink, or PCIe
+    peer-to-peer through a switch or the host bridge. `gbps` is the rate one GPU sends at in a
+    ring collective (nccl-tests' "bus bandwidth"); each step of a ring pays `latency_us`."""
+
+    model_config = _STRICT
+
+    name: str = "interconnect"
+    gbps: float = Positive
+    eff: float = Efficiency
+    latency_us: float = Field(default=10.0, ge=0.0)
+
+
 class InterferenceSpec(BaseModel):
     """Tasks slowing down the tasks they overlap on other resources: cores, memory bandwidth and
     caches that two streams share.
@@ -260,6 +273,9 @@ class HardwareSpec(BaseModel):
     gpu: GPUSpec
     cpu: CPUSpec
     link: LinkSpec
+    # Between the GPUs of a multi-GPU machine (None: the GPUs' collectives cross their PCIe
+    # links, at the link's GPU->CPU rate).
+    interconnect: InterconnectSpec | None = None
     # Where and when `tg calibrate` measured this profile (None: datasheet figures).
     calibrated: str | None = None
     # Which figures `tg fit` fitted to published end-to-end measurements, on what data, when,

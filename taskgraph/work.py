@@ -42,6 +42,10 @@ KINDS: dict[str, str] = {
     "CPUFFN": "top-k SwiGLU experts on the CPU, reading their weights in host memory",
     "D6": "expert output of a micro-batch, CPU -> GPU",
     "Merge": "residual add of the expert output on the GPU",
+    # Tensor parallelism (several GPUs): each GPU runs a shard of every GPU task.
+    "AllReduce": "the layer's two all-reduces of partial hidden states (after the O projection "
+                 "and after the experts), over the GPUs' interconnect",
+    "GatherLogits": "the vocabulary shards' logits gathered for sampling, over the interconnect",
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
@@ -50,9 +54,20 @@ TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6"})
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
                                    "PrefillAttn": "qkv", "Route": "route"}
 #: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
-_EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn"})
+_EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
+#: Kinds that run whole on the host (its cores, its memory copies) whatever the number of GPUs.
+HOST_KINDS = frozenset({"CPUAttn", "CPUFFN", "W_CtoPin"})
+#: Under tensor parallelism, a kind whose output is a sum of per-GPU partial sums, and the
+#: collective that completes it (Megatron-style: column-parallel QKV and expert up/gate
+#: projections, row-parallel O and down projections; a vocabulary-parallel LM head).
+COLLECTIVE_AFTER: dict[str, str] = {"PostAttn": "AllReduce", "Prefill": "AllReduce",
+                                    "LMHead": "GatherLogits"}
+COLLECTIVES = frozenset(COLLECTIVE_AFTER.values())
+#: Kinds split across GPUs under tensor parallelism, one shard per GPU: every GPU kind and every
+#: CPU-GPU copy (each GPU moves its shard over its own link).
+SHARDED = frozenset(KINDS) - HOST_KINDS - COLLECTIVES
 
 
 @dataclass(frozen=True)
@@ -132,18 +147,27 @@ class Load:
 
 
 class TaskWork:
-    """Work of every task kind for one model, policy and workload (SPEC 3.3)."""
+    """Work of every task kind for one model, policy and workload (SPEC 3.3). With `tp` GPUs in
+    tensor parallel, a sharded kind's work is one GPU's shard: 1/tp of the task's FLOPs and
+    bytes (weights, KV heads, experts' columns and the copies of them split evenly)."""
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
-                 layout: WeightLayout, load: Load | None = None):
-        self.m, self.p, self.w, self.layout = model, policy, workload, layout
+                 layout: WeightLayout, load: Load | None = None, tp: int = 1):
+        self.m, self.p, self.w, self.layout, self.tp = model, policy, workload, layout, tp
         p = workload.context_prompt
         self.load = load or Load(policy.mu, policy.mu * p, policy.mu * p * p)
 
     def with_load(self, load: Load) -> "TaskWork":
-        return TaskWork(self.m, self.p, self.w, self.layout, load)
+        return TaskWork(self.m, self.p, self.w, self.layout, load, self.tp)
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
+        work = self._whole(kind, prefill)
+        if self.tp == 1 or kind not in SHARDED:
+            return work
+        n = self.tp
+        return Work(work.flops / n, work.flops_per_ctx / n, work.bytes / n, work.bytes_per_ctx / n)
+
+    def _whole(self, kind: str, prefill: bool) -> Work:
         if kind == "KVOut":
             # Prefill writes the prompt's K,V to the CPU; decode (GPU attention) one token's.
             tokens = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
@@ -221,6 +245,15 @@ class TaskWork:
 
     def _Merge(self, t: Number) -> Work:
         return Work(flops=t * self.m.h, bytes=3 * self.m.dtype_bytes * t * self.m.h)
+
+    # Tensor parallelism: ring collectives, in the bytes each GPU sends over the interconnect.
+    def _AllReduce(self, t: Number) -> Work:
+        n = self.tp
+        return Work(bytes=2 * 2 * (n - 1) / n * self.m.dtype_bytes * t * self.m.h)
+
+    def _GatherLogits(self) -> Work:
+        n = self.tp
+        return Work(bytes=(n - 1) / n * self.m.dtype_bytes * self.load.seqs * self.m.V)
 
     # Weights.
     def _D3(self) -> Work:
