@@ -42,7 +42,6 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
     done = run.finished
     makespan = float(np.nanmax(run.end)) if done.any() else 0.0
     step = prog.step
-    resource = prog.column("resource")
     decode = step >= 1
     prefill_end, overlap = _phases(run, prog, done, makespan)
     decode_s = makespan - prefill_end

@@ -41,9 +41,17 @@ _STREAM_INFO = {
     "h2d_kv": ("PCIe CPU->GPU (KV)", "gpu_memcpy"),
     "d2h": ("PCIe GPU->CPU", "gpu_memcpy"),
     "pin": ("CPU pinned staging copy", "cpu_memcpy"),
+    "peer": ("GPU interconnect (collectives)", "kernel"),
 }
 #: stream -> the name of its track.
 STREAM_TRACKS = {stream: track for stream, (track, _) in _STREAM_INFO.items()}
+
+
+def _stream_info(stream: str) -> tuple[str, str]:
+    """(track name, category) of a stream; a GPU's own stream (``gpu:1``) names its GPU."""
+    base, _, gpu = stream.partition(":")
+    track, cat = _STREAM_INFO[base]
+    return (track.replace("GPU", f"GPU {gpu}", 1) if gpu else track), cat
 _FLOW_ID_STRIDE = 1_000_000_000   # keeps flow ids of different runs disjoint
 
 
@@ -211,7 +219,7 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[tuple]:
     pid = _pid(k)
     yield ("process", pid, f"{k + 1}. {run.label}", k)
     for sid, s in enumerate(streams):
-        yield ("thread", pid, _tid(k, sid), _STREAM_INFO[s][0], sid)
+        yield ("thread", pid, _tid(k, sid), _stream_info(s)[0], sid)
 
     shown = window.mask(prog) & ~np.isnan(run.end)
     ids = np.flatnonzero(shown)
@@ -240,7 +248,7 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     pid = _pid(k)
     streams = prog.streams
     tids = [_tid(k, sid) for sid in range(len(streams))]
-    cats = [_STREAM_INFO[s][1] for s in streams]
+    cats = [_stream_info(s)[1] for s in streams]
     copies = [kind in TRANSFERS or kind == "W_CtoPin" for kind in KIND_NAMES]
     tags = ["p" if kind in PAGED else "m" for kind in KIND_NAMES]
     idx_keys = ["page" if kind in PAGED else "micro_batch" for kind in KIND_NAMES]
@@ -378,11 +386,14 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
             level += delta
             yield ("counter", _pid(k), key, t, round(level / 1e9, 6))
 
-    # Link throughput, per direction.
-    stream_names = run.program.streams
-    for direction, label in (("h2d", "PCIe CPU->GPU (GB/s)"), ("d2h", "PCIe GPU->CPU (GB/s)")):
-        on_link = [g for g in ids.tolist()
-                   if stream_names[cols["stream"][g]].startswith(direction)]
+    # Link throughput, per direction and per GPU's link (S4's two streams on one link: one).
+    prog = run.program
+    first = {d: prog.stream_device.index(d) for d in prog.stream_device}
+    link_of = np.array([first[d] for d in prog.stream_device])[cols["stream"]]
+    for d in sorted((d for d in first if d[0] in ("h2d", "d2h")),
+                    key=lambda d: (d[0] != "h2d", d[1])):
+        label = _stream_info(prog.streams[first[d]])[0] + " (GB/s)"
+        on_link = [g for g in ids.tolist() if link_of[g] == first[d]]
         on_link.sort(key=lambda g: int(start_ns[g]))
         for i, g in enumerate(on_link):
             t0, t1 = int(start_ns[g]), int(end_ns[g])

@@ -50,8 +50,10 @@ def scenarios(draw):
     prompt = draw(st.integers(1, 64))
     workload = {"prompt_len": prompt, "max_prompt_len": prompt + draw(st.integers(0, 32)),
                 "gen_len": draw(st.integers(1, 4)), "padded": draw(st.booleans())}
+    # Tensor parallelism over 2 or 4 GPUs, for every schedule whose FFN runs on the GPUs.
+    gpus = 1 if schedule == "S5" else draw(st.sampled_from([1, 1, 2, 4]))
     hardware = {"preset": "t4",
-                "gpu": {"tflops": draw(st.floats(0.01, 1000)),
+                "gpu": {"tflops": draw(st.floats(0.01, 1000)), "count": gpus,
                         "task_overhead_us": draw(st.floats(0, 50))},
                 "cpu": {"tflops": draw(st.floats(0.001, 10)),
                         "memcpy_gbps": draw(st.floats(0.1, 50))},
@@ -59,6 +61,9 @@ def scenarios(draw):
                          "d2h_gbps": draw(st.floats(0.05, 64)),
                          "latency_us": draw(st.floats(0, 20))},
                 "handoff_us": draw(st.sampled_from([0.0, 0.0, 5.0, 50.0]))}
+    if gpus > 1 and draw(st.booleans()):
+        hardware["interconnect"] = {"gbps": draw(st.floats(0.05, 600)), "eff": 1.0,
+                                    "latency_us": draw(st.floats(0, 30))}
     if draw(st.booleans()):
         hardware["interference"] = {"slowdown": {
             "gpu": {"cpu": draw(st.floats(0, 2)), "h2d": draw(st.floats(0, 2))},
@@ -102,15 +107,16 @@ def test_simulated_runs_keep_every_invariant(sc):
     assert (gap >= -1e-12).all()
     assert (gap[other] >= handoff * (1 - 1e-9) - 1e-12).all()
 
-    # Streams run in launch order, one task at a time; no two tasks overlap on one resource.
+    # Streams run in launch order, one task at a time; no two tasks overlap on one resource
+    # (each GPU and each GPU's link being a resource of its own).
     for sid in range(len(prog.streams)):
         ids = np.flatnonzero(stream == sid)          # global ids are in launch order
         assert (start[ids[1:]] >= end[ids[:-1]]).all()
-    resource = prog.column("resource")
+    resource, device = prog.column("resource"), prog.device
     busy = {}
-    for rid, name in enumerate(RESOURCES):
-        ids = np.flatnonzero(resource == rid)
-        busy[name] = dur[ids].sum()
+    for rid in np.unique(device):
+        ids = np.flatnonzero(device == rid)
+        busy[rid] = dur[ids].sum()
         ids = ids[dur[ids] > 0]     # an empty task (DS's KV moves carry nothing) occupies no time
         order = ids[np.argsort(start[ids], kind="stable")]
         assert (start[order[1:]] >= end[order[:-1]]).all()
