@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("compare", _compare, "simulate several schedules side by side")
-    c.add_argument("--schedules", default=",".join(SCHEDULES),
-                   help="comma-separated schedules (default: %(default)s)")
+    c.add_argument("--schedules", default=None,
+                   help="comma-separated schedules (default: every schedule that runs on the "
+                        f"machine: {','.join(SCHEDULES)}, S5 on one GPU only)")
     c.add_argument("--check", action="store_true",
                    help="enforce the scenario's `expect` section; exit 1 if any check fails")
     _trace_args(c)
@@ -239,11 +240,12 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from taskgraph.builder import make_plan
     from taskgraph.expect import evaluate
     from taskgraph.scenario import for_schedule
     from taskgraph.simulation import simulate_scenario
 
-    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    names = [n.strip() for n in (args.schedules or ",".join(SCHEDULES)).split(",") if n.strip()]
     unknown = [n for n in names if _batching(n)[0] not in SCHEDULES]
     if unknown or not names:
         raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
@@ -263,13 +265,17 @@ def _compare(args: argparse.Namespace) -> int:
                           "README for its fields (beats, min_efficiency, max_decode_layer_ms, "
                           "min_throughput_tok_s).")
         names += [n for n in scenario.expect.schedules() if n not in names]
-    sims, notes = {}, {}
+    if args.schedules is None and scenario.hardware.gpu.count > 1:
+        names = [n for n in names if SCHEDULES[n].ffn == "gpu"]   # S5 runs on one GPU
+    adapted, sims, notes = {}, {}, {}
+    for name in names:      # every schedule checked before any is simulated
+        adapted[name], note = for_schedule(scenario, name)
+        make_plan(adapted[name], name)
+        if note:
+            notes[name] = note
     with _progress(not args.json, "simulating") as tick:
         for name in names:
-            adapted, note = for_schedule(scenario, name)
-            if note:
-                notes[name] = note
-            sims[name] = simulate_scenario(adapted, name, progress=tick)
+            sims[name] = simulate_scenario(adapted[name], name, progress=tick)
             if sims[name].summary["interrupted"]:
                 break
     results = [s.summary for s in sims.values()]

@@ -1,0 +1,118 @@
+"""Tensor parallelism on per-GPU streams: each GPU task and copy runs as one shard per GPU on
+that GPU's compute stream and PCIe link; partial sums meet in collectives on the interconnect.
+
+The one-GPU graph of the same scenario is the reference for what the shards must add up to, and
+nccl-tests' definition of bus bandwidth for what an all-reduce costs."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from taskgraph.builder import build_segment, make_plan
+from taskgraph.predict import predict
+from taskgraph.schedules import SCHEDULES
+from taskgraph.scenario import load_scenario
+from taskgraph.simulation import simulate_scenario
+from taskgraph.work import COLLECTIVES, SHARDED
+from tests.helpers import tiny
+
+
+def _graph(sc, d=1) -> nx.DiGraph:
+    return build_segment(make_plan(sc), d)
+
+
+def _own(g: nx.DiGraph) -> dict:
+    return {n: a for n, a in g.nodes(data=True) if not a["external"]}
+
+
+def _base(name: str) -> str:
+    """A shard's name without its GPU: the task it is a shard of."""
+    return name.split(",g")[0] + "]" if ",g" in name else name
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4", "DS"])
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_shards_split_every_gpu_task_evenly_and_leave_host_tasks_whole(schedule, gpus):
+    for d in (0, 1, 2):
+        one = _own(_graph(tiny(schedule=schedule), d))
+        many = _own(_graph(tiny(schedule=schedule, hardware={"preset": "t4",
+                                                             "gpu": {"count": gpus}}), d))
+        shards: dict[str, list] = {}
+        for name, a in many.items():
+            if a["kind"] not in COLLECTIVES:
+                shards.setdefault(_base(name), []).append(a)
+        assert shards.keys() == one.keys()           # the same tasks, nothing lost or added
+        for name, parts in shards.items():
+            whole = one[name]
+            if whole["kind"] in SHARDED:
+                assert sorted(p["gpu"] for p in parts) == list(range(gpus))
+                assert len({p["stream"] for p in parts}) == gpus    # one stream per GPU
+            else:
+                assert [p["gpu"] for p in parts] == [-1]
+            for field in ("flops", "flops_per_ctx", "bytes", "bytes_per_ctx"):
+                assert sum(p[field] for p in parts) == pytest.approx(whole[field], rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S3", "S4"])
+def test_gpus_meet_only_in_collectives_and_host_tasks(schedule):
+    gpus = 4
+    g = _graph(tiny(schedule=schedule, hardware={"preset": "t4", "gpu": {"count": gpus}}))
+    a = dict(g.nodes(data=True))
+    collectives = 0
+    for src, dst in g.edges:
+        s, t = a[src], a[dst]
+        if s["gpu"] >= 0 and t["gpu"] >= 0:
+            assert s["gpu"] == t["gpu"], (src, dst)       # no shard reads another GPU's
+        if t["kind"] in COLLECTIVES and not t["external"]:
+            preds = [a[p] for p in g.predecessors(dst)]
+            assert sorted(p["gpu"] for p in preds) == list(range(gpus))
+            assert len({(p["kind"], p["step"], p["layer"], p["index"]) for p in preds}) == 1
+            collectives += 1
+        # the hidden state after a layer, and the logits, are sums of every GPU's part
+        if t["kind"] in ("PreAttn", "LMHead") and s["kind"] in ("PostAttn", "LMHead", "Prefill"):
+            raise AssertionError(f"{dst} reads a partial sum from {src}")
+    assert collectives
+
+
+def test_two_gpus_halve_a_gpu_bound_layer_and_a_slow_interconnect_binds():
+    # Everything on the GPU (weights resident, KV cache there too), no fixed costs: a GPU-bound
+    # layer whose work two GPUs split in half.
+    hw = {"preset": "t4", "gpu": {"task_overhead_us": 0.0}, "link": {"latency_us": 0.0}}
+    doc = dict(schedule="S4", policy={"N": 8, "mu": 4, "r_w": 1.0, "r_c": 1.0})
+    one = simulate_scenario(tiny(**doc, hardware=hw)).summary
+    fast = dict(hw, gpu={"task_overhead_us": 0.0, "count": 2},
+                interconnect={"gbps": 1e6, "eff": 1.0, "latency_us": 0.0})
+    two = simulate_scenario(tiny(**doc, hardware=fast)).summary
+    assert one["hrm_binding"] == two["hrm_binding"] == "gpu"
+    assert two["decode_layer_ms"] / one["decode_layer_ms"] == pytest.approx(0.5, rel=0.02)
+    slow = dict(fast, interconnect={"gbps": 0.01, "eff": 1.0, "latency_us": 0.0})
+    assert simulate_scenario(tiny(**doc, hardware=slow)).summary["hrm_binding"] == "peer"
+
+
+def test_an_all_reduce_costs_what_nccl_tests_bus_bandwidth_says():
+    # nccl-tests: algbw = size / time and busbw = algbw x 2 (n - 1) / n for an all-reduce of
+    # `size` bytes over n ranks. A layer has two all-reduces of the hidden states.
+    busbw, gpus = 7.5, 4
+    sc = tiny(schedule="S1", hardware={"preset": "t4", "gpu": {"count": gpus},
+                                       "interconnect": {"gbps": busbw, "eff": 1.0,
+                                                        "latency_us": 0.0}})
+    sim = simulate_scenario(sc)
+    prog, run = sim.program, sim.run
+    kind = np.array([prog.task(i)[1] for i in range(prog.total)])
+    ar = np.flatnonzero((kind == "AllReduce") & (prog.step >= 1))
+    m, mu = sc.model, sc.policy.mu
+    size = mu * m.h * m.dtype_bytes
+    algbw = busbw * 1e9 * gpus / (2 * (gpus - 1))
+    assert run.durations[ar] == pytest.approx(2 * size / algbw, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S4"])
+def test_the_search_predictor_prices_four_gpus_as_the_simulator_does(schedule):
+    sc = load_scenario("scenarios/4xt4-8x22b.yaml", [f"schedule={schedule}"] + (
+        ["policy.A_g=1"] if schedule == "S4" else []))
+    sim = simulate_scenario(sc).summary
+    pred = predict(sc, SCHEDULES[schedule])
+    assert float(pred.hrm_layer_ms[0]) == pytest.approx(sim["hrm_layer_ms"], rel=0.02)
+    assert float(pred.throughput_tok_s[0]) == pytest.approx(sim["throughput_tok_s"], rel=0.1)
