@@ -15,6 +15,12 @@ Dependencies are derived here for every schedule alike (SPEC 3.6):
   is refilled only after the D3 that emptied it; a GPU KV prefetch slot only after the attention
   that read it.
 
+On several GPUs (tensor parallelism) every GPU task and copy is launched as one shard per GPU on
+that GPU's streams; a shard depends on its own GPU's shards, a host task on every GPU's, and a
+task reading a partial sum (the hidden state after a layer, the logits) on the collective that
+completes it, launched right after the shards that feed it. Buffers on the GPUs are rings per
+GPU; the host's pinned staging slots are refilled only after every GPU's copy emptied them.
+
 Every dependency must point to a task launched earlier: on real streams an event that is not yet
 recorded cannot be waited on. A description that breaks this gets a :class:`ScheduleError`.
 """

@@ -49,7 +49,7 @@ KINDS: dict[str, str] = {
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6"})
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "AllReduce", "GatherLogits"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
                                    "PrefillAttn": "qkv", "Route": "route"}
