@@ -263,7 +263,10 @@ def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:
 def _schedule_for(scenario: Scenario, attention: str, ffn: str = "gpu") -> Schedule | None:
     """The schedule a search runs for an attention and FFN placement: the scenario's own where
     it places them so, else CGOPipe (CPU attention), S4 (GPU attention) or S5 (GPU attention,
-    experts on the CPU); None where no schedule does (CPU attention with CPU experts)."""
+    experts on the CPU); None where no schedule does (CPU attention with CPU experts; experts
+    on the CPU of a multi-GPU machine, S5 being a one-GPU schedule)."""
+    if ffn == "cpu" and scenario.hardware.gpu.count > 1:
+        return None
     own = SCHEDULES[scenario.schedule]
     if own.attention == attention and own.ffn == ffn:
         return own

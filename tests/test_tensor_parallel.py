@@ -116,3 +116,13 @@ def test_the_search_predictor_prices_four_gpus_as_the_simulator_does(schedule):
     pred = predict(sc, SCHEDULES[schedule])
     assert float(pred.hrm_layer_ms[0]) == pytest.approx(sim["hrm_layer_ms"], rel=0.02)
     assert float(pred.throughput_tok_s[0]) == pytest.approx(sim["throughput_tok_s"], rel=0.1)
+
+
+def test_the_search_leaves_the_one_gpu_schedule_out_on_several_gpus():
+    from taskgraph.search import Grid, grid_jobs
+
+    sc = load_scenario("scenarios/2xt4-8x22b.yaml")
+    names = {c[0] for job in grid_jobs(sc, Grid(), 1) for c in job.combos}
+    assert "S5" not in names and {"S1", "S4"} <= names
+    one = load_scenario("scenarios/t4.yaml")
+    assert "S5" in {c[0] for job in grid_jobs(one, Grid(), 1) for c in job.combos}
