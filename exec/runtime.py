@@ -23,7 +23,7 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import COLLECTIVES, KINDS, PAGED, WEIGHT_SECTIONS
+from taskgraph.work import COLLECTIVES, KINDS, PAGED, SENDS, WEIGHT_SECTIONS
 
 
 class Runtime:
@@ -83,17 +83,23 @@ class Runtime:
         self.pin_memory = pin_memory
         self.last_steps = last_steps
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES}     # one GPU: no collectives to run
+                       if kind not in COLLECTIVES | SENDS}   # one GPU: no collectives to run
+        # Pipeline stages in one process share the device: what a send carries is already there
+        # (the graph still orders the stages through it).
+        self._tasks.update({kind: _nothing for kind in SENDS})
         if zero_copy:
             self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
             self.cut, self.pages = numel, []
         # Weights: resident prefixes, the double buffer, pinned staging slots.
+        # One double buffer and one set of KV slots per GPU: on several GPUs in pipeline (one
+        # process, one device) each stage keeps its own, as on its own GPU.
+        stages = plan.pp
         self.resident = [flat[:self.cut].to(device) for flat in weights.layers]
-        self.halves = [dev(numel - self.cut) for _ in range(2)]
+        self.halves = [dev(numel - self.cut) for _ in range(2 * stages)]
         page_max = max((b - a for a, b in self.pages), default=0)
         self.pinned = [host(page_max) for _ in range(plan.schedule.pin_slots)]
         self._views = {(l, half): LayerView(m, self.resident[l], self.halves[half])
-                       for l in range(self.L) for half in range(2)}
+                       for l in range(self.L) for half in range(len(self.halves))}
         self.norms = [(a.to(device), b.to(device)) for a, b in weights.norms]
         self.embed, self.final_norm = weights.embed.to(device), weights.final_norm.to(device)
         self.head = weights.lm_head.to(device)
@@ -103,7 +109,7 @@ class Runtime:
                         for _ in range(self.L)]
         self.v_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
                         for _ in range(self.L)]
-        slots = 0 if zero_copy else plan.schedule.kv_slots
+        slots = 0 if zero_copy else plan.schedule.kv_slots * stages
         self.k_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         self.v_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
         # Activations per micro-batch.
@@ -138,11 +144,12 @@ class Runtime:
         """(tokens, logits, hidden) on the host, once the run has finished."""
         return self.tokens.cpu(), self.logits.cpu(), self.hidden.cpu()
 
-    def _view(self, step: int, layer: int) -> LayerView:
-        return self._views[layer, (step * self.L + layer) % 2]
+    def _view(self, step: int, layer: int, j: int) -> LayerView:
+        """Layer weights as micro-batch j reads them: in the half its group's copy landed in."""
+        return self._views[layer, self.plan.weight_buffer(step, layer, self.plan.group_of(j))]
 
     def _slot(self, step: int, layer: int, j: int) -> int:
-        return ((step * self.L + layer) * self.n + j) % len(self.k_slot)
+        return self.plan.kv_slot(step, layer, j)
 
     def _device_kv(self, step: int, layer: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The GPU-side K and V attention reads: a KV slot, or with zero copy the cache."""
@@ -154,7 +161,7 @@ class Runtime:
     def _Prefill(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         x = self.embed[self.prompts[rows]] if l == 0 else self.x_prefill[j]
-        out, k, v = prefill_layer(x, self.norms[l], self._view(s, l), self.m, self.rope,
+        out, k, v = prefill_layer(x, self.norms[l], self._view(s, l, j), self.m, self.rope,
                                   self.lens[j] if self.ragged else None)
         self.x_prefill[j].copy_(out)
         K, V = self._device_kv(s, l, j)
@@ -184,7 +191,7 @@ class Runtime:
         self.x[j].copy_(self.embed[tok])
 
     def _PreAttn(self, s: int, l: int, j: int) -> None:
-        qkv = pre_attention(self.x[j], self.norms[l][0], self._view(s, l))
+        qkv = pre_attention(self.x[j], self.norms[l][0], self._view(s, l, j))
         self.qkv[j].copy_(rotate_qkv(qkv, self.lens[j] + (s - 1), self.rope, self.m))
 
     def _mask(self, lens: torch.Tensor, columns: int) -> torch.Tensor | None:
@@ -219,7 +226,7 @@ class Runtime:
 
     def _PostAttn(self, s: int, l: int, j: int) -> None:
         self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],
-                                       self._view(s, l), self.m))
+                                       self._view(s, l, j), self.m))
 
     # --- FFN on the CPU (S5): rows are a micro-batch's prompt tokens in prefill, else its
     # sequences
@@ -253,7 +260,7 @@ class Runtime:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         if l == 0:               # the residual stream starts at the prompts' embeddings
             self.x_prefill[j].copy_(self.embed[self.prompts[rows]])
-        attn, k, v = prefill_attention(self.x_prefill[j], self.norms[l][0], self._view(s, l),
+        attn, k, v = prefill_attention(self.x_prefill[j], self.norms[l][0], self._view(s, l, j),
                                        self.m, self.rope, self.lens[j] if self.ragged else None)
         self.attn_prefill[j].copy_(attn)
         K, V = self._device_kv(s, l, j)
@@ -261,7 +268,7 @@ class Runtime:
         V[:, :self.P].copy_(v)
 
     def _Route(self, s: int, l: int, j: int) -> None:
-        x, W = self._hidden(s, j), self._view(s, l)
+        x, W = self._hidden(s, j), self._view(s, l, j)
         x += (self.attn_prefill[j] if s == 0 else self.attn[j]) @ W["o"].T
         normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
         ids, gates = route(normed, W, self.m)
@@ -290,9 +297,10 @@ class Runtime:
         x = self._hidden(s, j)
         x += self.ffn_out[j][:x.shape[0]]
 
-    def _D3(self, s: int, l: int, page: int) -> None:
+    def _D3(self, s: int, l: int, index: int) -> None:
+        group, page = divmod(index, len(self.pages))
         a, b = self.pages[page]
-        dst = self.halves[(s * self.L + l) % 2][a - self.cut:b - self.cut]
+        dst = self.halves[self.plan.weight_buffer(s, l, group)][a - self.cut:b - self.cut]
         if self.plan.schedule.staging:
             dst.copy_(self.pinned[self._pin_slot(s, l, page)][:b - a], non_blocking=True)
         else:

@@ -99,7 +99,7 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
 def _reported(prog) -> tuple[str, ...]:
     """The resources a result reports: all of them, the GPUs' interconnect only where there are
     several GPUs."""
-    return tuple(r for r in RESOURCES if r != "peer" or prog.plan.tp > 1)
+    return tuple(r for r in RESOURCES if r != "peer" or prog.plan.gpus > 1)
 
 
 def _instances(prog, resource: str) -> int:

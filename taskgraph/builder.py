@@ -37,8 +37,8 @@ from taskgraph.errors import ScheduleError
 from taskgraph.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
                                  Schedule)
 from taskgraph.specs import Scenario
-from taskgraph.work import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SHARDED, WEIGHT_SECTIONS,
-                            TaskWork, WeightLayout)
+from taskgraph.work import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
+                            WEIGHT_SECTIONS, TaskWork, WeightLayout)
 
 
 class TaskKey(NamedTuple):
@@ -78,12 +78,44 @@ class Plan:
         return self.scenario.policy.n_micro
 
     @property
-    def tp(self) -> int:
-        """GPUs in tensor parallel: every GPU task and copy runs as one shard per GPU."""
+    def gpus(self) -> int:
         return self.scenario.hardware.gpu.count
 
+    @property
+    def tp(self) -> int:
+        """GPUs in tensor parallel: every GPU task and copy runs as one shard per GPU."""
+        return 1 if self.schedule.pipeline else self.gpus
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages, one per GPU, and as many groups of micro-batches."""
+        return self.gpus if self.schedule.pipeline else 1
+
+    @cached_property
+    def stages(self) -> tuple[range, ...]:
+        """Each stage's layers: consecutive, the first L mod pp stages one layer more (as
+        FlexGen splits them)."""
+        out, first = [], 0
+        for i in range(self.pp):
+            size = self.L // self.pp + (i < self.L % self.pp)
+            out.append(range(first, first + size))
+            first += size
+        return tuple(out)
+
+    @cached_property
+    def _stage_index(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.stages) for _ in r)
+
+    def stage_of(self, layer: int) -> int:
+        """The stage (and GPU) holding a layer; 0 unless the GPUs split the layers."""
+        return self._stage_index[layer]
+
+    def group_of(self, index: int) -> int:
+        """The group of micro-batch `index` (pipeline parallelism; else 0)."""
+        return index // (self.n // self.pp)
+
     def stream_of(self, key: TaskKey) -> str:
-        """The stream a task is launched on: its kind's, on its own GPU for a shard."""
+        """The stream a task is launched on: its kind's, on its own GPU for a GPU's task."""
         base = self.schedule.streams[key.kind]
         return f"{base}:{key.gpu}" if key.gpu >= 0 else base
 
@@ -93,10 +125,13 @@ class Plan:
         used = set(self.schedule.streams.values())
         out: list[str] = []
         for base in _STREAM_ORDER:
-            if base not in used or (base == "peer" and self.tp == 1):
+            if base not in used or (base == "peer" and self.gpus == 1):
                 continue
-            if self.tp > 1 and STREAM_RESOURCE[base] in PER_GPU:
-                out += [f"{base}:{g}" for g in range(self.tp)]
+            # Every stage sends on its own stream, as each of FlexGen's processes does, and at
+            # the interconnect's per-GPU rate (as every GPU of a ring all-reduce sends at once).
+            if self.gpus > 1 and (STREAM_RESOURCE[base] in PER_GPU
+                                  or (base == "peer" and self.pp > 1)):
+                out += [f"{base}:{g}" for g in range(self.gpus)]
             else:
                 out.append(base)
         return tuple(out)
@@ -114,7 +149,34 @@ class Plan:
         return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp)
 
     def items(self, kind: str) -> int:
-        return self.layout.n_pages if kind in PAGED else self.n
+        """Tasks of a kind per layer and group: pages, or the group's micro-batches."""
+        return self.layout.n_pages if kind in PAGED else self.n // self.pp
+
+    def use_position(self, step: int, layer: int, index: int, per: int) -> int:
+        """Where a task of a kind with `per` items per layer and group stands in its GPU's order
+        of use (step, group, layer of the GPU's stage, item): the cycle a ring of buffers on
+        that GPU follows. On one GPU, or sharded, every layer is every GPU's."""
+        group, item = divmod(index, per)
+        layers = self.stages[self.stage_of(layer)]
+        return ((step * self.pp + group) * len(layers) + layer - layers.start) * per + item
+
+    def weight_pages(self, index: int, section: str) -> list[int]:
+        """The weight pages (D3 indices) a task of micro-batch `index` reads for a section: its
+        group's copy of them."""
+        first = self.group_of(index) * self.layout.n_pages
+        return [first + p for p in self.layout.pages_for(section)]
+
+    def weight_buffer(self, step: int, layer: int, group: int) -> int:
+        """The half of the weight double buffer (numbered over the GPUs, two each) that holds
+        a layer's streamed weights for a group in a step."""
+        turn = self.use_position(step, layer, group, 1)
+        return 2 * self.stage_of(layer) + turn % 2
+
+    def kv_slot(self, step: int, layer: int, index: int) -> int:
+        """The GPU KV slot (numbered over the GPUs) micro-batch `index` uses in a layer."""
+        slots = self.schedule.kv_slots
+        turn = self.use_position(step, layer, index, self.items("KVOut"))
+        return slots * self.stage_of(layer) + turn % slots
 
 
 def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Plan:
@@ -140,6 +202,16 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) runs on one GPU; hardware.gpu.count is {gpus}. "
             "Choose a one-GPU machine, or a schedule with the FFN on the GPUs.")
+    if s.pipeline and gpus > 1:
+        if p.n_micro % gpus:
+            raise ScheduleError(
+                f"Schedule {s.name} ({s.title}) splits the batch into one group per GPU: "
+                f"policy.N / policy.mu = {p.n_micro} micro-batches must be a multiple of "
+                f"hardware.gpu.count = {gpus}.")
+        if scenario.model.L < gpus:
+            raise ScheduleError(
+                f"Schedule {s.name} ({s.title}) gives each GPU a stage of layers: model.L = "
+                f"{scenario.model.L} is fewer than hardware.gpu.count = {gpus}.")
     if p.n_micro < s.min_micro_batches:
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) needs at least {s.min_micro_batches} micro-batches, "
@@ -169,7 +241,9 @@ def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
         loops = [(d, Loop("layers", sched.decode))]
     keys = [key for step, loop in loops for key in _expand(plan, step, loop)
             if key.step <= plan.G]
-    return _shard(plan, keys) if plan.tp > 1 else keys
+    if plan.tp > 1:
+        return _shard(plan, keys)
+    return _stage(plan, keys) if plan.pp > 1 else keys
 
 
 def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
@@ -186,6 +260,31 @@ def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
     return out
 
 
+def _stage(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
+    """Pipeline parallelism: each GPU task and copy on the GPU of its layer's stage, and an
+    output another stage reads followed by the send that carries it there."""
+    out: list[TaskKey] = []
+    for key in keys:
+        if key.kind not in SHARDED:
+            out.append(key)
+            continue
+        out.append(key._replace(gpu=plan.stage_of(key.layer)))
+        send = _send_after(plan, key)
+        if send is not None:
+            out.append(send)
+    return out
+
+
+def _send_after(plan: Plan, key: TaskKey) -> TaskKey | None:
+    """The send that carries a task's output to another stage, if one does."""
+    kind, stage = SEND_AFTER.get(key.kind), plan.stage_of(key.layer)
+    if kind == "SendTokens":      # the first stage needs them for the next step, if one comes
+        return TaskKey(key.step, kind, key.layer, key.index, stage) if key.step < plan.G else None
+    if kind == "Send" and key.layer == plan.stages[stage][-1] < plan.L - 1:
+        return TaskKey(key.step, kind, key.layer, key.index, stage)
+    return None
+
+
 def lookahead_steps(plan: Plan) -> int:
     """How many steps past its own the decode body launches tasks for (CGOPipe launches the
     next step's first PreAttn and pinned copies; with one layer, two steps ahead)."""
@@ -194,26 +293,34 @@ def lookahead_steps(plan: Plan) -> int:
 
 
 def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
+    # Positions (group, layer, item of the group): with pipeline parallelism every group runs
+    # through all layers before the next group starts, as each stage runs them; else one group.
     if loop.over == "once":
-        positions = [(0, 0)]
+        positions = [(0, 0, 0)]
     elif loop.over == "items":
-        positions = [(0, j) for j in range(plan.layout.n_pages)]
+        positions = [(0, 0, j) for j in range(plan.layout.n_pages)]
     else:
-        positions = [(i, j) for i in range(plan.L) for j in range(plan.n)]
-    for i, j in positions:
+        per = plan.n // plan.pp
+        positions = [(t, i, j) for t in range(plan.pp) for i in range(plan.L)
+                     for j in range(per)]
+    for t, i, j in positions:
         for op in loop.ops:
             if (op.when == "first" and j) or (op.when == "last_layer" and i != plan.L - 1):
                 continue
             if plan.items(op.kind) == 0:   # nothing streamed: no weight tasks at all
                 continue
-            yield _place(plan, step, i, j, op)
+            yield _place(plan, step, t, i, j, op)
 
 
-def _place(plan: Plan, step: int, i: int, j: int, op: Op) -> TaskKey:
-    items = plan.items(op.kind)
+def _place(plan: Plan, step: int, t: int, i: int, j: int, op: Op) -> TaskKey:
+    """The task an op launches at a position: shifted items past the group's last wrap into
+    the next layer, layers past the last into the next group, groups into the next step."""
+    per = plan.items(op.kind)
     idx = j + op.ahead
-    layer = i + op.layer + idx // items
-    return TaskKey(step + layer // plan.L, op.kind, layer % plan.L, idx % items)
+    layer = i + op.layer + idx // per
+    group = t + layer // plan.L
+    return TaskKey(step + group // plan.pp, op.kind, layer % plan.L,
+                   group % plan.pp * per + idx % per)
 
 
 # --- dependencies ----------------------------------------------------------------------------
@@ -222,6 +329,8 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     """Read-after-write dependencies of a task, shards and collectives included: a shard reads
     its own GPU's shards, a host task every GPU's, and whatever reads a partial sum (the hidden
     state after a layer, the logits) waits for the collective that completes it."""
+    if plan.pp > 1:
+        return _stage_deps(plan, t)
     if plan.tp == 1:
         return _data_deps(plan, t)
     if t.kind in COLLECTIVES:
@@ -238,6 +347,25 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
             out.append(TaskKey(d.step, COLLECTIVE_AFTER[d.kind], d.layer, d.index))
         else:
             out.append(d._replace(gpu=t.gpu))
+    return out
+
+
+def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
+    """Pipeline parallelism: a task on one stage's GPU reads another stage's output only
+    through the send that carried it; a send reads its producer on the producer's GPU."""
+    if t.kind in SENDS:
+        producer = ("LMHead" if t.kind == "SendTokens" else "Prefill" if t.step == 0
+                    else "PostAttn")
+        return [TaskKey(t.step, producer, t.layer, t.index, plan.stage_of(t.layer))]
+    out: list[TaskKey] = []
+    for d in _data_deps(plan, t._replace(gpu=-1)):
+        if d.kind not in SHARDED:
+            out.append(d)
+            continue
+        d = d._replace(gpu=plan.stage_of(d.layer))
+        if t.kind in SHARDED and d.gpu != t.gpu:
+            d = _send_after(plan, d)
+        out.append(d)
     return out
 
 
@@ -293,7 +421,7 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
         raise ScheduleError(f"Schedule {sched.name} launches unknown task kind '{kind}'.")
     section = WEIGHT_SECTIONS.get(kind)
     if section is not None:
-        deps += [K(s, "D3", l, p) for p in plan.layout.pages_for(section)]
+        deps += [K(s, "D3", l, p) for p in plan.weight_pages(j, section)]
     return deps
 
 
@@ -301,21 +429,19 @@ class _Ring:
     """A buffer of slots reused in a fixed cycle: a producer of item g overwrites the slot of
     item g - back, so it must wait for the last consumer of that item."""
 
-    def __init__(self, name: str, producers: tuple[str, ...], back: int, items_per_layer: int,
-                 L: int):
-        self.name, self.producers, self.back = name, producers, back
-        self.per_layer, self.L = items_per_layer, L
+    def __init__(self, plan: Plan, name: str, producers: tuple[str, ...], back: int, per: int):
+        self.plan, self.name, self.producers, self.back, self.per = plan, name, producers, back, per
         # A GPU-side buffer exists once per GPU; the host's pinned staging serves them all.
         self.per_gpu = any(p in SHARDED for p in producers)
 
     def item(self, step: int, layer: int, index: int) -> int:
         """Position in the ring's use order (negative items are empty slots)."""
-        return (step * self.L + layer) * self.per_layer + index
+        return self.plan.use_position(step, layer, index, self.per)
 
 
 def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callable]]]]:
     """The rings of this plan and, per consumer kind, the items of each ring it reads."""
-    L, sched, n_pages = plan.L, plan.schedule, plan.layout.n_pages
+    sched, n_pages = plan.schedule, plan.layout.n_pages
     rings: list[_Ring] = []
     readers: dict[str, list] = {}
 
@@ -323,20 +449,20 @@ def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callabl
         return lambda t: [r.item(t.step, t.layer, t.index)]
 
     if n_pages:
-        w = _Ring("weights", ("D3",), 2 * n_pages, n_pages, L)   # double buffer: two layers
+        w = _Ring(plan, "weights", ("D3",), 2 * n_pages, n_pages)   # double buffer: two layers
         rings.append(w)
         for kind, section in WEIGHT_SECTIONS.items():
-            pages = plan.layout.pages_for(section)
             readers.setdefault(kind, []).append(
-                (w, lambda t, w=w, pages=pages: [w.item(t.step, t.layer, p) for p in pages]))
+                (w, lambda t, w=w, section=section: [w.item(t.step, t.layer, p) for p in
+                                                     plan.weight_pages(t.index, section)]))
         if sched.staging:
-            pin = _Ring("pinned", ("W_CtoPin",), sched.pin_slots, n_pages, L)
+            pin = _Ring(plan, "pinned", ("W_CtoPin",), sched.pin_slots, n_pages)
             rings.append(pin)
             readers.setdefault("D3", []).append((pin, same_item(pin)))
     # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; with GPU
     # attention, decode prefetches the KV cache into them (D4) for GPUAttn, which appends the new
     # K,V that KVOut copies back.
-    kv = _Ring("kv", ("Prefill", "PrefillAttn", "D4"), sched.kv_slots, plan.n, L)
+    kv = _Ring(plan, "kv", ("Prefill", "PrefillAttn", "D4"), sched.kv_slots, plan.items("KVOut"))
     rings.append(kv)
     for kind in ("GPUAttn", "KVOut"):
         readers.setdefault(kind, []).append((kv, same_item(kv)))

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     c = command("compare", _compare, "simulate several schedules side by side")
     c.add_argument("--schedules", default=None,
                    help="comma-separated schedules (default: every schedule that runs on the "
-                        f"machine: {','.join(SCHEDULES)}, S5 on one GPU only)")
+                        f"machine: {','.join(SCHEDULES)}; S5 on one GPU only, PP on several)")
     c.add_argument("--check", action="store_true",
                    help="enforce the scenario's `expect` section; exit 1 if any check fails")
     _trace_args(c)
@@ -124,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     c = command("validate", _validate, "execute and simulate the same graphs; report, task "
                 "kind by task kind, where the model is wrong")
     c.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    c.add_argument("--schedules", default=",".join(SCHEDULES),
+    # PP on the one device validate runs on is S4
+    c.add_argument("--schedules", default=",".join(n for n, s in SCHEDULES.items()
+                                                   if not s.pipeline),
                    help="schedules to validate (default: %(default)s)")
     c.add_argument("--mu", default=None, help="micro-batch sizes, comma-separated (default: "
                    "the scenario's and half of it)")
@@ -241,7 +243,9 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from taskgraph.builder import make_plan
+    from taskgraph.errors import MemoryFitError
     from taskgraph.expect import evaluate
+    from taskgraph.memory import check_fits, memory_footprint
     from taskgraph.scenario import for_schedule
     from taskgraph.simulation import simulate_scenario
 
@@ -265,12 +269,24 @@ def _compare(args: argparse.Namespace) -> int:
                           "README for its fields (beats, min_efficiency, max_decode_layer_ms, "
                           "min_throughput_tok_s).")
         names += [n for n in scenario.expect.schedules() if n not in names]
-    if args.schedules is None and scenario.hardware.gpu.count > 1:
-        names = [n for n in names if SCHEDULES[n].ffn == "gpu"]   # S5 runs on one GPU
-    adapted, sims, notes = {}, {}, {}
-    for name in names:      # every schedule checked before any is simulated
+    expected = set(scenario.expect.schedules()) if args.check else set()
+    if args.schedules is None:
+        # S5 runs on one GPU; PP on one GPU is S4.
+        one = scenario.hardware.gpu.count == 1
+        names = [n for n in names if (SCHEDULES[n].pipeline and not one)
+                 or (not SCHEDULES[n].pipeline and (one or SCHEDULES[n].ffn == "gpu"))]
+    adapted, sims, notes, left_out = {}, {}, {}, {}
+    for name in list(names):      # every schedule checked before any is simulated
         adapted[name], note = for_schedule(scenario, name)
-        make_plan(adapted[name], name)
+        try:
+            check_fits(memory_footprint(make_plan(adapted[name], name)), name)
+        except MemoryFitError as e:
+            # A schedule the user did not name is left out rather than failing the rest.
+            if args.schedules is not None or name in expected:
+                raise
+            left_out[name] = str(e)
+            names.remove(name)
+            continue
         if note:
             notes[name] = note
     with _progress(not args.json, "simulating") as tick:
@@ -284,6 +300,8 @@ def _compare(args: argparse.Namespace) -> int:
                      {"scenario": scenario.name})
     _gantt(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()])
     out: dict[str, Any] = {"results": results}
+    if left_out:
+        out["left_out"] = left_out
     checks = evaluate(scenario.expect, {n: s.summary for n, s in sims.items()}) if args.check else []
     if args.check:
         out["checks"] = [c.__dict__ for c in checks]
@@ -291,6 +309,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     def human() -> None:
         _print_compare(results, notes)
+        for name, why in left_out.items():
+            _console().print(f"[yellow]left out:[/yellow] {name}: {why}")
         if args.check:
             _console().print(_tables().check_table(checks))
 

@@ -53,6 +53,9 @@ class CostModel:
         # resource's.
         self.kind_overhead = np.array([hw.task_overhead_us.get(k, np.nan) * 1e-6 for k in KINDS])
         self.kind_byte_rate = np.array([hw.task_gbps.get(k, np.nan) * 1e9 for k in KINDS])
+        for send in ("Send", "SendTokens"):       # one hop, not a ring
+            if np.isnan(self.kind_overhead[KIND_INDEX[send]]):
+                self.kind_overhead[KIND_INDEX[send]] = peer_latency * 1e-6
         self.handoff = hw.handoff_us * 1e-6
         # The implementation's share of those rates, and its own fixed cost, per kind.
         impl = impl or ImplementationSpec(name="ideal")

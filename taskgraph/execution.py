@@ -247,10 +247,11 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     plan = make_plan(scenario, schedule)
     if plan.tp > 1:
         raise TgError(
-            f"hardware.gpu.count is {plan.tp}: the executor runs one GPU's schedule, and "
+            f"hardware.gpu.count is {plan.tp}: the executor runs one device, and "
             "tensor-parallel execution (one process per GPU) is not built yet. `tg simulate` "
             "models the GPUs, their links and their all-reduces; execute on a one-GPU machine "
-            "(--set hardware.gpu.count=1).")
+            "(--set hardware.gpu.count=1), or the pipeline schedule PP, whose stages one "
+            "device runs on their own streams.")
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     if dev == "cpu":

@@ -38,7 +38,8 @@ class MemoryReport:
 
     @property
     def gpu_peak_gb(self) -> float:
-        """Per GPU: tensor parallelism splits every item evenly."""
+        """Per GPU: tensor parallelism splits every item evenly, pipeline stages hold equal
+        shares."""
         return self.gpu_total / self.gpu_count / GB
 
     @property
@@ -75,19 +76,22 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     extent = m.layer_bytes - experts_on_cpu
     streamed = (1 - r_w) * extent
 
+    # Pipeline stages each keep their own double buffer, activations and KV slots; tensor
+    # parallelism splits one set across the GPUs.
+    copies = sc.hardware.gpu.count if schedule.pipeline else 1
     decode_act = b * mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
     prefill_act = b * (mu * prompt * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
                        + mu * m.n_q * prompt * prompt)  # attention scores, not fused
     gpu = {
         "resident weights (r_w)": r_w * m.L * extent,
         "embedding + LM head": float(m.embed_bytes),
-        "weight double buffer": 2 * streamed,
-        "activations (one micro-batch)": float(max(decode_act, prefill_act)),
+        "weight double buffer": 2 * streamed * copies,
+        "activations (one micro-batch)": float(max(decode_act, prefill_act)) * copies,
         "hidden states (N sequences)": 2 * b * N * m.h,
     }
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
-        gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token)
+        gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token) * copies
     else:   # prefill's K,V pass through the slots on their way to the CPU cache
         gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token)
     cpu = {

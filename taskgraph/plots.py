@@ -119,25 +119,30 @@ _KIND_COLORS = {
     "PreAttn": "#6baed6", "PostAttn": "#2171b5", "GPUAttn": "#08519c", "LMHead": "#9ecae1",
     "Prefill": "#4292c6", "CPUAttn": "#fd8d3c", "W_CtoPin": "#fdd0a2", "D1": "#9e9ac8",
     "D2": "#74c476", "D3": "#238b45", "D4": "#a1d99b", "KVOut": "#bcbddc",
+    "AllReduce": "#e7298a", "GatherLogits": "#c994c7", "Send": "#e7298a", "SendTokens": "#c994c7",
 }
 
 
 def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     """A Gantt chart of decode step `step`, first `layers` layers, for each run (a
-    :class:`taskgraph.trace.TraceRun`): one row per stream, one shared time axis."""
+    :class:`taskgraph.trace.TraceRun`): one row per stream, one shared time axis. A pipeline's
+    stages work on different layers at once, so for one the chart shows the whole step."""
     from taskgraph.compiled import KIND_NAMES
 
     plt = _pyplot()
     windows = []
     for run in runs:
         prog = run.program
-        sel = (prog.step == min(step, prog.plan.G)) & (prog.column("layer") < layers) \
+        shown = prog.plan.L if prog.plan.pp > 1 else layers
+        sel = (prog.step == min(step, prog.plan.G)) & (prog.column("layer") < shown) \
             & ~np.isnan(run.end)
         if not sel.any():
             raise TgError(f"The run '{run.label}' has no finished task in decode step {step}.")
         windows.append(sel)
     span = max(float(np.nanmax(r.end[w]) - np.nanmin(r.start[w])) for r, w in zip(runs, windows))
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + 1.6 * len(runs)), dpi=110,
+    rows = max(len(r.program.streams) for r in runs)     # a 4-GPU plan has 19 streams
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + max(1.6, 0.14 * rows) * len(runs)),
+                             dpi=110,
                              squeeze=False, sharex=True)
     seen: dict[str, Any] = {}
     for ax, run, sel in zip(axes[:, 0], runs, windows):
@@ -153,7 +158,8 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
                           color=_KIND_COLORS.get(kind, "grey"), lw=0)
             seen.setdefault(kind, bar)
         ax.set_yticks(range(len(prog.streams)), list(reversed(prog.streams)), fontsize=8)
-        ax.set_title(f"{run.label}: decode step {min(step, prog.plan.G)}, layers 0-{layers - 1}",
+        which = "all layers" if prog.plan.pp > 1 else f"layers 0-{layers - 1}"
+        ax.set_title(f"{run.label}: decode step {min(step, prog.plan.G)}, {which}",
                      fontsize=9, loc="left")
         ax.set_xlim(0, span * 1e3)
         ax.grid(axis="x", alpha=0.3)

@@ -119,11 +119,18 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
                           f"at most {s.max_micro_batches} micro-batch(es) of mu = {policy.mu}: "
                           f"set policy.N = {cap} (or give it no N).")
         changes["N"] = cap
+    gpus = scenario.hardware.gpu.count
+    groups = gpus * policy.mu          # a pipeline runs one group of micro-batches per GPU
+    if s.pipeline and gpus > 1 and policy.N % groups and policy.N > groups:
+        where, everywhere = scenario._pins.get("N", (None, False))
+        if where is None or not (everywhere or schedule == scenario.schedule):
+            changes["N"] = policy.N // groups * groups
     if not changes and scenario.schedule == schedule:
         return scenario, None
     placed = scenario.model_copy(update={
         "schedule": schedule, "policy": policy.model_copy(update=changes)})
-    means = dict(PLACEMENT_MEANS, N="how many sequences (one micro-batch)")
+    means = dict(PLACEMENT_MEANS, N="how many sequences (one micro-batch)" if s.max_micro_batches
+                 else "how many sequences (whole micro-batches for each GPU's group)")
     note = (f"{schedule} decides " + ", ".join(f"{means[k]}: {k}={v:g}"
                                                 for k, v in changes.items())) if changes else None
     return placed, note

@@ -54,7 +54,7 @@ _STREAMS = {
     "W_CtoPin": "pin",
     "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
     "D6": "h2d",
-    "AllReduce": "peer", "GatherLogits": "peer",
+    "AllReduce": "peer", "GatherLogits": "peer", "Send": "peer", "SendTokens": "peer",
 }
 
 
@@ -84,6 +84,17 @@ class Schedule:
     # Where the routed experts run: "gpu" (their weights cross the link) or "cpu" (F_g = 0:
     # they stay in host memory and the CPU computes them).
     ffn: Literal["gpu", "cpu"] = "gpu"
+    # On several GPUs: False shards every layer across them (tensor parallelism); True gives each
+    # GPU a stage of consecutive layers and splits the batch into one group per stage, so the
+    # stages work on different groups at once (FlexGen's pipeline parallelism).
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        # A stage's buffers are its GPU's; the host's pinned staging ring and experts on the
+        # host would be shared by all stages, which the builder does not model.
+        if self.pipeline and (self.staging or self.ffn == "cpu"):
+            raise ValueError(f"schedule {self.name}: a pipeline schedule neither stages weights "
+                             "nor runs the FFN on the CPU")
 
 
 #: What each placement field decides, for messages.
@@ -200,4 +211,21 @@ S5 = Schedule(
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5)}
+# FlexGen's dist_flex_opt.py: each stage runs S4's order over its own layers for one group of
+# micro-batches at a time (its `num_inner_iterations`, one group per stage by default), reloading
+# the stage's weights for every group, and sends the group's hidden states to the next stage; the
+# last stage sends the sampled tokens back to the first.
+PP = Schedule(
+    name="PP", title="FlexGen pipeline parallelism",
+    summary="S4's order with the layers split into one stage per GPU and the batch into one group "
+            "per stage; every group reloads the stage's weights, hidden states cross between "
+            "stages over the interconnect",
+    attention="gpu", paged=False, staging=False, implementation="flexgen", pipeline=True,
+    placement=_GPU_ATTENTION,
+    prefill=S4.prefill,
+    decode_prologue=S4.decode_prologue,
+    decode=S4.decode,
+    streams=S4.streams,
+)
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5, PP)}

@@ -264,11 +264,13 @@ def _schedule_for(scenario: Scenario, attention: str, ffn: str = "gpu") -> Sched
     """The schedule a search runs for an attention and FFN placement: the scenario's own where
     it places them so, else CGOPipe (CPU attention), S4 (GPU attention) or S5 (GPU attention,
     experts on the CPU); None where no schedule does (CPU attention with CPU experts; experts
-    on the CPU of a multi-GPU machine, S5 being a one-GPU schedule)."""
+    on the CPU of a multi-GPU machine, S5 being a one-GPU schedule). The predictor models
+    layers every GPU shares, so pipeline parallelism (PP) is compared by simulation
+    (`tg compare`), not searched."""
     if ffn == "cpu" and scenario.hardware.gpu.count > 1:
         return None
     own = SCHEDULES[scenario.schedule]
-    if own.attention == attention and own.ffn == ffn:
+    if own.attention == attention and own.ffn == ffn and not own.pipeline:
         return own
     return {("cpu", "gpu"): SCHEDULES["S1"], ("gpu", "gpu"): SCHEDULES["S4"],
             ("gpu", "cpu"): SCHEDULES["S5"]}.get((attention, ffn))

@@ -41,7 +41,7 @@ _STREAM_INFO = {
     "h2d_kv": ("PCIe CPU->GPU (KV)", "gpu_memcpy"),
     "d2h": ("PCIe GPU->CPU", "gpu_memcpy"),
     "pin": ("CPU pinned staging copy", "cpu_memcpy"),
-    "peer": ("GPU interconnect (collectives)", "kernel"),
+    "peer": ("GPU interconnect", "kernel"),
 }
 #: stream -> the name of its track.
 STREAM_TRACKS = {stream: track for stream, (track, _) in _STREAM_INFO.items()}

@@ -46,15 +46,20 @@ KINDS: dict[str, str] = {
     "AllReduce": "the layer's two all-reduces of partial hidden states (after the O projection "
                  "and after the experts), over the GPUs' interconnect",
     "GatherLogits": "the vocabulary shards' logits gathered for sampling, over the interconnect",
+    # Pipeline parallelism (several GPUs): each GPU runs a stage of consecutive layers.
+    "Send": "a micro-batch's hidden state to the next pipeline stage's GPU, over the interconnect",
+    "SendTokens": "a micro-batch's sampled tokens from the last pipeline stage to the first",
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "AllReduce", "GatherLogits"})
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "AllReduce", "GatherLogits",
+                       "Send", "SendTokens"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
                                    "PrefillAttn": "qkv", "Route": "route"}
 #: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
-_EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce"})
+_EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce",
+                           "Send"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
 #: Kinds that run whole on the host (its cores, its memory copies) whatever the number of GPUs.
@@ -65,9 +70,14 @@ HOST_KINDS = frozenset({"CPUAttn", "CPUFFN", "W_CtoPin"})
 COLLECTIVE_AFTER: dict[str, str] = {"PostAttn": "AllReduce", "Prefill": "AllReduce",
                                     "LMHead": "GatherLogits"}
 COLLECTIVES = frozenset(COLLECTIVE_AFTER.values())
-#: Kinds split across GPUs under tensor parallelism, one shard per GPU: every GPU kind and every
-#: CPU-GPU copy (each GPU moves its shard over its own link).
-SHARDED = frozenset(KINDS) - HOST_KINDS - COLLECTIVES
+#: Under pipeline parallelism, a kind whose output another stage reads, and the send carrying it
+#: there: a stage's last layer's hidden state; the sampled tokens back to the first stage.
+SEND_AFTER: dict[str, str] = {"PostAttn": "Send", "Prefill": "Send", "LMHead": "SendTokens"}
+SENDS = frozenset(SEND_AFTER.values())
+#: Kinds that run on a GPU or cross its own link: split across GPUs under tensor parallelism,
+#: one shard per GPU (each GPU moves its shard over its own link); placed on the GPU of their
+#: layer's stage under pipeline parallelism.
+SHARDED = frozenset(KINDS) - HOST_KINDS - COLLECTIVES - SENDS
 
 
 @dataclass(frozen=True)
@@ -254,6 +264,13 @@ class TaskWork:
     def _GatherLogits(self) -> Work:
         n = self.tp
         return Work(bytes=(n - 1) / n * self.m.dtype_bytes * self.load.seqs * self.m.V)
+
+    # Pipeline parallelism: what crosses between stages.
+    def _Send(self, t: Number) -> Work:
+        return Work(bytes=self.m.dtype_bytes * t * self.m.h)
+
+    def _SendTokens(self) -> Work:
+        return Work(bytes=8 * self.load.seqs)      # int64 token ids
 
     # Weights.
     def _D3(self) -> Work:

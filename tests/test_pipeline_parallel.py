@@ -1,0 +1,203 @@
+"""FlexGen's pipeline parallelism (schedule PP): each GPU runs a stage of consecutive layers, the
+batch is split into one group of micro-batches per stage, every group reloads the stage's
+weights, and hidden states cross between stages in sends on the interconnect.
+
+References: S4's one-GPU graph (PP is S4's order, so on one GPU it must be S4 exactly, and on
+several every task's work must be S4's), FlexGen's dist_flex_opt.py for the stage split and the
+per-group weight reload, and the sequential reference for what the executor computes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import networkx as nx
+import pytest
+
+from taskgraph.builder import build_segment, launch_sequence, make_plan
+from taskgraph.cli import main
+from taskgraph.errors import ScheduleError
+from taskgraph.simulation import simulate_scenario
+from taskgraph.work import SENDS, SHARDED
+from tests.helpers import tiny
+
+
+def _pp(gpus: int, **sections):
+    hw = {"preset": "t4", "gpu": {"count": gpus}}
+    hw.update(sections.pop("hardware", {}))
+    return tiny(schedule="PP", policy={"N": 8, "mu": 2, "A_g": 1, **sections.pop("policy", {})},
+                hardware=hw, **sections)
+
+
+def _own(g: nx.DiGraph) -> dict:
+    return {n: a for n, a in g.nodes(data=True) if not a["external"]}
+
+
+def _base(name: str) -> str:
+    return name.split(",g")[0] + "]" if ",g" in name else name
+
+
+def test_on_one_gpu_pp_is_s4():
+    s4 = tiny(schedule="S4", policy={"A_g": 1})
+    pp = _pp(1)
+    for d in (0, 1, 2):
+        a, b = build_segment(make_plan(s4), d), build_segment(make_plan(pp), d)
+        assert dict(a.nodes(data=True)) == dict(b.nodes(data=True))
+        assert set(a.edges) == set(b.edges)
+
+
+@pytest.mark.parametrize("gpus", [2, 3, 4])
+def test_stages_hold_consecutive_layers_and_meet_only_through_sends(gpus):
+    plan = make_plan(_pp(gpus, policy={"N": 2 * gpus * 2}))
+    L = plan.L
+    # FlexGen's split: L // n layers each, the first L % n stages one more
+    sizes = [len(r) for r in plan.stages]
+    assert sum(sizes) == L and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes)[::-1]
+    for d in (0, 1, 2):
+        g = build_segment(plan, d)
+        a = dict(g.nodes(data=True))
+        sends = 0
+        for name, attrs in a.items():
+            if attrs["kind"] in SHARDED:
+                assert attrs["gpu"] == plan.stage_of(attrs["layer"])
+                assert attrs["stream"].endswith(f":{attrs['gpu']}")
+        for src, dst in g.edges:
+            s, t = a[src], a[dst]
+            if s["kind"] in SHARDED and t["kind"] in SHARDED:
+                assert s["gpu"] == t["gpu"], (src, dst)      # stages meet only in sends
+            if s["kind"] in SENDS:
+                sends += 1
+                assert t["gpu"] == (s["gpu"] + 1) % gpus      # to the next stage, last to first
+                assert s["kind"] == ("SendTokens" if s["gpu"] == gpus - 1 else "Send")
+        assert sends
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_every_task_does_s4s_work_and_each_group_reloads_the_stage_weights(gpus):
+    s4 = make_plan(tiny(schedule="S4", policy={"A_g": 1}))
+    pp = make_plan(_pp(gpus))
+    for d in (1, 2):
+        one = _own(build_segment(s4, d))
+        many = _own(build_segment(pp, d))
+        loads = [a for a in many.values() if a["kind"] == "D3"]
+        # one load of each layer per group (FlexGen's load_weight runs per inner iteration)
+        assert len(loads) == pp.L * gpus
+        assert sum(a["bytes"] for a in loads) == pytest.approx(
+            gpus * sum(a["bytes"] for a in one.values() if a["kind"] == "D3"))
+        for stage, layers in enumerate(pp.stages):
+            on = [a for a in loads if a["stream"] == f"h2d:{stage}"]
+            assert sorted({a["layer"] for a in on}) == list(layers)
+        for name, a in many.items():
+            if a["kind"] in SENDS or a["kind"] == "D3":
+                continue
+            whole = one[_base(name)]
+            for field in ("flops", "flops_per_ctx", "bytes", "bytes_per_ctx"):
+                assert a[field] == whole[field], (name, field)
+
+
+def _decode_s(sc, schedule):
+    return simulate_scenario(sc, schedule).summary["decode_s"]
+
+
+def test_streaming_bound_pp_gains_nothing_from_a_second_gpu_while_tp_halves():
+    """The mechanism the MoE-Lightning paper blames for FlexGen's poor multi-GPU scaling: with
+    weights streamed, every group reloads its stage's layers, so each GPU's link carries as many
+    bytes per step as one GPU's does, while tensor parallelism splits them."""
+    slow_link = {"link": {"h2d_gbps": 0.05, "latency_us": 0.0},
+                 "gpu": {"task_overhead_us": 0.0}, "handoff_us": 0.0}
+
+    def on(gpus, schedule):
+        hw = {"preset": "t4", **slow_link, "gpu": {"count": gpus, "task_overhead_us": 0.0}}
+        # the KV cache stays on the GPU: only weights cross the links
+        return tiny(schedule=schedule, policy={"A_g": 1, "r_w": 0.0, "r_c": 1.0},
+                    workload={"gen_len": 8}, hardware=hw)
+
+    one = _decode_s(on(1, "S4"), "S4")
+    assert _decode_s(on(1, "PP"), "PP") == pytest.approx(one, rel=1e-9)
+    pp2 = _decode_s(on(2, "PP"), "PP")
+    tp2 = _decode_s(on(2, "S4"), "S4")
+    assert pp2 == pytest.approx(one, rel=0.05)
+    assert tp2 == pytest.approx(one / 2, rel=0.05)
+
+
+def test_with_everything_resident_the_stages_run_in_parallel():
+    """No weights to stream: the groups keep every stage busy, so two GPUs take about half the
+    time of one (less the pipeline's fill)."""
+    fast = {"gpu": {"task_overhead_us": 0.0, "tflops": 0.05}, "handoff_us": 0.0,
+            "interconnect": {"gbps": 1000.0, "eff": 1.0, "latency_us": 0.0}}
+
+    def on(gpus, schedule):
+        hw = {"preset": "t4", **fast, "gpu": {**fast["gpu"], "count": gpus}}
+        return tiny(schedule=schedule, policy={"A_g": 1, "r_w": 1.0, "r_c": 1.0},
+                    workload={"gen_len": 16}, hardware=hw)
+
+    one = _decode_s(on(1, "PP"), "PP")
+    two = _decode_s(on(2, "PP"), "PP")
+    assert 0.5 * one <= two <= 0.6 * one
+
+
+def test_bad_pipeline_policies_get_clear_errors():
+    with pytest.raises(ScheduleError, match=r"multiple of hardware.gpu.count = 2"):
+        make_plan(_pp(2, policy={"N": 6}))
+    with pytest.raises(ScheduleError, match=r"model.L = 4 is fewer than hardware.gpu.count = 8"):
+        make_plan(_pp(8, policy={"N": 16}))
+
+
+def test_cli_rounds_an_unpinned_batch_to_whole_groups_and_refuses_a_pinned_one(capsys):
+    # tiny.yaml: N=8, mu=2 -> 4 micro-batches; 3 GPUs need a multiple of 3
+    assert main(["simulate", "scenarios/tiny.yaml", "--schedule", "PP", "--json",
+                 "--set", "hardware.gpu.count=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"]["N"] == 6
+    assert main(["simulate", "scenarios/tiny.yaml", "--schedule", "PP",
+                 "--set", "hardware.gpu.count=3", "--set", "policy.N=8"]) == 2
+    err = capsys.readouterr().err
+    assert "multiple of hardware.gpu.count = 3" in err and err.count("\n") == 1
+
+
+def test_the_launch_order_runs_each_group_through_every_layer(gpus=2):
+    plan = make_plan(_pp(gpus))
+    order = [(k.layer, plan.group_of(k.index)) for k in launch_sequence(plan, 1)
+             if k.kind == "PostAttn"]
+    groups = [grp for _, grp in order]
+    assert groups == sorted(groups)              # group 0 through all layers, then group 1
+    assert [layer for layer, grp in order if grp == 0] == sorted(
+        layer for layer, grp in order if grp == 0)
+
+
+def test_compare_offers_pp_on_several_gpus_only(capsys):
+    assert main(["compare", "scenarios/tiny.yaml", "--json"]) == 0
+    one = [r["schedule"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert "PP" not in one and "S4" in one
+    assert main(["compare", "scenarios/tiny.yaml", "--json",
+                 "--set", "hardware.gpu.count=2"]) == 0
+    two = [r["schedule"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert "PP" in two and "S5" not in two
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("gpus,N,r_w,r_c", [(2, 8, 0.0, 0.0), (2, 4, 0.4, 0.5), (4, 8, 0.0, 0.0)])
+def test_the_executor_runs_the_stages_and_computes_the_reference(gpus, N, r_w, r_c):
+    from taskgraph.compiled import compile_plan
+    from taskgraph.exec.dispatch import execute
+    from taskgraph.exec.runtime import Runtime
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+
+    sc = _pp(gpus, policy={"N": N, "mu": 2, "r_w": r_w, "r_c": r_c},
+             workload={"prompt_len": 6, "gen_len": 3})
+    plan = make_plan(sc)
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
+    rng = random.Random(gpus * 10 + N)
+    delays: dict[int, float] = {}
+    runtime = Runtime(plan, w, prompts, torch.device("cpu"))
+    run = execute(compile_plan(plan), runtime,
+                  delay=lambda gid: delays.setdefault(gid, rng.random() * 0.002))
+    assert not run.interrupted and run.finished.all()
+    ref = reference_forward(w, prompts, 2, 3)
+    tokens, logits, hidden = runtime.outputs()
+    assert torch.equal(tokens, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref.hidden, rtol=1e-5, atol=1e-5)
