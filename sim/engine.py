@@ -43,6 +43,9 @@ class SimRun:
     interrupted: bool
     wall_s: float
     failure: BaseException | None = None     # what stopped an executed run, if a task failed
+    # An executed run: time.perf_counter() at its time 0 (one clock for every process of a
+    # machine, so the ranks of a multi-process run line up).
+    clock_origin: float = float("nan")
 
     @property
     def finished(self) -> np.ndarray:
