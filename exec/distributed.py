@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from taskgraph.builder import Plan, make_plan
+from taskgraph.builder import Plan
 from taskgraph.compiled import KIND_NAMES, compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.weights import ModelWeights
-from taskgraph.specs import Scenario
+from taskgraph.sim.engine import SimRun
 from taskgraph.work import SENDS
 
 
@@ -41,6 +42,14 @@ class DistributedRun:
     start: np.ndarray         # per task, seconds from the earliest task's start
     end: np.ndarray
     ranks: int
+    wall_s: float
+
+    def as_run(self, program) -> SimRun:
+        """The task times as the one-process executor reports them."""
+        return SimRun(program, self.end - self.start, self.start, self.end, False, self.wall_s)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.logits, self.hidden
 
 
 class _Stage:
@@ -87,13 +96,14 @@ def _rank_streams(plan: Plan, rank: int) -> frozenset[str]:
 
 
 def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
-            rendezvous: str, out: str, delay_s: float, seed: int) -> None:
+            prompt_lens: torch.Tensor | None, rendezvous: str, out: str, delay_s: float,
+            seed: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=plan.pp)
     try:
-        runtime = Runtime(plan, weights, prompts, torch.device("cpu"))
+        runtime = Runtime(plan, weights, prompts, torch.device("cpu"), prompt_lens=prompt_lens)
         rng = np.random.default_rng(seed + rank)
         delays = rng.random(compile_plan(plan).total) * delay_s
         program = compile_plan(plan)
@@ -111,11 +121,11 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         dist.destroy_process_group()
 
 
-def execute_pipeline(scenario: Scenario, weights: ModelWeights, prompts: torch.Tensor,
-                     delay_s: float = 0.0, seed: int = 0) -> DistributedRun:
+def execute_pipeline(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
+                     prompt_lens: torch.Tensor | None = None, delay_s: float = 0.0,
+                     seed: int = 0) -> DistributedRun:
     """Run a pipeline schedule's plan as one process per stage (CPU backend, gloo). `delay_s`:
     each task first sleeps up to that long, at random (to shake out races)."""
-    plan = make_plan(scenario)
     if plan.pp < 2:
         raise TgError(f"Schedule {plan.schedule.name} on hardware.gpu.count = {plan.gpus} has no "
                       "pipeline stages to run as processes; choose PP on several GPUs.")
@@ -128,12 +138,16 @@ def execute_pipeline(scenario: Scenario, weights: ModelWeights, prompts: torch.T
 
     with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(plan, weights, prompts, rendezvous, tmp, delay_s, seed),
-                 nprocs=plan.pp, join=True)
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous, tmp, delay_s,
+                                seed), nprocs=plan.pp, join=True)
+        wall = time.perf_counter() - t0
         results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                    for r in range(plan.pp)]
-    # Every stream is one rank's (its suffix). A send ran on both ends: it spans from the
-    # sender starting it to the receiver holding the data (either end may finish first).
+    # Every stream is one rank's (its suffix). A send ran on both ends: it starts when the
+    # sender starts it and ends when the receiver holds the data, or the sender's call returns
+    # if that is sooner (either end may finish first), so it neither ends after what reads it
+    # starts nor overlaps the sender's next send.
     owner = np.array([_owner(s) for s in program.streams])
     rank, ids = owner[program.column("stream")], np.arange(program.total)
     starts = np.stack([r["start"] for r in results])
@@ -141,7 +155,7 @@ def execute_pipeline(scenario: Scenario, weights: ModelWeights, prompts: torch.T
     start, end = starts[rank, ids], ends[rank, ids]
     receiver = (rank + 1) % plan.pp
     sends = np.isin(program.column("kind"), [KIND_NAMES.index(k) for k in SENDS])
-    end[sends] = ends[receiver, ids][sends]
+    end[sends] = np.minimum(end, ends[receiver, ids])[sends]
     t0 = np.nanmin(start)
     tokens, logits, hidden = results[-1]["outputs"]
-    return DistributedRun(tokens, logits, hidden, start - t0, end - t0, plan.pp)
+    return DistributedRun(tokens, logits, hidden, start - t0, end - t0, plan.pp, wall)

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
                    "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
                    "(default: real copies, as a GPU machine would make them)")
+    c.add_argument("--processes", action="store_true", help="a pipeline schedule (PP) on "
+                   "several GPUs: each stage its own process, hidden states crossing over "
+                   "torch.distributed (gloo, CPU backend)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -407,7 +410,7 @@ def _execute(args: argparse.Namespace) -> int:
     with _progress(not args.json, "executing") as tick:
         ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
                               prompts_path=args.prompts, zero_copy=args.zero_copy,
-                              profile=args.profile)
+                              profile=args.profile, processes=args.processes)
     if args.trace:
         _write_trace(args, [ex.trace_run()], ex.summary)
     _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])
@@ -442,6 +445,9 @@ def _execute_queue(args: argparse.Namespace, scenario) -> int:
 
     if args.profile:
         raise TgError("--profile traces one batch; run it without a request list (or with "
+                      "--prompts).")
+    if args.processes:
+        raise TgError("--processes does not combine with a request list; run one batch (or "
                       "--prompts).")
     with _progress(not args.json, "executing batches", "batches") as tick:
         q = execute_queue(scenario, args.device, args.weights, progress=tick,

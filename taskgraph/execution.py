@@ -189,6 +189,19 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
 _last_weights: dict[tuple, Any] = {}
 
 
+def _check_processes(plan, dev: str, zero_copy: bool, profile: bool, last_steps) -> None:
+    if plan.pp < 2:
+        raise TgError(
+            f"--processes runs each stage of a pipeline as its own process; schedule "
+            f"{plan.schedule.name} on hardware.gpu.count = {plan.gpus} has none. Choose "
+            "--schedule PP on several GPUs.")
+    for bad, what in ((dev != "cpu", f"--device {dev} (gloo runs on the CPU backend)"),
+                      (zero_copy, "--zero-copy"), (profile, "--profile"),
+                      (last_steps is not None, "a request list")):
+        if bad:
+            raise TgError(f"--processes does not combine with {what}.")
+
+
 def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
     """Random weights, kept for the next run of the same model: validate and calibrate execute
     one model many times, and a Mixtral layer takes seconds to draw. The last model's weights
@@ -207,7 +220,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      progress: Callable[[int, int], None] | None = None,
                      prompts_path: str | None = None, zero_copy: bool = False,
                      check: bool = True, profile: bool = False,
-                     batch: list[list] | None = None) -> Execution:
+                     batch: list[list] | None = None, processes: bool = False) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
     (unless `check` is False: calibration runs only want the timings). `profile` runs it under
     the PyTorch profiler and keeps the ops it saw (:mod:`taskgraph.exec.profiling`). With
@@ -215,7 +228,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     generated in ``summary["outputs"]``; `batch` runs given requests (``exec.prompts.Request``)
     as those micro-batches instead (:func:`execute_queue` runs a request list batch by batch).
     `zero_copy` (CPU only) makes every transfer a no-op over shared buffers
-    (:class:`taskgraph.exec.runtime.Runtime`)."""
+    (:class:`taskgraph.exec.runtime.Runtime`). `processes` runs a pipeline schedule's stages as
+    one process each over torch.distributed (:mod:`taskgraph.exec.distributed`)."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -275,10 +289,21 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if batch is not None:
         last_steps = [max((r.max_new_tokens - 1 for r in slots[j * p.mu:(j + 1) * p.mu]
                            if r is not None), default=-1) for j in range(p.N // p.mu)]
-    runtime = Runtime(plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda",
-                      prompt_lens=lens, zero_copy=zero_copy, last_steps=last_steps)
+    if processes:
+        _check_processes(plan, dev, zero_copy, profile, last_steps)
+    runtime = None if processes else Runtime(
+        plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda", prompt_lens=lens,
+        zero_copy=zero_copy, last_steps=last_steps)
     total = len(program.seg_template)
+    stages = None
+
     def run_it(annotate: bool = False):
+        nonlocal stages
+        if processes:
+            from taskgraph.exec.distributed import execute_pipeline
+
+            stages = execute_pipeline(plan, w, prompts, prompt_lens=lens)
+            return stages.as_run(program)
         return execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
                        progress=(lambda d: progress(d, total)) if progress else None,
                        annotate=annotate)
@@ -300,7 +325,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     summary["max_abs_err"] = summary["tokens_match"] = None
     if check and not run.interrupted:
         ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially
-        tokens, logits, _ = runtime.outputs()
+        tokens, logits, _ = (stages or runtime).outputs()
         if last_steps is None:
             summary["max_abs_err"] = float((logits.float() - ref.logits.float()).abs().max())
             summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))

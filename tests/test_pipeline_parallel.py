@@ -217,7 +217,7 @@ def test_one_process_per_stage_over_gloo_computes_the_reference(gpus, N, r_w, r_
              workload={"prompt_len": 6, "gen_len": 3})
     w = synthetic_weights(sc.model, seed=1)
     prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
-    run = execute_pipeline(sc, w, prompts, delay_s=0.002, seed=gpus)
+    run = execute_pipeline(make_plan(sc), w, prompts, delay_s=0.002, seed=gpus)
     ref = reference_forward(w, prompts, 2, 3)
     assert torch.equal(run.tokens, ref.tokens)
     torch.testing.assert_close(run.logits, ref.logits, rtol=1e-5, atol=1e-5)
@@ -227,3 +227,22 @@ def test_one_process_per_stage_over_gloo_computes_the_reference(gpus, N, r_w, r_
     program = compile_plan(make_plan(sc))
     edges = unrolled_edges(program)
     assert (run.start[edges[:, 1]] >= run.end[edges[:, 0]] - 1e-6).all()
+
+
+def test_execute_processes_cli_checks_tokens_and_writes_a_valid_trace(tmp_path, capsys):
+    from taskgraph.tracecheck import check_trace, load_trace
+
+    trace = tmp_path / "pp.json.gz"
+    assert main(["execute", "scenarios/tiny.yaml", "--schedule", "PP", "--processes", "--json",
+                 "--set", "hardware.gpu.count=2", "--steps", "2", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_match"] and out["max_abs_err"] < 1e-4
+    assert out["decode_layer_ms"] >= out["hrm_layer_ms"] > 0
+    assert check_trace(load_trace(trace)) == []
+    # no stages to split, or a combination the processes cannot run: one clear line, exit 2
+    for argv in (["--processes"],
+                 ["--schedule", "PP", "--set", "hardware.gpu.count=2", "--processes",
+                  "--zero-copy"]):
+        assert main(["execute", "scenarios/tiny.yaml", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "--processes" in err and err.count("\n") == 1
