@@ -23,7 +23,7 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import COLLECTIVES, KINDS, PAGED, SENDS, WEIGHT_SECTIONS
+from taskgraph.work import COLLECTIVES, KINDS, PAGED, SENDS, TP_ONLY, WEIGHT_SECTIONS
 
 
 class Runtime:
@@ -82,8 +82,10 @@ class Runtime:
         self.zero_copy = zero_copy
         self.pin_memory = pin_memory
         self.last_steps = last_steps
+        # One device: no tensor-parallel parts or collectives to run (sends only between
+        # pipeline stages, below).
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS}   # one GPU: no collectives to run
+                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
         # Pipeline stages in one process share the device: what a send carries is already there
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})

@@ -49,7 +49,9 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
     # micro-batch's PostAttn done) and whole steps.
     layers_done, steps_done = G * L, G
     if run.interrupted:
-        post = done & decode & (prog.column("kind") == KIND_NAMES.index("PostAttn"))
+        # (under tensor parallelism PostAttn runs as parts, the last of them the experts)
+        last = "MoE" if plan.tp > 1 else "PostAttn"
+        post = done & decode & (prog.column("kind") == KIND_NAMES.index(last))
         layers_done = int(post.sum()) // (plan.n * plan.tp)     # every GPU's shard
         steps_done = layers_done // L
     # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;

@@ -38,7 +38,7 @@ from taskgraph.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RES
                                  Schedule)
 from taskgraph.specs import Scenario
 from taskgraph.work import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
-                            WEIGHT_SECTIONS, TaskWork, WeightLayout)
+                            TP_PARTS, WEIGHT_SECTIONS, TaskWork, WeightLayout)
 
 
 class TaskKey(NamedTuple):
@@ -247,16 +247,18 @@ def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
 
 
 def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
-    """Tensor parallelism: each GPU task and copy launched as one shard per GPU, and a task
-    whose output is a partial sum followed by the collective that completes it."""
+    """Tensor parallelism: each GPU task and copy launched as one shard per GPU (a task holding
+    an all-reduce as its parts), and a task whose output is a partial sum followed by the
+    collective that completes it."""
     out: list[TaskKey] = []
     for key in keys:
         if key.kind not in SHARDED:
             out.append(key)
             continue
-        out += [key._replace(gpu=g) for g in range(plan.tp)]
-        if key.kind in COLLECTIVE_AFTER:
-            out.append(TaskKey(key.step, COLLECTIVE_AFTER[key.kind], key.layer, key.index))
+        for kind in TP_PARTS.get(key.kind, (key.kind,)):
+            out += [key._replace(kind=kind, gpu=g) for g in range(plan.tp)]
+            if kind in COLLECTIVE_AFTER:
+                out.append(TaskKey(key.step, COLLECTIVE_AFTER[kind], key.layer, key.index))
     return out
 
 
@@ -334,20 +336,48 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     if plan.tp == 1:
         return _data_deps(plan, t)
     if t.kind in COLLECTIVES:
-        producer = ("LMHead" if t.kind == "GatherLogits" else
-                    "Prefill" if t.step == 0 else "PostAttn")
+        producer = next(k for k, c in COLLECTIVE_AFTER.items() if c == t.kind)
         return [TaskKey(t.step, producer, t.layer, t.index, g) for g in range(plan.tp)]
+    whole, first = _whole_of(plan, t)
     out: list[TaskKey] = []
-    for d in _data_deps(plan, t._replace(gpu=-1)):
+    if whole.kind != t.kind and t.kind != first:
+        # a later part of a split task: after the part before it (through its collective)
+        parts = TP_PARTS[whole.kind]
+        before = t._replace(kind=parts[parts.index(t.kind) - 1])
+        out.append(TaskKey(t.step, COLLECTIVE_AFTER[before.kind], t.layer, t.index)
+                   if before.kind in COLLECTIVE_AFTER else before)
+        deps = []
+    else:
+        deps = _data_deps(plan, whole)
+    split = whole.kind != t.kind
+    for d in deps:
+        if d.kind == "D3" and split:
+            continue                      # a part reads only its own section's pages (below)
         if d.kind not in SHARDED:
             out.append(d)
-        elif t.kind not in SHARDED:
+        elif t.kind not in SHARDED:       # a host task reads every GPU's copy
             out += [d._replace(gpu=g) for g in range(plan.tp)]
-        elif d.kind in COLLECTIVE_AFTER and t.kind != "KVOut":   # KVOut copies K,V: a shard's own
-            out.append(TaskKey(d.step, COLLECTIVE_AFTER[d.kind], d.layer, d.index))
+        elif d.kind in TP_PARTS and t.kind == "KVOut":   # K,V: the shard's own attention's
+            out.append(d._replace(kind=TP_PARTS[d.kind][0], gpu=t.gpu))
+        elif d.kind in TP_PARTS or d.kind in COLLECTIVE_AFTER:   # a partial sum: completed
+            last = TP_PARTS.get(d.kind, (d.kind,))[-1]
+            out.append(TaskKey(d.step, COLLECTIVE_AFTER[last], d.layer, d.index))
         else:
             out.append(d._replace(gpu=t.gpu))
+    if split and t.kind in WEIGHT_SECTIONS:
+        out += [TaskKey(t.step, "D3", t.layer, p, t.gpu)
+                for p in plan.weight_pages(t.index, WEIGHT_SECTIONS[t.kind])]
     return out
+
+
+def _whole_of(plan: Plan, t: TaskKey) -> tuple[TaskKey, str]:
+    """The one-GPU task a shard belongs to (a part of a split task belongs to the whole), and
+    the first part of it."""
+    for whole, parts in TP_PARTS.items():
+        if t.kind in parts and (t.step == 0) == (whole == "Prefill"):
+            return t._replace(kind=whole, gpu=-1), parts[0]
+    return t._replace(gpu=-1), t.kind
+
 
 
 def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:

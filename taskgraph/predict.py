@@ -34,7 +34,7 @@ import numpy as np
 from taskgraph.cost import KIND_INDEX, CostModel, cost_model
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.specs import PolicySpec, Scenario
-from taskgraph.work import COLLECTIVE_AFTER, PAGED, TaskWork, WeightLayout
+from taskgraph.work import COLLECTIVE_AFTER, PAGED, TP_PARTS, TaskWork, WeightLayout
 
 
 @dataclass(frozen=True)
@@ -112,16 +112,18 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
 
 
 def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
-    """Under tensor parallelism, each op whose output is a partial sum followed by its
-    collective, as the builder launches them (every GPU's shard takes one GPU's time, so a
-    resource's time below is that of each GPU's)."""
+    """Under tensor parallelism, each op as the builder launches it: a task holding an
+    all-reduce as its parts, each part whose output is a partial sum followed by its collective
+    (every GPU's shard takes one GPU's time, so a resource's time below is that of each
+    GPU's)."""
     if tp == 1:
         return ops
     out: list[Op] = []
     for op in ops:
-        out.append(op)
-        if op.kind in COLLECTIVE_AFTER:
-            out.append(Op(COLLECTIVE_AFTER[op.kind], op.ahead, op.layer, op.when))
+        for kind in TP_PARTS.get(op.kind, (op.kind,)):
+            out.append(Op(kind, op.ahead, op.layer, op.when))
+            if kind in COLLECTIVE_AFTER:
+                out.append(Op(COLLECTIVE_AFTER[kind], op.ahead, op.layer, op.when))
     return tuple(out)
 
 

@@ -54,6 +54,7 @@ _STREAMS = {
     "W_CtoPin": "pin",
     "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
     "D6": "h2d",
+    "OProj": "gpu", "MoE": "gpu", "AllReduceAttn": "peer",
     "AllReduce": "peer", "GatherLogits": "peer", "Send": "peer", "SendTokens": "peer",
 }
 

@@ -42,9 +42,13 @@ KINDS: dict[str, str] = {
     "CPUFFN": "top-k SwiGLU experts on the CPU, reading their weights in host memory",
     "D6": "expert output of a micro-batch, CPU -> GPU",
     "Merge": "residual add of the expert output on the GPU",
-    # Tensor parallelism (several GPUs): each GPU runs a shard of every GPU task.
-    "AllReduce": "the layer's two all-reduces of partial hidden states (after the O projection "
-                 "and after the experts), over the GPUs' interconnect",
+    # Tensor parallelism (several GPUs): each GPU runs a shard of every GPU task, and a layer's
+    # PostAttn (or Prefill) runs as the parts between its two all-reduces.
+    "OProj": "O projection of a micro-batch's attention output (a GPU's heads: a partial sum)",
+    "AllReduceAttn": "the O projection's partial sums all-reduced, over the GPUs' interconnect",
+    "MoE": "residual + RMSNorm + router + top-k SwiGLU experts (a GPU's columns of each expert: "
+           "a partial sum)",
+    "AllReduce": "the experts' partial sums all-reduced, over the GPUs' interconnect",
     "GatherLogits": "the vocabulary shards' logits gathered for sampling, over the interconnect",
     # Pipeline parallelism (several GPUs): each GPU runs a stage of consecutive layers.
     "Send": "a micro-batch's hidden state to the next pipeline stage's GPU, over the interconnect",
@@ -56,10 +60,11 @@ TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "AllReduce",
                        "Send", "SendTokens"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
-                                   "PrefillAttn": "qkv", "Route": "route"}
+                                   "PrefillAttn": "qkv", "Route": "route", "OProj": "o",
+                                   "MoE": "moe"}
 #: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
 _EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce",
-                           "Send"})
+                           "Send", "OProj", "AllReduceAttn", "MoE"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
 #: Kinds that run whole on the host (its cores, its memory copies) whatever the number of GPUs.
@@ -67,9 +72,15 @@ HOST_KINDS = frozenset({"CPUAttn", "CPUFFN", "W_CtoPin"})
 #: Under tensor parallelism, a kind whose output is a sum of per-GPU partial sums, and the
 #: collective that completes it (Megatron-style: column-parallel QKV and expert up/gate
 #: projections, row-parallel O and down projections; a vocabulary-parallel LM head).
-COLLECTIVE_AFTER: dict[str, str] = {"PostAttn": "AllReduce", "Prefill": "AllReduce",
+COLLECTIVE_AFTER: dict[str, str] = {"OProj": "AllReduceAttn", "MoE": "AllReduce",
                                     "LMHead": "GatherLogits"}
 COLLECTIVES = frozenset(COLLECTIVE_AFTER.values())
+#: Under tensor parallelism, a kind that holds an all-reduce inside it runs as its parts: the
+#: residual, norm and router after the O projection need the whole hidden state.
+TP_PARTS: dict[str, tuple[str, ...]] = {"PostAttn": ("OProj", "MoE"),
+                                        "Prefill": ("PrefillAttn", "OProj", "MoE")}
+#: Kinds that only tensor parallelism launches.
+TP_ONLY = frozenset({"OProj", "MoE"})
 #: Under pipeline parallelism, a kind whose output another stage reads, and the send carrying it
 #: there: a stage's last layer's hidden state; the sampled tokens back to the first stage.
 SEND_AFTER: dict[str, str] = {"PostAttn": "Send", "Prefill": "Send", "LMHead": "SendTokens"}
@@ -124,12 +135,15 @@ class WeightLayout:
         return self.streamed_bytes / self.n_pages if self.n_pages else 0.0
 
     def pages_for(self, section: str) -> range:
-        """Pages that hold any byte of a section ('qkv', 'route', 'post' or 'all')."""
+        """Pages that hold any byte of a section ('qkv', 'o', 'route', 'moe', 'post' or
+        'all')."""
         if not self.n_pages:
             return range(0)
         m = self.model
         lo, hi = {"qkv": (0, m.qkv_bytes), "post": (m.qkv_bytes, m.layer_bytes),
                   "route": (m.qkv_bytes, m.qkv_bytes + m.o_bytes + m.router_bytes),
+                  "o": (m.qkv_bytes, m.qkv_bytes + m.o_bytes),
+                  "moe": (m.qkv_bytes + m.o_bytes, m.layer_bytes),
                   "all": (0, m.layer_bytes)}[section]
         lo, hi = max(lo, self.resident_bytes), min(hi, self.extent_bytes)
         if hi <= lo:
@@ -256,10 +270,24 @@ class TaskWork:
     def _Merge(self, t: Number) -> Work:
         return Work(flops=t * self.m.h, bytes=3 * self.m.dtype_bytes * t * self.m.h)
 
-    # Tensor parallelism: ring collectives, in the bytes each GPU sends over the interconnect.
+    # Tensor parallelism: PostAttn's parts (their sum is PostAttn's work), and ring collectives
+    # in the bytes each GPU sends over the interconnect.
+    def _OProj(self, t: Number) -> Work:
+        m, b = self.m, self.m.dtype_bytes
+        return Work(flops=2 * t * m.q_dim * m.h, bytes=m.o_bytes + b * t * m.h)
+
+    def _MoE(self, t: Number) -> Work:
+        m, b = self.m, self.m.dtype_bytes
+        return Work(flops=2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i,
+                    bytes=m.router_bytes + m.experts_hit(t) * m.expert_bytes
+                    + b * t * (3 * m.h + 2 * m.k * m.h_i))
+
     def _AllReduce(self, t: Number) -> Work:
         n = self.tp
-        return Work(bytes=2 * 2 * (n - 1) / n * self.m.dtype_bytes * t * self.m.h)
+        return Work(bytes=2 * (n - 1) / n * self.m.dtype_bytes * t * self.m.h)
+
+    def _AllReduceAttn(self, t: Number) -> Work:
+        return self._AllReduce(t)
 
     def _GatherLogits(self) -> Work:
         n = self.tp

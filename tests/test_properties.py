@@ -148,9 +148,10 @@ def test_simulated_runs_keep_every_invariant(sc):
     kind = prog.column("kind")
     compute = np.isin(resource, [RESOURCES.index("gpu"), RESOURCES.index("cpu")])
     prefill_end = end[(prog.step == 0) & compute].max()
-    # the last layer's prefill: whole (Prefill), or ending with the experts' output (Merge)
+    # the last layer's prefill: whole (Prefill), or ending with the experts' output (Merge, or
+    # each GPU's part of it under tensor parallelism)
     last = (prog.step == 0) & np.isin(kind, [KIND_NAMES.index("Prefill"),
-                                            KIND_NAMES.index("Merge")])
+                                            KIND_NAMES.index("Merge"), KIND_NAMES.index("MoE")])
     assert prefill_end >= end[last].max()
     assert s["prefill_s"] == pytest.approx(prefill_end, rel=1e-5)
     assert s["prefill_s"] + s["decode_s"] == pytest.approx(makespan, rel=1e-5)

@@ -163,8 +163,14 @@ def test_multi_gpu_aggregates_and_splits_memory():
     one = simulate_scenario(tiny(hardware="t4")).summary
     four = simulate_scenario(tiny(hardware="4xt4")).summary
     assert four["memory"]["gpu_peak_gb"] == pytest.approx(one["memory"]["gpu_peak_gb"] / 4, rel=1e-5)
-    assert four["decode_layer_ms"] < one["decode_layer_ms"]
     assert np.isfinite(four["throughput_tok_s"])
+    # The tiny model's all-reduces over PCIe cost more than its layers gain (120 us of ring
+    # latency each, two per layer and micro-batch); over an NVLink-class interconnect four
+    # GPUs are faster.
+    assert four["decode_layer_ms"] > one["decode_layer_ms"]
+    fast = simulate_scenario(tiny(hardware={"preset": "4xt4", "interconnect": {
+        "gbps": 300.0, "eff": 0.77, "latency_us": 1.0}})).summary
+    assert fast["decode_layer_ms"] < one["decode_layer_ms"]
 
 
 def test_gantt_chart(tmp_path, capsys):
