@@ -157,6 +157,8 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     total = program.total
     streams = program.streams
     mine = [sid for sid, s in enumerate(streams) if only is None or s in only]
+    # the GPU a stream's tasks run on (``gpu:1``), -1 for the host's and shared streams
+    gpu_of = [int(s.partition(":")[2]) if ":" in s else -1 for s in streams]
     local = np.isin(program.column("stream"), mine)
     queues = {s: device.stream(s) for s in streams if s not in HOST_STREAMS}
     recorded = [threading.Event() for _ in range(total)]   # device: enqueued; host: finished
@@ -210,7 +212,7 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
                     if delay is not None:
                         time.sleep(delay(gid))
                     args = (int(steps[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
-                            int(index[gid]))
+                            int(index[gid]), gpu_of[sid])
                     scope = (torch.profiler.record_function(f"{name}: {mark(gid)}") if mark
                              else contextlib.nullcontext())
                     if queue is None:

@@ -1,15 +1,20 @@
-"""A pipeline-parallel plan run as one process per GPU, its stages talking through
-``torch.distributed`` (gloo, so it runs on the CPU backend).
+"""A multi-GPU plan run as one process per GPU, talking through ``torch.distributed`` (gloo, so
+it runs on the CPU backend).
 
 Every process builds the same plan and compiled program and runs only its own GPU's streams
-(``gpu:r``, ``h2d:r``, ``peer:r`` ...) plus, as a receiver, the stream of the stage that sends to
-it: a ``Send`` task is ``dist.send`` on the sender and ``dist.recv`` on the receiver, into the
-same buffer the receiver's tasks read. The builder guarantees that stages meet only through sends
-(tested), so nothing else crosses between processes. Each pair of ranks exchanges messages on one
-thread per direction, in launch order on both ends, so messages pair up without tags.
+(``gpu:r``, ``h2d:r`` ...) and the shared streams its GPU takes part in:
 
-Only the last stage samples tokens, so it returns the outputs; every rank returns its own task
-times, which line up because ``time.perf_counter`` is one monotonic clock for the machine.
+* pipeline parallelism (PP): the stream of the stage that sends to it, as the receiver: a
+  ``Send`` task is ``dist.send`` on the sender and ``dist.recv`` on the receiver, into the same
+  buffer the receiver's tasks read. Each pair of ranks exchanges messages on one thread per
+  direction, in launch order on both ends, so messages pair up without tags.
+* tensor parallelism: the host's streams, each rank running a host task's part for its shard
+  (its heads' CPU attention, its pages' staging copy), and the interconnect stream, whose
+  collectives every rank calls in the same launch order (``all_reduce``, ``all_gather``).
+
+The builder guarantees that GPUs meet only through sends or collectives and host tasks (tested),
+so nothing else crosses between processes. The last rank returns the outputs; every rank its own
+task times, which line up because ``time.perf_counter`` is one monotonic clock for the machine.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from taskgraph.exec.dispatch import execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.sim.engine import SimRun
-from taskgraph.work import SENDS
+from taskgraph.work import COLLECTIVES, SENDS
 
 
 @dataclass
@@ -43,6 +48,8 @@ class DistributedRun:
     end: np.ndarray
     ranks: int
     wall_s: float
+    rank_start: np.ndarray    # [ranks, tasks]: what each process measured (NaN: not its task)
+    rank_end: np.ndarray
 
     def as_run(self, program) -> SimRun:
         """The task times as the one-process executor reports them."""
@@ -60,7 +67,7 @@ class _Stage:
 
         self.rt, self.plan, self.rank, self.dist = runtime, plan, rank, dist
 
-    def run(self, step: int, kind: str, layer: int, index: int) -> None:
+    def run(self, step: int, kind: str, layer: int, index: int, gpu: int = -1) -> None:
         if kind not in SENDS:
             self.rt.run(step, kind, layer, index)
             return
@@ -89,7 +96,31 @@ def _owner(stream: str) -> int:
     return int(gpu) if gpu else -1
 
 
+class _Shard:
+    """One rank's shard under tensor parallelism, its collectives over torch.distributed."""
+
+    def __init__(self, runtime, plan: Plan):
+        import torch.distributed as dist
+
+        self.rt, self.plan, self.dist = runtime, plan, dist
+
+    def run(self, step: int, kind: str, layer: int, index: int, gpu: int = -1) -> None:
+        rt = self.rt
+        if kind == "GatherLogits":
+            parts = [torch.empty_like(rt.logit_part[index]) for _ in range(self.plan.tp)]
+            self.dist.all_gather(parts, rt.logit_part[index])
+            rt.take(step, index, torch.cat(parts, dim=-1))
+        elif kind in COLLECTIVES:
+            total = rt.partial(step, index)
+            self.dist.all_reduce(total)
+            rt.add(step, index, total)
+        else:
+            rt.run(step, kind, layer, index)
+
+
 def _rank_streams(plan: Plan, rank: int) -> frozenset[str]:
+    if plan.tp > 1:
+        return frozenset(s for s in plan.streams if s.endswith(f":{rank}") or ":" not in s)
     sender = (rank - 1) % plan.pp
     return frozenset(s for s in plan.streams
                      if s.endswith(f":{rank}") or s == f"peer:{sender}")
@@ -101,37 +132,51 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=plan.pp)
+                            world_size=plan.gpus)
     try:
-        runtime = Runtime(plan, weights, prompts, torch.device("cpu"), prompt_lens=prompt_lens)
+        cpu = torch.device("cpu")
+        if plan.tp > 1:
+            from taskgraph.exec.tensor import ShardRuntime, make_shard
+
+            shard, w = make_shard(plan, weights, rank)
+            runtime = _Shard(ShardRuntime(plan, w, prompts, cpu, shard,
+                                          prompt_lens=prompt_lens), plan)
+        else:
+            runtime = _Stage(Runtime(plan, weights, prompts, cpu, prompt_lens=prompt_lens),
+                             plan, rank)
         rng = np.random.default_rng(seed + rank)
         delays = rng.random(compile_plan(plan).total) * delay_s
         program = compile_plan(plan)
-        run = execute(program, _Stage(runtime, plan, rank),
+        run = execute(program, runtime,
                       delay=(lambda gid: float(delays[gid])) if delay_s else None,
                       streams=_rank_streams(plan, rank))
         if run.failure is not None:
             raise run.failure
         result: dict[str, Any] = {"start": run.start + run.clock_origin,
                                   "end": run.end + run.clock_origin}
-        if rank == plan.pp - 1:
-            result["outputs"] = runtime.outputs()
+        if rank == plan.gpus - 1:
+            result["outputs"] = runtime.rt.outputs()
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def execute_pipeline(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
-                     prompt_lens: torch.Tensor | None = None, delay_s: float = 0.0,
-                     seed: int = 0) -> DistributedRun:
-    """Run a pipeline schedule's plan as one process per stage (CPU backend, gloo). `delay_s`:
-    each task first sleeps up to that long, at random (to shake out races)."""
-    if plan.pp < 2:
-        raise TgError(f"Schedule {plan.schedule.name} on hardware.gpu.count = {plan.gpus} has no "
-                      "pipeline stages to run as processes; choose PP on several GPUs.")
+def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
+                      prompt_lens: torch.Tensor | None = None, delay_s: float = 0.0,
+                      seed: int = 0) -> DistributedRun:
+    """Run a multi-GPU plan as one process per GPU (CPU backend, gloo). `delay_s`: each task
+    first sleeps up to that long, at random (to shake out races)."""
+    if plan.gpus < 2:
+        raise TgError(f"hardware.gpu.count is {plan.gpus}: there is no second GPU to run as a "
+                      "process of its own.")
+    if plan.tp > 1:
+        from taskgraph.exec.tensor import check_shardable
+
+        check_shardable(plan.scenario.model, plan.tp)
     program = compile_plan(plan)
-    host = [s for s in program.streams if _owner(s) < 0]
-    if np.isin(program.column("stream"), [program.streams.index(s) for s in host]).any():
+    host = [s for s in program.streams if _owner(s) < 0 and s != "peer"]
+    if plan.pp > 1 and np.isin(program.column("stream"),
+                               [program.streams.index(s) for s in host]).any():
         raise TgError(f"Schedule {plan.schedule.name} runs tasks on the host's streams "
                       f"({', '.join(host)}), which no stage's process owns.")
     import torch.multiprocessing as mp
@@ -140,22 +185,29 @@ def execute_pipeline(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         rendezvous = os.path.join(tmp, "rendezvous")
         t0 = time.perf_counter()
         mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous, tmp, delay_s,
-                                seed), nprocs=plan.pp, join=True)
+                                seed), nprocs=plan.gpus, join=True)
         wall = time.perf_counter() - t0
         results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
-                   for r in range(plan.pp)]
-    # Every stream is one rank's (its suffix). A send ran on both ends: it starts when the
+                   for r in range(plan.gpus)]
+    # A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host
+    # task, a collective) spans from the last part's start to the last part's end: after
+    # everything any part waited for. A send ran on both ends (pipelines only): it starts when the
     # sender starts it and ends when the receiver holds the data, or the sender's call returns
     # if that is sooner (either end may finish first), so it neither ends after what reads it
     # starts nor overlaps the sender's next send.
-    owner = np.array([_owner(s) for s in program.streams])
+    owner = np.array([max(_owner(s), 0) for s in program.streams])
     rank, ids = owner[program.column("stream")], np.arange(program.total)
     starts = np.stack([r["start"] for r in results])
     ends = np.stack([r["end"] for r in results])
     start, end = starts[rank, ids], ends[rank, ids]
-    receiver = (rank + 1) % plan.pp
+    shared = np.array([_owner(s) < 0 for s in program.streams])[program.column("stream")]
+    if plan.tp > 1:
+        start[shared] = starts[:, shared].max(axis=0)
+        end[shared] = ends[:, shared].max(axis=0)
+    receiver = (rank + 1) % plan.gpus
     sends = np.isin(program.column("kind"), [KIND_NAMES.index(k) for k in SENDS])
     end[sends] = np.minimum(end, ends[receiver, ids])[sends]
     t0 = np.nanmin(start)
     tokens, logits, hidden = results[-1]["outputs"]
-    return DistributedRun(tokens, logits, hidden, start - t0, end - t0, plan.pp, wall)
+    return DistributedRun(tokens, logits, hidden, start - t0, end - t0, plan.gpus, wall,
+                          starts - t0, ends - t0)

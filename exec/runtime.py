@@ -15,6 +15,7 @@ graph did not make it wait for (checked at start-up).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -51,11 +52,14 @@ class Runtime:
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, pin_memory: bool = False,
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
-                 zero_copy: bool = False, last_steps: list[int] | None = None):
+                 zero_copy: bool = False, last_steps: list[int] | None = None,
+                 shard: Any = None):
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
-        m, p = sc.model, sc.policy
+        # One GPU's shard under tensor parallelism (taskgraph.exec.tensor.Shard): its model
+        # (a GPU's heads and expert columns), and where the plan's pages fall in its weights.
+        m, p = (shard.model if shard else sc.model), sc.policy
         self.plan, self.m, self.w, self.device = plan, m, weights, device
         self.mu, self.n, self.L, self.G = p.mu, plan.n, m.L, plan.G
         self.P = prompts.shape[1]
@@ -71,6 +75,8 @@ class Runtime:
         # run on the CPU): resident below `cut`, streamed in `pages` above it.
         numel = math.ceil(plan.layout.extent_bytes / m.dtype_bytes)
         self.cut, self.pages = _page_elements(plan, numel)
+        if shard is not None:
+            numel, self.cut, self.pages = weights.layer_numel, shard.cut, shard.pages
         self._check_pages()
 
         def dev(*shape):
@@ -136,7 +142,8 @@ class Runtime:
 
     # --- the tasks ---------------------------------------------------------------------------
 
-    def run(self, step: int, kind: str, layer: int, index: int) -> None:
+    def run(self, step: int, kind: str, layer: int, index: int, gpu: int = -1) -> None:
+        """Run one task (`gpu`: the GPU of its stream; one device runs every GPU's)."""
         if (self.last_steps is not None and kind not in PAGED
                 and step > self.last_steps[index]):
             return                       # every request of this micro-batch has finished
@@ -322,7 +329,8 @@ class Runtime:
         layout = self.plan.layout
         sections = {s.name: (s.offset, s.offset + s.size) for s in layer_sections(self.m)}
         groups = {"qkv": ("q", "k", "v"), "post": tuple(n for n in sections if n not in ("q", "k", "v")),
-                  "route": ("o", "router"), "all": tuple(sections)}
+                  "route": ("o", "router"), "all": tuple(sections), "o": ("o",),
+                  "moe": tuple(n for n in sections if n not in ("q", "k", "v", "o"))}
         sched = self.plan.schedule
         launched = {op.kind for loop in (*sched.prefill, *sched.decode_prologue)
                     for op in loop.ops} | {op.kind for op in sched.decode}

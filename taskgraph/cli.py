@@ -93,9 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
                    "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
                    "(default: real copies, as a GPU machine would make them)")
-    c.add_argument("--processes", action="store_true", help="a pipeline schedule (PP) on "
-                   "several GPUs: each stage its own process, hidden states crossing over "
-                   "torch.distributed (gloo, CPU backend)")
+    c.add_argument("--processes", action="store_true", help="several GPUs: each GPU its own "
+                   "process, collectives and pipeline sends over torch.distributed (gloo, CPU "
+                   "backend)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

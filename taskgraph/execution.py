@@ -190,11 +190,10 @@ _last_weights: dict[tuple, Any] = {}
 
 
 def _check_processes(plan, dev: str, zero_copy: bool, profile: bool, last_steps) -> None:
-    if plan.pp < 2:
+    if plan.gpus < 2:
         raise TgError(
-            f"--processes runs each stage of a pipeline as its own process; schedule "
-            f"{plan.schedule.name} on hardware.gpu.count = {plan.gpus} has none. Choose "
-            "--schedule PP on several GPUs.")
+            f"--processes runs each GPU as its own process; hardware.gpu.count is "
+            f"{plan.gpus}. Set it to 2 or more (--set hardware.gpu.count=2).")
     for bad, what in ((dev != "cpu", f"--device {dev} (gloo runs on the CPU backend)"),
                       (zero_copy, "--zero-copy"), (profile, "--profile"),
                       (last_steps is not None, "a request list")):
@@ -228,8 +227,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     generated in ``summary["outputs"]``; `batch` runs given requests (``exec.prompts.Request``)
     as those micro-batches instead (:func:`execute_queue` runs a request list batch by batch).
     `zero_copy` (CPU only) makes every transfer a no-op over shared buffers
-    (:class:`taskgraph.exec.runtime.Runtime`). `processes` runs a pipeline schedule's stages as
-    one process each over torch.distributed (:mod:`taskgraph.exec.distributed`)."""
+    (:class:`taskgraph.exec.runtime.Runtime`). `processes` runs each GPU of a multi-GPU plan as
+    a process of its own over torch.distributed (:mod:`taskgraph.exec.distributed`)."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -260,12 +259,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     warnings += more
     plan = make_plan(scenario, schedule)
     if plan.tp > 1:
-        raise TgError(
-            f"hardware.gpu.count is {plan.tp}: the executor runs one device, and "
-            "tensor-parallel execution (one process per GPU) is not built yet. `tg simulate` "
-            "models the GPUs, their links and their all-reduces; execute on a one-GPU machine "
-            "(--set hardware.gpu.count=1), or the pipeline schedule PP, whose stages one "
-            "device runs on their own streams.")
+        from taskgraph.exec.tensor import check_shardable
+
+        check_shardable(m, plan.tp)
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     if dev == "cpu":
@@ -291,19 +287,23 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                            if r is not None), default=-1) for j in range(p.N // p.mu)]
     if processes:
         _check_processes(plan, dev, zero_copy, profile, last_steps)
+    # Several GPUs in one process: every GPU's shard on this device (TensorParallel), or each
+    # pipeline stage's buffers in the one Runtime.
+    if plan.tp > 1:
+        from taskgraph.exec.tensor import TensorParallel as Runtime   # noqa: N814
     runtime = None if processes else Runtime(
         plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda", prompt_lens=lens,
         zero_copy=zero_copy, last_steps=last_steps)
     total = len(program.seg_template)
-    stages = None
+    ranks = None
 
     def run_it(annotate: bool = False):
-        nonlocal stages
+        nonlocal ranks
         if processes:
-            from taskgraph.exec.distributed import execute_pipeline
+            from taskgraph.exec.distributed import execute_processes
 
-            stages = execute_pipeline(plan, w, prompts, prompt_lens=lens)
-            return stages.as_run(program)
+            ranks = execute_processes(plan, w, prompts, prompt_lens=lens)
+            return ranks.as_run(program)
         return execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
                        progress=(lambda d: progress(d, total)) if progress else None,
                        annotate=annotate)
@@ -325,7 +325,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     summary["max_abs_err"] = summary["tokens_match"] = None
     if check and not run.interrupted:
         ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially
-        tokens, logits, _ = (stages or runtime).outputs()
+        tokens, logits, _ = (ranks or runtime).outputs()
         if last_steps is None:
             summary["max_abs_err"] = float((logits.float() - ref.logits.float()).abs().max())
             summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))

@@ -81,9 +81,9 @@ def test_zero_copy_keeps_the_graph_and_one_thread_per_stream(monkeypatch, zero_c
     seen: dict[str, set[int]] = {}
     real_run = Runtime.run
 
-    def spy(self, step, kind, layer, index):
+    def spy(self, step, kind, layer, index, gpu=-1):
         seen.setdefault(kind, set()).add(torch.get_num_threads())
-        real_run(self, step, kind, layer, index)
+        real_run(self, step, kind, layer, index, gpu)
 
     monkeypatch.setattr(Runtime, "run", spy)
     run, rt, ref = _run("S1", 4, 2, 0.0, 0.0, steps=2, zero_copy=zero_copy)
@@ -177,10 +177,10 @@ def test_a_failing_task_stops_the_run_and_keeps_what_ran():
     rt = Runtime(plan, w, synthetic_prompts(8, 6, sc.model.V), torch.device("cpu"))
     original = rt.run
 
-    def boom(step, kind, layer, index):
+    def boom(step, kind, layer, index, gpu=-1):
         if (step, kind, layer) == (1, "PostAttn", 2):
             raise RuntimeError("CUDA out of memory (simulated)")
-        original(step, kind, layer, index)
+        original(step, kind, layer, index, gpu)
 
     rt.run = boom
     run = execute(program, rt)

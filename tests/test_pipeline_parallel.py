@@ -209,7 +209,7 @@ def test_the_executor_runs_the_stages_and_computes_the_reference(gpus, N, r_w, r
 def test_one_process_per_stage_over_gloo_computes_the_reference(gpus, N, r_w, r_c):
     """torch.distributed (gloo, CPU): each stage a process of its own, hidden states and tokens
     crossing as messages, random delays; the tokens are the sequential reference's."""
-    from taskgraph.exec.distributed import execute_pipeline
+    from taskgraph.exec.distributed import execute_processes
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts
     from taskgraph.kernels.weights import synthetic_weights
 
@@ -217,7 +217,7 @@ def test_one_process_per_stage_over_gloo_computes_the_reference(gpus, N, r_w, r_
              workload={"prompt_len": 6, "gen_len": 3})
     w = synthetic_weights(sc.model, seed=1)
     prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
-    run = execute_pipeline(make_plan(sc), w, prompts, delay_s=0.002, seed=gpus)
+    run = execute_processes(make_plan(sc), w, prompts, delay_s=0.002, seed=gpus)
     ref = reference_forward(w, prompts, 2, 3)
     assert torch.equal(run.tokens, ref.tokens)
     torch.testing.assert_close(run.logits, ref.logits, rtol=1e-5, atol=1e-5)

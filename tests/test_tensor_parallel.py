@@ -148,3 +148,97 @@ def test_the_search_leaves_the_one_gpu_schedule_out_on_several_gpus():
     assert "S5" not in names and {"S1", "S4"} <= names
     one = load_scenario("scenarios/t4.yaml")
     assert "S5" in {c[0] for job in grid_jobs(one, Grid(), 1) for c in job.combos}
+
+
+# --- execution: each GPU's shard, the collectives between them --------------------------------
+
+torch = pytest.importorskip("torch")
+
+_KV4 = {"preset": "tiny", "n_kv": 4}      # tiny has 2 KV heads: at most 2 GPUs
+
+
+def _tp(schedule, gpus, N=8, mu=2, r_w=0.0, r_c=0.0, model=None):
+    gpu_attention = schedule in ("S4", "DS")
+    return tiny(schedule=schedule, policy={"N": N, "mu": mu, "r_w": r_w,
+                                           "r_c": 1.0 if schedule == "DS" else r_c,
+                                           "A_g": int(gpu_attention)},
+                workload={"prompt_len": 6, "gen_len": 3},
+                hardware={"preset": "t4", "gpu": {"count": gpus}},
+                **({"model": model} if model else {}))
+
+
+def test_the_shards_partition_every_split_matrix_and_share_the_router():
+    from taskgraph.exec.tensor import shard_elements
+    from taskgraph.kernels.weights import layer_sections
+
+    m = tiny(model=_KV4).model
+    shards = [set(shard_elements(m, 4, g).tolist()) for g in range(4)]
+    for s in layer_sections(m):
+        cells = set(range(s.offset, s.offset + s.size))
+        held = [cells & sh for sh in shards]
+        if s.name == "router":
+            assert all(h == cells for h in held)
+        else:
+            assert sum(len(h) for h in held) == len(cells) and set.union(*held) == cells
+            assert all(len(h) == len(cells) // 4 for h in held)
+
+
+@pytest.mark.parametrize("schedule,gpus,N,mu,r_w,r_c,model", [
+    ("S1", 2, 8, 2, 0.0, 0.0, None), ("S1", 2, 6, 2, 0.3, 0.0, None),
+    ("S2", 2, 4, 2, 0.0, 0.0, None), ("S3", 2, 6, 3, 0.0, 0.0, None),
+    ("S4", 2, 6, 2, 0.25, 0.5, None), ("DS", 2, 4, 4, 0.0, 1.0, None),
+    ("S1", 4, 8, 2, 0.0, 0.0, _KV4), ("S4", 4, 6, 2, 0.5, 0.0, _KV4),
+])
+def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
+        schedule, gpus, N, mu, r_w, r_c, model):
+    import random
+
+    from taskgraph.compiled import compile_plan
+    from taskgraph.exec.dispatch import execute
+    from taskgraph.exec.tensor import TensorParallel
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+
+    sc = _tp(schedule, gpus, N, mu, r_w, r_c, model)
+    plan = make_plan(sc)
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(N, 6, sc.model.V, seed=2)
+    rt = TensorParallel(plan, w, prompts, torch.device("cpu"))
+    rng = random.Random(gpus * 100 + N)
+    delays: dict[int, float] = {}
+    run = execute(compile_plan(plan), rt,
+                  delay=lambda gid: delays.setdefault(gid, rng.random() * 0.001))
+    assert not run.interrupted and run.finished.all()
+    ref = reference_forward(w, prompts, mu, 3)
+    tokens, logits, hidden = rt.outputs()
+    assert torch.equal(tokens, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule,gpus,model", [("S1", 2, None), ("S4", 4, _KV4)])
+def test_one_process_per_gpu_over_gloo_computes_the_reference(schedule, gpus, model):
+    """torch.distributed (gloo, CPU): each GPU's shard a process of its own, all-reduces and
+    the logits' gather as collectives, random delays."""
+    from taskgraph.compiled import compile_plan
+    from taskgraph.exec.distributed import execute_processes
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+    from tests.helpers import unrolled_edges
+
+    sc = _tp(schedule, gpus, model=model)
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(8, 6, sc.model.V, seed=2)
+    plan = make_plan(sc)
+    run = execute_processes(plan, w, prompts, delay_s=0.001, seed=gpus)
+    ref = reference_forward(w, prompts, 2, 3)
+    assert torch.equal(run.tokens, ref.tokens)
+    torch.testing.assert_close(run.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert not np.isnan(run.end).any()
+    # each process ran its tasks after their predecessors it ran (its own GPU's, and its part
+    # of the host's tasks and of each collective)
+    edges = unrolled_edges(compile_plan(plan))
+    for start, end in zip(run.rank_start, run.rank_end):
+        both = ~np.isnan(start[edges[:, 1]]) & ~np.isnan(end[edges[:, 0]])
+        assert both.sum() > len(edges) / gpus / 2
+        assert (start[edges[both, 1]] >= end[edges[both, 0]] - 1e-6).all()
