@@ -16,10 +16,17 @@ Dependencies are derived here for every schedule alike (SPEC 3.6):
   that read it.
 
 On several GPUs (tensor parallelism) every GPU task and copy is launched as one shard per GPU on
-that GPU's streams; a shard depends on its own GPU's shards, a host task on every GPU's, and a
-task reading a partial sum (the hidden state after a layer, the logits) on the collective that
-completes it, launched right after the shards that feed it. Buffers on the GPUs are rings per
-GPU; the host's pinned staging slots are refilled only after every GPU's copy emptied them.
+that GPU's streams, a task holding an all-reduce as its parts (PostAttn: OProj, MoE); a shard
+depends on its own GPU's shards, a host task on every GPU's, and a task reading a partial sum
+(the O projection's or the experts' output, the logits) on the collective that completes it,
+launched right after the shards that feed it. Buffers on the GPUs are rings per GPU; the host's
+pinned staging slots are refilled only after every GPU's copy emptied them.
+
+A pipeline schedule on several GPUs instead gives each GPU a stage of layers and splits the
+micro-batches into one group per stage, launched group by group (each group through every
+layer); a GPU task or copy runs on its layer's stage, reads another stage's output only through
+the send that carried it, and a GPU's rings follow that GPU's own order of use
+(:meth:`Plan.use_position`).
 
 Every dependency must point to a task launched earlier: on real streams an event that is not yet
 recorded cannot be waited on. A description that breaks this gets a :class:`ScheduleError`.
@@ -329,8 +336,10 @@ def _place(plan: Plan, step: int, t: int, i: int, j: int, op: Op) -> TaskKey:
 
 def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     """Read-after-write dependencies of a task, shards and collectives included: a shard reads
-    its own GPU's shards, a host task every GPU's, and whatever reads a partial sum (the hidden
-    state after a layer, the logits) waits for the collective that completes it."""
+    its own GPU's shards, a host task every GPU's, a later part of a split task the collective
+    after the part before it, and whatever reads a partial sum (the hidden state after a layer,
+    the logits) waits for the collective that completes it. Pipeline stages: see
+    :func:`_stage_deps`."""
     if plan.pp > 1:
         return _stage_deps(plan, t)
     if plan.tp == 1:
@@ -338,7 +347,7 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     if t.kind in COLLECTIVES:
         producer = next(k for k, c in COLLECTIVE_AFTER.items() if c == t.kind)
         return [TaskKey(t.step, producer, t.layer, t.index, g) for g in range(plan.tp)]
-    whole, first = _whole_of(plan, t)
+    whole, first = _whole_of(t)
     out: list[TaskKey] = []
     if whole.kind != t.kind and t.kind != first:
         # a later part of a split task: after the part before it (through its collective)
@@ -370,14 +379,13 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     return out
 
 
-def _whole_of(plan: Plan, t: TaskKey) -> tuple[TaskKey, str]:
+def _whole_of(t: TaskKey) -> tuple[TaskKey, str]:
     """The one-GPU task a shard belongs to (a part of a split task belongs to the whole), and
     the first part of it."""
     for whole, parts in TP_PARTS.items():
         if t.kind in parts and (t.step == 0) == (whole == "Prefill"):
             return t._replace(kind=whole, gpu=-1), parts[0]
     return t._replace(gpu=-1), t.kind
-
 
 
 def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:

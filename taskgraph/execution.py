@@ -289,9 +289,10 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         _check_processes(plan, dev, zero_copy, profile, last_steps)
     # Several GPUs in one process: every GPU's shard on this device (TensorParallel), or each
     # pipeline stage's buffers in the one Runtime.
+    make_runtime: Any = Runtime
     if plan.tp > 1:
-        from taskgraph.exec.tensor import TensorParallel as Runtime   # noqa: N814
-    runtime = None if processes else Runtime(
+        from taskgraph.exec.tensor import TensorParallel as make_runtime
+    runtime = None if processes else make_runtime(
         plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda", prompt_lens=lens,
         zero_copy=zero_copy, last_steps=last_steps)
     total = len(program.seg_template)
