@@ -133,6 +133,8 @@ class ShardRuntime(Runtime):
         rows = slice(j * self.mu, (j + 1) * self.mu)
         tok = logits.argmax(-1)
         self.tokens[rows, s] = tok
+        if self.step_logits is not None:
+            self.step_logits[rows, s] = logits
         if s == self.G:
             self.logits[rows] = logits
             last = torch.arange(self.mu, device=self.device)

@@ -65,7 +65,7 @@ def scenario_for(folder, schedule, N, mu, P, steps, dtype_bytes=4):
     return scenario_from_dict({
         "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": dtype_bytes},
         "hardware": "t4", "workload": {"prompt_len": P, "gen_len": steps},
-        "policy": {"N": N, "mu": mu, "A_g": int(schedule in ("S4", "DS", "S5")),
+        "policy": {"N": N, "mu": mu, "A_g": int(schedule in ("S4", "DS", "S5", "PP")),
                    "F_g": int(schedule != "S5"),
                    "r_w": 0.3 if schedule == "S1" else 0.0},
         "schedule": schedule})
@@ -127,6 +127,32 @@ def test_tokens_and_logits_are_transformers_own(checkpoint, schedule, device, ze
     # the project's own sequential reference agrees too (it shares the kernels)
     ref = reference_forward(w, prompts, 2, STEPS, lens)
     assert torch.equal(ref.tokens, tokens)
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S4", "PP"])
+def test_two_gpus_compute_transformers_tokens(checkpoint, schedule):
+    """Tensor parallelism (each GPU's heads and expert columns, all-reduced) and pipeline
+    stages, every GPU's part run on the CPU backend in one process."""
+    from taskgraph.exec.tensor import TensorParallel
+
+    folder, prompts, lens, expected = checkpoint
+    mu = 3 if schedule == "PP" else 2         # a pipeline: whole groups, one per GPU
+    sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS)
+    sc = sc.model_copy(update={"hardware": sc.hardware.model_copy(update={
+        "gpu": sc.hardware.gpu.model_copy(update={"count": 2})})})
+    plan = make_plan(sc)
+    if plan.tp > 1 and sc.model.n_kv % 2:
+        pytest.skip("one KV head: nothing to split over two GPUs")
+    w = load_mixtral_safetensors(folder, sc.model, torch.float32)
+    make = TensorParallel if plan.tp > 1 else Runtime
+    rt = make(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
+    run = execute(compile_plan(plan), rt)
+    assert not run.interrupted and run.failure is None, run.failure
+    tokens = rt.outputs()[0]
+    step_logits = (rt.shards[0] if plan.tp > 1 else rt).step_logits
+    for i, (hf_tokens, hf_logits) in enumerate(expected):
+        assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
+        torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
