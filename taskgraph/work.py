@@ -173,7 +173,8 @@ class Load:
 class TaskWork:
     """Work of every task kind for one model, policy and workload (SPEC 3.3). With `tp` GPUs in
     tensor parallel, a sharded kind's work is one GPU's shard: 1/tp of the task's FLOPs and
-    bytes (weights, KV heads, experts' columns and the copies of them split evenly)."""
+    bytes (weights, KV heads, experts' columns and the copies of them split evenly), but for
+    the router, which every GPU runs whole."""
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
                  layout: WeightLayout, load: Load | None = None, tp: int = 1):
@@ -188,8 +189,17 @@ class TaskWork:
         work = self._whole(kind, prefill)
         if self.tp == 1 or kind not in SHARDED:
             return work
-        n = self.tp
-        return Work(work.flops / n, work.flops_per_ctx / n, work.bytes / n, work.bytes_per_ctx / n)
+        n, r = self.tp, self._replicated(kind, prefill)
+        return Work((work.flops - r.flops) / n + r.flops, work.flops_per_ctx / n,
+                    (work.bytes - r.bytes) / n + r.bytes, work.bytes_per_ctx / n)
+
+    def _replicated(self, kind: str, prefill: bool) -> Work:
+        """What every GPU's shard runs whole: the router (its weights and its product over the
+        whole hidden state) in the MoE part. Norms are left out: h FLOPs a token."""
+        if kind != "MoE":
+            return Work()
+        t = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
+        return Work(flops=2 * t * self.m.h * self.m.E, bytes=self.m.router_bytes)
 
     def _whole(self, kind: str, prefill: bool) -> Work:
         if kind == "KVOut":

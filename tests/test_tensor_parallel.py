@@ -64,10 +64,15 @@ def test_shards_split_every_gpu_task_evenly_and_leave_host_tasks_whole(schedule,
                 assert len({p["stream"] for p in parts}) == gpus    # one stream per GPU
             else:
                 assert [p["gpu"] for p in parts] == [-1]
-            # Split in three, prefill's attention output is written and read back once more
-            extra = 2 * m.dtype_bytes * m.q_dim * tokens if split == 3 else 0.0
+            # Split in three, prefill's attention output is written and read back once more;
+            # split at all, every GPU runs the router whole (its weights, 2 h E FLOPs a token)
+            t = tokens if whole["step"] == 0 else sc.policy.mu
+            extra = {"flops": (gpus - 1) * 2 * t * m.h * m.E if split > 1 else 0.0,
+                     "bytes": (gpus - 1) * m.router_bytes if split > 1 else 0.0}
+            if split == 3:
+                extra["bytes"] += 2 * m.dtype_bytes * m.q_dim * tokens
             for field in ("flops", "flops_per_ctx", "bytes", "bytes_per_ctx"):
-                want = whole[field] + (extra if field == "bytes" else 0.0)
+                want = whole[field] + extra.get(field, 0.0)
                 assert sum(p[field] for p in parts) == pytest.approx(want, rel=1e-12)
 
 
