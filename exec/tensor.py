@@ -29,7 +29,7 @@ from taskgraph.exec.runtime import Runtime, _page_elements
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.specs import ModelSpec
-from taskgraph.work import HOST_KINDS
+from taskgraph.work import COLLECTIVES, HOST_KINDS
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,9 @@ class TensorParallel:
             self.shards.append(ShardRuntime(plan, w, prompts, device, shard, **kw))
 
     def run(self, step: int, kind: str, layer: int, index: int, gpu: int = -1) -> None:
+        last = self.shards[0].last_steps
+        if kind in COLLECTIVES and last is not None and step > last[index]:
+            return                    # the micro-batch's requests have all finished
         if gpu >= 0:
             self.shards[gpu].run(step, kind, layer, index)
         elif kind in HOST_KINDS:      # the host serves every GPU: each shard's heads or pages

@@ -242,19 +242,24 @@ def test_profile_needs_a_trace(capsys):
     assert "--profile" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("schedule", ["S1", "S3", "S4"])
-def test_micro_batches_past_their_last_step_are_skipped(schedule):
+@pytest.mark.parametrize("schedule,gpus", [("S1", 1), ("S3", 1), ("S4", 1), ("S1", 2)])
+def test_micro_batches_past_their_last_step_are_skipped(schedule, gpus):
     """As the simulator prices them: a micro-batch whose requests have all finished does no
     work in later steps (its LM head writes no token), one that holds none does nothing at all,
-    and the others compute exactly what the reference computes."""
+    and the others compute exactly what the reference computes (on two GPUs, the shards and
+    collectives alike)."""
+    from taskgraph.exec.tensor import TensorParallel
+
     steps = 3
     sc = tiny(schedule=schedule, policy={"N": 6, "mu": 2, "r_w": 0.0, "r_c": 0.0},
-              workload={"prompt_len": 6, "gen_len": steps})
+              workload={"prompt_len": 6, "gen_len": steps},
+              hardware={"preset": "t4", "gpu": {"count": gpus}})
     plan = make_plan(sc, schedule)
     w = synthetic_weights(sc.model, seed=1)
     prompts = synthetic_prompts(6, 6, sc.model.V, seed=2)
     last = [1, steps, -1]
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), last_steps=last)
+    rt = (TensorParallel if gpus > 1 else Runtime)(plan, w, prompts, torch.device("cpu"),
+                                                  last_steps=last)
     run = execute(compile_plan(plan), rt)
     assert run.finished.all() and run.failure is None
     tokens = rt.outputs()[0]
