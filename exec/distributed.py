@@ -144,9 +144,8 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         else:
             runtime = _Stage(Runtime(plan, weights, prompts, cpu, prompt_lens=prompt_lens),
                              plan, rank)
-        rng = np.random.default_rng(seed + rank)
-        delays = rng.random(compile_plan(plan).total) * delay_s
         program = compile_plan(plan)
+        delays = np.random.default_rng(seed + rank).random(program.total) * delay_s
         run = execute(program, runtime,
                       delay=(lambda gid: float(delays[gid])) if delay_s else None,
                       streams=_rank_streams(plan, rank))
@@ -157,8 +156,23 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         if rank == plan.gpus - 1:
             result["outputs"] = runtime.rt.outputs()
         torch.save(result, Path(out) / f"rank{rank}.pt")
+    except Exception as err:
+        # for the parent: the first failure, not the broken connections it leaves behind
+        (Path(out) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _first_failure(folder: Path, ranks: int) -> str:
+    """The error of the rank that failed first: a rank whose peer died fails too, with a
+    broken connection, so that one is reported only if nothing else was."""
+    errors = {r: (folder / f"rank{r}.err").read_text() for r in range(ranks)
+              if (folder / f"rank{r}.err").exists()}
+    own = {r: e for r, e in errors.items() if "Connection closed by peer" not in e}
+    rank, text = next(iter((own or errors).items()), (-1, "it exited without saying why"))
+    who = f"The process of GPU {rank}" if rank >= 0 else "A process"
+    return f"{who} of {ranks} failed: {text.strip().splitlines()[0] if text else text}"
 
 
 def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
@@ -180,12 +194,16 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         raise TgError(f"Schedule {plan.schedule.name} runs tasks on the host's streams "
                       f"({', '.join(host)}), which no stage's process owns.")
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
         t0 = time.perf_counter()
-        mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous, tmp, delay_s,
-                                seed), nprocs=plan.gpus, join=True)
+        try:
+            mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous, tmp,
+                                    delay_s, seed), nprocs=plan.gpus, join=True)
+        except ProcessException:
+            raise TgError(_first_failure(Path(tmp), plan.gpus)) from None
         wall = time.perf_counter() - t0
         results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                    for r in range(plan.gpus)]

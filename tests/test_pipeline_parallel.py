@@ -246,3 +246,18 @@ def test_execute_processes_cli_checks_tokens_and_writes_a_valid_trace(tmp_path, 
         assert main(["execute", "scenarios/tiny.yaml", *argv]) == 2
         err = capsys.readouterr().err
         assert "--processes" in err and err.count("\n") == 1
+
+
+def test_a_failing_process_is_named_with_its_own_error():
+    """The rank that fails first is reported with its error, not the broken connection its
+    peer sees afterwards."""
+    from taskgraph.errors import TgError
+    from taskgraph.exec.distributed import execute_processes
+    from taskgraph.kernels.reference import synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+
+    sc = _pp(2)
+    w = synthetic_weights(sc.model, seed=1)
+    w.layers[3] = w.layers[3][:10]          # stage 1's last layer, truncated
+    with pytest.raises(TgError, match=r"GPU 1 of 2 failed: RuntimeError: The size of tensor"):
+        execute_processes(make_plan(sc), w, synthetic_prompts(8, 16, sc.model.V, seed=2))
