@@ -89,6 +89,18 @@ def test_validate_end_to_end(profile, tmp_path, capsys):
             sim / meas - 1, abs=1e-3)
 
 
+def test_validate_runs_several_gpus_task_by_task(profile, capsys):
+    """Tensor-parallel shards and pipeline stages executed and simulated side by side: every
+    kind they add (the parts between all-reduces, collectives, sends) gets a per-kind error."""
+    assert main(["validate", "scenarios/tiny.yaml", "--set", f"hardware={profile}",
+                 "--set", "hardware.gpu.count=2", "--set", "workload.gen_len=2",
+                 "--schedules", "S1,PP", "--mu", "2", "--repeats", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(p["measured"]["max_abs_err"] < 1e-4 for p in out["pairs"])
+    kinds = set(out["pairs"][0]["per_kind_median_ms"]) | set(out["pairs"][1]["per_kind_median_ms"])
+    assert {"OProj", "MoE", "AllReduceAttn", "AllReduce", "GatherLogits", "Send"} <= kinds
+
+
 def test_validate_and_calibrate_bad_input(capsys, tmp_path):
     assert main(["validate", "scenarios/tiny.yaml", "--mu", "two"]) == 2
     assert "--mu" in capsys.readouterr().err
