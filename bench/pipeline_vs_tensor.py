@@ -2,9 +2,9 @@
 machines, 2 and 4 GPUs: which scales, and why.
 
 Tensor parallelism runs each scenario's own policy (`tg search`'s best CGOPipe policy) for S1
-and S4. `tg search` does not model pipelines, so PP gets a small grid here: mu in MUS, r_w in
-R_WS, and for each the largest batch (whole groups of micro-batches, one group per GPU) that fits
-both memories; the best simulated row is reported, with its policy.
+and S4. PP gets a small simulated grid here (`tg search` scores it by prediction): mu in MUS,
+r_w in R_WS, and for each the largest batch (whole groups of micro-batches, one group per GPU)
+that fits both memories; the best simulated row is reported, with its policy.
 
     python bench/pipeline_vs_tensor.py [SCENARIO ...]
 """

@@ -64,14 +64,20 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     """Predictions for batches of ``n * mu`` sequences in ``n`` micro-batches, for every n."""
     cost = cost or cost_model(scenario, schedule.name)
     m, w = scenario.model, scenario.workload
-    n = np.asarray(n, dtype=float)
+    batches = np.asarray(n, dtype=float)
+    # A pipeline's stages each run every layer of theirs once per group, a group at a time,
+    # all stages at once on different groups: per step, every stage does the work of L layers
+    # of one group's micro-batches (n / stages of them), in parallel with the others.
+    gpus = scenario.hardware.gpu.count
+    stages = gpus if schedule.pipeline else 1
+    n = batches / stages
     G, L = scenario.decode_steps, m.L
     streamed = r_w < 1.0
     n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
                                         F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
-    tp = scenario.hardware.gpu.count
+    tp = 1 if schedule.pipeline else gpus
     work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0,
                                                streams_experts=schedule.ffn == "gpu"), tp=tp)
     contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
@@ -101,8 +107,8 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     prefill_s = L * prefill.max(axis=0)
     total = prefill_s + decode_s
     return Predictions(
-        n=n.astype(int),
-        throughput_tok_s=n * mu * G / total,
+        n=batches.astype(int),
+        throughput_tok_s=batches * mu * G / total,
         prefill_s=prefill_s,
         decode_s=decode_s,
         decode_layer_ms=decode_s / (G * L) * 1e3,

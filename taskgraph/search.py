@@ -36,7 +36,8 @@ R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
 R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_MICRO_BATCHES = 64
 _RESOURCE_NAMES = {"gpu": "GPU", "cpu": "CPU", "h2d": "link (CPU->GPU)",
-                   "d2h": "link (GPU->CPU)", "pin": "CPU (pinned staging copy)"}
+                   "d2h": "link (GPU->CPU)", "pin": "CPU (pinned staging copy)",
+                   "peer": "GPU interconnect"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class GridJob:
             cost = costs.get(name) or costs.setdefault(name, cost_model(self.scenario, name))
             n = np.arange(_min_micro(self.scenario, schedule),
                           (schedule.max_micro_batches or self.max_micro_batches) + 1)
+            if schedule.pipeline:       # one group of micro-batches per GPU
+                n = n[n % self.scenario.hardware.gpu.count == 0]
             considered += len(n)
             fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)
             if not fits.any():
@@ -246,34 +249,44 @@ class SimJob:
 def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:
     combos = []
     for attention, ffn in ((a, f) for a in grid.attention for f in grid.ffn):
-        schedule = _schedule_for(scenario, attention, ffn)
-        if schedule is None:
-            continue
-        for mu in grid.mu:
-            for r_w in grid.r_w:
-                # where the schedule decides the KV cache's place (S1-S3, DS), only its own
-                r_cs = (schedule.placement["r_c"],) if "r_c" in schedule.placement else grid.r_c
-                for r_c in r_cs:
-                    combos.append((schedule.name, mu, r_w, r_c))
+        for schedule in _schedules_for(scenario, attention, ffn):
+            _add_combos(combos, schedule, grid)
     size = math.ceil(len(combos) / chunks)
     return [GridJob(scenario, tuple(combos[i:i + size]), grid.max_micro_batches)
             for i in range(0, len(combos), size)]
 
 
-def _schedule_for(scenario: Scenario, attention: str, ffn: str = "gpu") -> Schedule | None:
-    """The schedule a search runs for an attention and FFN placement: the scenario's own where
-    it places them so, else CGOPipe (CPU attention), S4 (GPU attention) or S5 (GPU attention,
-    experts on the CPU); None where no schedule does (CPU attention with CPU experts; experts
-    on the CPU of a multi-GPU machine, S5 being a one-GPU schedule). The predictor models
-    layers every GPU shares, so pipeline parallelism (PP) is compared by simulation
-    (`tg compare`), not searched."""
-    if ffn == "cpu" and scenario.hardware.gpu.count > 1:
-        return None
+def _add_combos(combos: list, schedule: Schedule, grid: Grid) -> None:
+    for mu in grid.mu:
+        for r_w in grid.r_w:
+            # where the schedule decides the KV cache's place (S1-S3, DS), only its own
+            r_cs = (schedule.placement["r_c"],) if "r_c" in schedule.placement else grid.r_c
+            for r_c in r_cs:
+                combos.append((schedule.name, mu, r_w, r_c))
+
+
+def _schedules_for(scenario: Scenario, attention: str, ffn: str = "gpu"
+                   ) -> tuple[Schedule, ...]:
+    """The schedules a search runs for an attention and FFN placement: the scenario's own
+    where it places them so, else CGOPipe (CPU attention), S4 (GPU attention) or S5 (GPU
+    attention, experts on the CPU), and on several GPUs FlexGen's pipeline (PP) beside S4's
+    tensor parallelism; none where no schedule does (CPU attention with CPU experts; experts
+    on the CPU of a multi-GPU machine, S5 being a one-GPU schedule)."""
+    gpus = scenario.hardware.gpu.count
+    if ffn == "cpu" and gpus > 1:
+        return ()
     own = SCHEDULES[scenario.schedule]
     if own.attention == attention and own.ffn == ffn and not own.pipeline:
-        return own
-    return {("cpu", "gpu"): SCHEDULES["S1"], ("gpu", "gpu"): SCHEDULES["S4"],
-            ("gpu", "cpu"): SCHEDULES["S5"]}.get((attention, ffn))
+        found = [own]
+    else:
+        found = [s for s in (_BY_PLACEMENT.get((attention, ffn)),) if s is not None]
+    if (attention, ffn) == ("gpu", "gpu") and 1 < gpus <= scenario.model.L:
+        found.append(SCHEDULES["PP"])
+    return tuple(found)
+
+
+_BY_PLACEMENT = {("cpu", "gpu"): SCHEDULES["S1"], ("gpu", "gpu"): SCHEDULES["S4"],
+                 ("gpu", "cpu"): SCHEDULES["S5"]}
 
 
 def _min_micro(scenario: Scenario, schedule: Schedule) -> int:

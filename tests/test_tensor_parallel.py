@@ -145,14 +145,29 @@ def test_the_search_predictor_prices_four_gpus_as_the_simulator_does(schedule):
     assert float(pred.throughput_tok_s[0]) == pytest.approx(sim["throughput_tok_s"], rel=0.1)
 
 
-def test_the_search_leaves_the_one_gpu_schedule_out_on_several_gpus():
-    from taskgraph.search import Grid, grid_jobs
+def test_the_search_predictor_prices_a_pipeline_as_the_simulator_does():
+    # the best PP policy of bench/pipeline_vs_tensor.py on 4xT4
+    sc = load_scenario("scenarios/4xt4-8x22b.yaml", [
+        "schedule=PP", "policy.A_g=1", "policy.N=1792", "policy.mu=64", "policy.r_w=0.05"])
+    sim = simulate_scenario(sc).summary
+    pred = predict(sc, SCHEDULES["PP"])
+    assert float(pred.hrm_layer_ms[0]) == pytest.approx(sim["hrm_layer_ms"], rel=0.02)
+    assert float(pred.throughput_tok_s[0]) == pytest.approx(sim["throughput_tok_s"], rel=0.1)
+
+
+def test_the_search_runs_the_pipeline_on_several_gpus_and_the_one_gpu_schedule_on_one():
+    from taskgraph.search import Grid, grid_jobs, search
 
     sc = load_scenario("scenarios/2xt4-8x22b.yaml")
     names = {c[0] for job in grid_jobs(sc, Grid(), 1) for c in job.combos}
-    assert "S5" not in names and {"S1", "S4"} <= names
+    assert "S5" not in names and {"S1", "S4", "PP"} <= names
     one = load_scenario("scenarios/t4.yaml")
-    assert "S5" in {c[0] for job in grid_jobs(one, Grid(), 1) for c in job.combos}
+    names = {c[0] for job in grid_jobs(one, Grid(), 1) for c in job.combos}
+    assert "S5" in names and "PP" not in names
+    # a pipeline's candidates hold whole groups: micro-batches a multiple of the GPUs
+    found = search(tiny(hardware={"preset": "t4", "gpu": {"count": 2}}), top=10_000).top
+    pp = [c for c in found if c.schedule == "PP"]
+    assert pp and all(c.policy["N"] // c.policy["mu"] % 2 == 0 for c in pp)
 
 
 # --- execution: each GPU's shard, the collectives between them --------------------------------
