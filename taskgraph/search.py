@@ -322,8 +322,10 @@ def _capacities(scenario: Scenario) -> tuple[float, float]:
 def _runnable(scenario: Scenario, ranked: list[Candidate], top: int) -> list[Candidate]:
     """The first `top` candidates whose schedule can actually run their policy (the builder
     rejects, e.g., CGOPipe pages too small to hold the next layer's QKV weights in time)."""
+    # a pipeline needs a layer per GPU
+    layers = min(scenario.model.L, max(2, scenario.hardware.gpu.count))
     small = scenario.model_copy(update={
-        "model": scenario.model.model_copy(update={"L": min(scenario.model.L, 2)}),
+        "model": scenario.model.model_copy(update={"L": layers}),
         "workload": scenario.workload.model_copy(update={"gen_len": 2})})
     keep: list[Candidate] = []
     for c in ranked:
