@@ -184,18 +184,24 @@ class Runtime:
         self.v_cache[l][j][:, cols].copy_(self.v_slot[slot][:, cols], non_blocking=True)
 
     def _LMHead(self, s: int, l: int, j: int) -> None:
+        x = self._head_input(s, j)
+        self._sample(s, j, lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps), x)
+
+    def _head_input(self, s: int, j: int) -> torch.Tensor:
+        """What the LM head reads: each prompt's last token in prefill, else the step's."""
+        if s == 0:
+            return self.x_prefill[j][torch.arange(self.mu, device=self.device), self.lens[j] - 1]
+        return self.x[j]
+
+    def _sample(self, s: int, j: int, logits: torch.Tensor, x: torch.Tensor) -> None:
+        """Greedy tokens from a micro-batch's logits, recorded, and embedded for the next step."""
         rows = slice(j * self.mu, (j + 1) * self.mu)
-        if s == 0:     # each prompt's last token
-            x = self.x_prefill[j][torch.arange(self.mu, device=self.device), self.lens[j] - 1]
-        else:
-            x = self.x[j]
-        out = lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps)
-        tok = out.argmax(-1)
+        tok = logits.argmax(-1)
         self.tokens[rows, s] = tok
         if self.step_logits is not None:
-            self.step_logits[rows, s] = out
+            self.step_logits[rows, s] = logits
         if s == self.G:
-            self.logits[rows] = out
+            self.logits[rows] = logits
             self.hidden[rows] = x
         self.x[j].copy_(self.embed[tok])
 

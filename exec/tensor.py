@@ -114,10 +114,7 @@ class ShardRuntime(Runtime):
         self.part[j][:out.shape[0]].copy_(out)
 
     def _LMHead_part(self, s: int, l: int, j: int) -> None:
-        if s == 0:     # each prompt's last token
-            x = self.x_prefill[j][torch.arange(self.mu, device=self.device), self.lens[j] - 1]
-        else:
-            x = self.x[j]
+        x = self._head_input(s, j)
         self.logit_part[j].copy_(lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps))
 
     def partial(self, s: int, j: int) -> torch.Tensor:
@@ -130,17 +127,7 @@ class ShardRuntime(Runtime):
 
     def take(self, s: int, j: int, logits: torch.Tensor) -> None:
         """The gathered logits: sample, as the one-GPU LM head does."""
-        rows = slice(j * self.mu, (j + 1) * self.mu)
-        tok = logits.argmax(-1)
-        self.tokens[rows, s] = tok
-        if self.step_logits is not None:
-            self.step_logits[rows, s] = logits
-        if s == self.G:
-            self.logits[rows] = logits
-            last = torch.arange(self.mu, device=self.device)
-            self.hidden[rows] = (self.x_prefill[j][last, self.lens[j] - 1] if s == 0
-                                 else self.x[j])
-        self.x[j].copy_(self.embed[tok])
+        self._sample(s, j, logits, self._head_input(s, j))
 
 
 class TensorParallel:
