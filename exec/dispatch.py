@@ -237,14 +237,11 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
         th.start()
     interrupted = False
     try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.1)
+        _wait(threads, stop)
     except KeyboardInterrupt:
         interrupted = True
         stop.set()
-        for th in threads:
-            th.join(5)
+        _wait(threads, stop)
     device.finish()
     start, end = host_start.copy(), host_end.copy()
     for gid in np.flatnonzero(on_device):
@@ -257,3 +254,18 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
                  time.perf_counter() - t0, failure[0] if failure else None, t0)
     run.durations[unfinished] = 0.0
     return run
+
+
+def _wait(threads: list[threading.Thread], stop: threading.Event, grace_s: float = 5.0) -> None:
+    """Until every stream's thread has ended, or `grace_s` after the run was stopped: a thread
+    can be inside a call nothing interrupts (a receive from a peer process that will never send,
+    a long kernel), and the run's failure must still be reported. Such a thread is a daemon and
+    its task is left out of the times as unfinished."""
+    give_up = float("inf")
+    for th in threads:
+        while th.is_alive():
+            if stop.is_set():
+                give_up = min(give_up, time.monotonic() + grace_s)
+                if time.monotonic() > give_up:
+                    return
+            th.join(0.1)

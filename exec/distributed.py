@@ -157,22 +157,28 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             result["outputs"] = runtime.rt.outputs()
         torch.save(result, Path(out) / f"rank{rank}.pt")
     except Exception as err:
-        # for the parent: the first failure, not the broken connections it leaves behind
-        (Path(out) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}")
-        raise
-    finally:
-        dist.destroy_process_group()
+        # For the parent, which reports the earliest failure, not the broken connections it
+        # leaves behind. The process ends at once: one of its threads may be blocked receiving
+        # from a peer that waits for it, and tearing the process group down would wait too.
+        (Path(out) / f"rank{rank}.err").write_text(
+            f"{time.time()!r}\n{type(err).__name__}: {err}")
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def _first_failure(folder: Path, ranks: int) -> str:
-    """The error of the rank that failed first: a rank whose peer died fails too, with a
-    broken connection, so that one is reported only if nothing else was."""
-    errors = {r: (folder / f"rank{r}.err").read_text() for r in range(ranks)
-              if (folder / f"rank{r}.err").exists()}
-    own = {r: e for r, e in errors.items() if "Connection closed by peer" not in e}
-    rank, text = next(iter((own or errors).items()), (-1, "it exited without saying why"))
-    who = f"The process of GPU {rank}" if rank >= 0 else "A process"
-    return f"{who} of {ranks} failed: {text.strip().splitlines()[0] if text else text}"
+    """The error of the rank that failed first: a rank whose peer died fails too, later, with a
+    broken connection or a timeout."""
+    errors = []
+    for r in range(ranks):
+        path = folder / f"rank{r}.err"
+        if path.exists():
+            when, _, text = path.read_text().partition("\n")
+            errors.append((float(when), r, text.strip().splitlines()[0] if text.strip() else ""))
+    if not errors:
+        return f"A process of {ranks} failed: it exited without saying why."
+    _, rank, text = min(errors)
+    return f"The process of GPU {rank} of {ranks} failed: {text}"
 
 
 def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,

@@ -188,6 +188,33 @@ def test_a_failing_task_stops_the_run_and_keeps_what_ran():
     assert 0 < run.finished.sum() < program.total
 
 
+def test_a_failure_is_reported_while_another_stream_is_stuck():
+    """A stream blocked in a call nothing interrupts (a receive from a peer process that waits
+    for this one) must not hold back the report of another stream's failure."""
+    import threading
+    import time
+
+    sc = tiny(workload={"prompt_len": 6, "gen_len": 2})
+    plan = make_plan(sc)
+    rt = Runtime(plan, synthetic_weights(sc.model), synthetic_prompts(8, 6, sc.model.V),
+                 torch.device("cpu"))
+    original, never = rt.run, threading.Event()
+
+    def stuck(step, kind, layer, index, gpu=-1):
+        if (step, kind, layer, index) == (1, "CPUAttn", 0, 0):
+            never.wait(60)
+        if (step, kind, layer, index) == (1, "PreAttn", 0, 1):
+            time.sleep(0.2)
+            raise RuntimeError("a kernel failed")
+        original(step, kind, layer, index, gpu)
+
+    rt.run = stuck
+    t0 = time.perf_counter()
+    run = execute(compile_plan(plan), rt)
+    assert "a kernel failed" in str(run.failure) and time.perf_counter() - t0 < 30
+    never.set()
+
+
 def test_a_model_too_big_for_this_machine_gets_a_clear_error(capsys, monkeypatch):
     import os
 
