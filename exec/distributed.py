@@ -20,7 +20,9 @@ task times, which line up because ``time.perf_counter`` is one monotonic clock f
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +52,12 @@ class DistributedRun:
     wall_s: float
     rank_start: np.ndarray    # [ranks, tasks]: what each process measured (NaN: not its task)
     rank_end: np.ndarray
+    interrupted: bool = False  # Ctrl-C: the times cover what ran before it, there are no outputs
 
     def as_run(self, program) -> SimRun:
         """The task times as the one-process executor reports them."""
-        return SimRun(program, self.end - self.start, self.start, self.end, False, self.wall_s)
+        durations = np.nan_to_num(self.end - self.start)
+        return SimRun(program, durations, self.start, self.end, self.interrupted, self.wall_s)
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.tokens, self.logits, self.hidden
@@ -131,6 +135,12 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             seed: int) -> None:
     import torch.distributed as dist
 
+    # Ctrl-C reaches the parent only, which passes it on to each rank once (`_wind_down`): a
+    # rank hit twice could die before saving what it measured.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if (Path(out) / "stop").exists():       # interrupted while this process was starting
+        return
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=plan.gpus)
     try:
@@ -153,9 +163,13 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             raise run.failure
         result: dict[str, Any] = {"start": run.start + run.clock_origin,
                                   "end": run.end + run.clock_origin}
-        if rank == plan.gpus - 1:
+        if rank == plan.gpus - 1 and not run.interrupted:
             result["outputs"] = runtime.rt.outputs()
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        _save(result, Path(out) / f"rank{rank}.pt")
+        if run.interrupted:
+            # Ctrl-C reached every process: a peer may have stopped before sending what this
+            # one's receiving thread waits for, so the group is not torn down (that would wait).
+            os._exit(0)
     except Exception as err:
         # For the parent, which reports the earliest failure, not the broken connections it
         # leaves behind. The process ends at once: one of its threads may be blocked receiving
@@ -164,6 +178,13 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             f"{time.time()!r}\n{type(err).__name__}: {err}")
         os._exit(1)
     dist.destroy_process_group()
+
+
+def _save(result: dict[str, Any], path: Path) -> None:
+    """Whole or not at all: the parent may read the folder after an interrupt."""
+    part = path.with_suffix(".part")
+    torch.save(result, part)
+    part.replace(path)
 
 
 def _first_failure(folder: Path, ranks: int) -> str:
@@ -205,14 +226,27 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
         t0 = time.perf_counter()
+        # The ranks start deaf to Ctrl-C (a start-up interrupted in an import leaves a
+        # traceback); each listens once it is running (`_worker`).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous, tmp,
-                                    delay_s, seed), nprocs=plan.gpus, join=True)
+            ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous,
+                                            tmp, delay_s, seed), nprocs=plan.gpus, join=False)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        interrupted = False
+        try:
+            while not ranks.join():
+                pass
         except ProcessException:
             raise TgError(_first_failure(Path(tmp), plan.gpus)) from None
+        except KeyboardInterrupt:
+            interrupted = True
+            _wind_down(ranks.processes, Path(tmp))
         wall = time.perf_counter() - t0
-        results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
-                   for r in range(plan.gpus)]
+        results = [_load(Path(tmp) / f"rank{r}.pt", program.total) for r in range(plan.gpus)]
     # A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host
     # task, a collective) spans from the last part's start to the last part's end: after
     # everything any part waited for. A send ran on both ends (pipelines only): it starts when the
@@ -231,7 +265,35 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     receiver = (rank + 1) % plan.gpus
     sends = np.isin(program.column("kind"), [KIND_NAMES.index(k) for k in SENDS])
     end[sends] = np.minimum(end, ends[receiver, ids])[sends]
-    t0 = np.nanmin(start)
-    tokens, logits, hidden = results[-1]["outputs"]
+    start[np.isnan(end)] = np.nan
+    t0 = np.nanmin(start) if np.isfinite(start).any() else 0.0
+    tokens, logits, hidden = results[-1].get("outputs") or (None, None, None)
     return DistributedRun(tokens, logits, hidden, start - t0, end - t0, plan.gpus, wall,
-                          starts - t0, ends - t0)
+                          starts - t0, ends - t0, interrupted)
+
+
+def _wind_down(processes, folder: Path, grace_s: float = 10.0) -> None:
+    """Interrupt every rank once, let each save what it measured, as the one-process executor
+    does (its run gives blocked threads 5 s), then end whatever is left."""
+    (folder / "stop").touch()               # before the signal: see `_worker`
+    for proc in processes:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:
+                proc.join(0.1)
+            except KeyboardInterrupt:     # a second Ctrl-C: stop waiting
+                deadline = 0.0
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _load(path: Path, total: int) -> dict[str, Any]:
+    """A rank's times; a rank that saved nothing (interrupted before it ran) ran nothing."""
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    return {"start": np.full(total, np.nan), "end": np.full(total, np.nan)}

@@ -9,7 +9,12 @@ per-group weight reload, and the sequential reference for what the executor comp
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import networkx as nx
 import numpy as np
@@ -261,3 +266,35 @@ def test_a_failing_process_is_named_with_its_own_error():
     w.layers[3] = w.layers[3][:10]          # stage 1's last layer, truncated
     with pytest.raises(TgError, match=r"GPU 1 of 2 failed: RuntimeError: The size of tensor"):
         execute_processes(make_plan(sc), w, synthetic_prompts(8, 16, sc.model.V, seed=2))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_under_processes_leaves_a_valid_trace_of_what_ran(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) during a multi-process run: exit 130,
+    the figures and a valid trace cover the tasks that ran, no traceback."""
+    from taskgraph.scenario import load_scenario
+    from taskgraph.tracecheck import check_trace
+
+    trace = tmp_path / "run.json"
+    overrides = ["hardware.gpu.count=2", "workload.gen_len=400"]
+    total = compile_plan(make_plan(load_scenario("scenarios/small.yaml", overrides))).total
+    env = {**os.environ, "TMPDIR": str(tmp_path)}     # to see when the ranks have met
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskgraph.cli", "execute", "scenarios/small.yaml",
+         *(a for o in overrides for a in ("--set", o)), "--processes", "--trace", str(trace),
+         "--trace-steps", "all", "--json"],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
+    t0 = time.monotonic()
+    while not list(tmp_path.glob("tg-dist-*/rendezvous")) and time.monotonic() - t0 < 120:
+        time.sleep(0.1)
+    time.sleep(4)                                       # the ranks are running tasks
+    assert proc.poll() is None, "the run ended before the test could interrupt it"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
+    summary = json.loads(out)
+    assert summary["interrupted"]
+    ran = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert 0 < len(ran) == summary["tasks"] < total
+    assert not check_trace(json.loads(trace.read_text()))
