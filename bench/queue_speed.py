@@ -29,7 +29,7 @@ if sc.requests is None:
     from taskgraph.simulation import simulate_scenario
     s = simulate_scenario(sc).summary
 else:
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
     s = simulate_queue(sc).summary
 print(json.dumps({"wall_s": time.perf_counter() - t0,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -51,7 +51,7 @@ import json, resource, sys, tempfile, time
 from pathlib import Path
 from taskgraph.scenario import load_scenario
 from taskgraph.simulation import simulate_scenario
-from taskgraph.trace import Window, write_trace
+from taskgraph.tracing.writer import Window, write_trace
 sim = simulate_scenario(load_scenario(sys.argv[1]))
 with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / ("full" + sys.argv[2])

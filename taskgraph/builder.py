@@ -68,7 +68,7 @@ class Plan:
 
     scenario: Scenario
     schedule: Schedule
-    # A batch of real requests (taskgraph.requests.BatchLoad) whose lengths price each task;
+    # A batch of real requests (taskgraph.serving.requests.BatchLoad) whose lengths price each task;
     # None: every micro-batch is mu sequences of the workload's mean lengths.
     load: Any = None
 

@@ -222,7 +222,7 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
     import csv
 
     from taskgraph.files import atomic_path
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     with _progress(not args.json, "simulating batches") as tick:
         q = simulate_queue(scenario, progress=tick, keep_runs=bool(args.trace or args.gantt))
@@ -334,8 +334,8 @@ def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int
     """Each schedule over the whole request list; NAME:padded batches it as FlexGen does (the
     paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests),
     NAME:refill as one continuous batch (MoE-Lens)."""
-    from taskgraph.queue import simulate_queue
-    from taskgraph.requests import with_padding
+    from taskgraph.serving.queue import simulate_queue
+    from taskgraph.serving.requests import with_padding
     from taskgraph.scenario import for_schedule
 
     if args.check:
@@ -506,8 +506,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     import datetime
 
-    from taskgraph.fit import run_fit, write_fit
-    from taskgraph.measurements import load_measurements
+    from taskgraph.calibration.fit import run_fit, write_fit
+    from taskgraph.calibration.measurements import load_measurements
 
     backend = _backend(args)
     source, cells = load_measurements(args.measurements)
@@ -632,7 +632,7 @@ def _batch(args: argparse.Namespace) -> int:
     import csv
 
     from taskgraph.files import atomic_path
-    from taskgraph.requests import pack_scenario
+    from taskgraph.serving.requests import pack_scenario
 
     scenario = _load(args)
     if scenario.workload.refill:
@@ -774,13 +774,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if getattr(args, "trace", None) is not None:
         _window(args.trace_steps)
         if args.trace.endswith(".pftrace"):
-            from taskgraph.trace import require_perfetto
+            from taskgraph.tracing.writer import require_perfetto
 
             require_perfetto()
 
 
 def _window(text: str):
-    from taskgraph.trace import Window
+    from taskgraph.tracing.writer import Window
 
     if text == "all":
         return Window(None)
@@ -795,7 +795,7 @@ def _window(text: str):
 
 
 def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> None:
-    from taskgraph.trace import write_trace
+    from taskgraph.tracing.writer import write_trace
 
     # Wall time changes from run to run; it belongs in the JSON, not in the trace's bytes.
     meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list)) and k != "wall_s"}

@@ -20,7 +20,7 @@ from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import Simulation
 from taskgraph.specs import ModelSpec, Scenario
-from taskgraph.trace import TraceRun
+from taskgraph.tracing.writer import TraceRun
 
 
 @dataclass
@@ -100,10 +100,10 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
         e = err.errors()[0]
         raise TgError(f"The checkpoint's config '{config}' is not a valid model: "
                       f"{'.'.join(map(str, e['loc']))}: {e['msg']}.") from None
-    for field in _SHAPE_FIELDS:
-        if getattr(model, field) != getattr(ckpt, field):
-            raise TgError(f"model.{field} = {getattr(model, field)} in the scenario, but the "
-                          f"checkpoint '{folder}' has {getattr(ckpt, field)}; start the scenario's "
+    for name in _SHAPE_FIELDS:
+        if getattr(model, name) != getattr(ckpt, name):
+            raise TgError(f"model.{name} = {getattr(model, name)} in the scenario, but the "
+                          f"checkpoint '{folder}' has {getattr(ckpt, name)}; start the scenario's "
                           f"model from it (model: {{hf_config: {config}}}).")
     if model.L > ckpt.L:
         raise TgError(f"model.L = {model.L}, but the checkpoint '{folder}' holds {ckpt.L} layers.")
@@ -369,7 +369,7 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
                   seed: int = 0, progress: Callable[[int, int], None] | None = None,
                   zero_copy: bool = False, check: bool = True) -> QueueExecution:
     """Execute the scenario's request list (``workload.requests`` or ``workload.lengths``) in
-    the batches the simulator packs it into (:func:`taskgraph.requests.pack_scenario`:
+    the batches the simulator packs it into (:func:`taskgraph.serving.requests.pack_scenario`:
     Algorithm 2, or padded), each request a prompt of random token ids of its own length that
     generates its own ``gen_len`` tokens (the first from prefill, as ``max_new_tokens`` counts
     them). With `check`, each request's tokens are compared with the reference forward run on
@@ -377,7 +377,7 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
     torch = _torch()
     from taskgraph.exec.prompts import Request as Prompt
     from taskgraph.kernels.reference import reference_forward
-    from taskgraph.requests import pack_scenario
+    from taskgraph.serving.requests import pack_scenario
 
     t0 = time.perf_counter()
     warnings: list[str] = []

@@ -125,7 +125,7 @@ _KIND_COLORS = {
 
 def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     """A Gantt chart of decode step `step`, first `layers` layers, for each run (a
-    :class:`taskgraph.trace.TraceRun`): one row per stream, one shared time axis. A pipeline's
+    :class:`taskgraph.tracing.writer.TraceRun`): one row per stream, one shared time axis. A pipeline's
     stages work on different layers at once, so for one the chart shows the whole step."""
     from taskgraph.compiled import KIND_NAMES
 

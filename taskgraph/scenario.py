@@ -140,7 +140,7 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
     """The request list of ``workload.requests`` (a file) or ``workload.lengths`` (generated,
     from explicit figures or a workload preset's), with the workload's mean-length fields set
     from it, replacing any given (they are the fast path every model of the run uses)."""
-    from taskgraph.requests import generate_requests, read_requests, summary
+    from taskgraph.serving.requests import generate_requests, read_requests, summary
     from taskgraph.specs import LengthsSpec
 
     w = raw.get("workload")

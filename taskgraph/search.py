@@ -238,7 +238,7 @@ class SimJob:
 
     def run(self) -> dict[str, Any]:
         if self.scenario.requests is not None:
-            from taskgraph.queue import simulate_queue
+            from taskgraph.serving.queue import simulate_queue
 
             return simulate_queue(self.scenario).summary
         from taskgraph.simulation import simulate_scenario

@@ -18,7 +18,7 @@ from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
 from taskgraph.specs import Scenario
-from taskgraph.trace import TraceRun
+from taskgraph.tracing.writer import TraceRun
 
 
 @dataclass

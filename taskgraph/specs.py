@@ -308,7 +308,7 @@ class HardwareSpec(BaseModel):
 
 
 class LengthsSpec(BaseModel):
-    """A generated request list (:func:`taskgraph.requests.generate_requests`): `count` requests
+    """A generated request list (:func:`taskgraph.serving.requests.generate_requests`): `count` requests
     whose prompt and generation lengths have the given means and maxima."""
 
     model_config = _STRICT
@@ -440,7 +440,7 @@ class Scenario(BaseModel):
 
     @property
     def requests(self) -> list | None:
-        """The workload's requests (:class:`taskgraph.requests.Request`), if it lists them."""
+        """The workload's requests (:class:`taskgraph.serving.requests.Request`), if it lists them."""
         return self._requests
 
     @property

@@ -21,7 +21,7 @@ import numpy as np
 from taskgraph.compiled import KIND_NAMES
 from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.specs import Scenario
-from taskgraph.trace import TraceRun
+from taskgraph.tracing.writer import TraceRun
 
 
 @dataclass

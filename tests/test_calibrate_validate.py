@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 
 from taskgraph.cli import main  # noqa: E402
 from taskgraph.scenario import load_scenario  # noqa: E402
-from taskgraph.tracecheck import check_trace, load_trace  # noqa: E402
+from taskgraph.tracing.check import check_trace, load_trace  # noqa: E402
 
 
 @pytest.fixture(scope="module")

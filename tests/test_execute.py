@@ -128,7 +128,7 @@ def test_execute_cli_json_and_trace(tmp_path, capsys):
     import json
 
     from taskgraph.cli import main
-    from taskgraph.tracecheck import check_trace, load_trace
+    from taskgraph.tracing.check import check_trace, load_trace
 
     trace = tmp_path / "exec.json.gz"
     assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--steps", "2", "--json",
@@ -231,8 +231,8 @@ def test_profiled_ops_sit_inside_their_tasks(tmp_path):
     """`tg execute --profile`: the PyTorch profiler's marks of each task line up with the task's
     slice on the same clock, and every aten op of a stream thread lies inside one of its marks."""
     from taskgraph.cli import main
-    from taskgraph.trace import STREAM_TRACKS
-    from taskgraph.tracecheck import check_trace, load_trace
+    from taskgraph.tracing.writer import STREAM_TRACKS
+    from taskgraph.tracing.check import check_trace, load_trace
 
     trace = tmp_path / "p.json"
     assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--profile",

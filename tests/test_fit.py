@@ -13,8 +13,8 @@ import yaml
 from taskgraph import presets
 from taskgraph.cli import main
 from taskgraph.errors import TgError
-from taskgraph.fit import free_parameters, profiles, run_fit, simulated_tok_s
-from taskgraph.measurements import Cell, load_measurements
+from taskgraph.calibration.fit import free_parameters, profiles, run_fit, simulated_tok_s
+from taskgraph.calibration.measurements import Cell, load_measurements
 
 TABLE4 = "scenarios/measurements/moe-lightning-table4.yaml"
 

@@ -136,7 +136,7 @@ def test_the_loader_only_ever_returns_a_scenario_or_a_clean_error(tmp_path_facto
 def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
     """Two runs writing one trace path: both exit 0, the file is one complete trace, and no
     temporary file is left."""
-    from taskgraph.tracecheck import check_trace, load_trace
+    from taskgraph.tracing.check import check_trace, load_trace
 
     trace = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "taskgraph.cli", "simulate", TINY, "--trace", str(trace)]
@@ -151,7 +151,7 @@ def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
 @pytest.mark.parametrize("name", ["t.json", "t.pftrace"])
 def test_interrupting_the_trace_write_keeps_the_results_and_the_old_file(tmp_path, name,
                                                                         monkeypatch, capsys):
-    from taskgraph import trace as trace_module
+    from taskgraph.tracing import writer as trace_module
 
     if name.endswith(".pftrace"):
         pytest.importorskip("perfetto")
@@ -184,7 +184,7 @@ def test_tracecheck_has_a_command_line(tmp_path):
     assert main(["simulate", TINY, "--trace", str(good)]) == 0
     bad = tmp_path / "bad.json"
     bad.write_text('{"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": -1}]}')
-    run = [sys.executable, "-m", "taskgraph.tracecheck"]
+    run = [sys.executable, "-m", "taskgraph.tracing.check"]
     assert subprocess.run(run + [str(good)], capture_output=True).returncode == 0
     assert subprocess.run(run + [str(good), str(bad)], capture_output=True).returncode == 1
     assert subprocess.run(run + [str(tmp_path / "none.json")],

@@ -11,7 +11,6 @@ from taskgraph.compiled import compile_plan
 from taskgraph.builder import make_plan
 from taskgraph.cost import CostModel
 from taskgraph.errors import TgError
-from taskgraph.scenario import load_scenario
 from taskgraph.schedules import RESOURCES
 from taskgraph.sim.engine import simulate
 from taskgraph.sim.interference import (busy_fractions, covered_fraction,

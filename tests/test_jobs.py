@@ -136,8 +136,8 @@ def test_ray_search_verify_and_brute_force_equal_the_pool(local_ray, capsys):
 
 
 def test_ray_fit_equals_the_pool(local_ray, tmp_path):
-    from taskgraph.fit import run_fit
-    from taskgraph.measurements import load_measurements
+    from taskgraph.calibration.fit import run_fit
+    from taskgraph.calibration.measurements import load_measurements
 
     path = tmp_path / "m.yaml"
     path.write_text(json.dumps({"source": "synthetic", "cells": [

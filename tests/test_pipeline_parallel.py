@@ -235,7 +235,7 @@ def test_one_process_per_stage_over_gloo_computes_the_reference(gpus, N, r_w, r_
 
 
 def test_execute_processes_cli_checks_tokens_and_writes_a_valid_trace(tmp_path, capsys):
-    from taskgraph.tracecheck import check_trace, load_trace
+    from taskgraph.tracing.check import check_trace, load_trace
 
     trace = tmp_path / "pp.json.gz"
     assert main(["execute", "scenarios/tiny.yaml", "--schedule", "PP", "--processes", "--json",
@@ -273,7 +273,7 @@ def test_ctrl_c_under_processes_leaves_a_valid_trace_of_what_ran(tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) during a multi-process run: exit 130,
     the figures and a valid trace cover the tasks that ran, no traceback."""
     from taskgraph.scenario import load_scenario
-    from taskgraph.tracecheck import check_trace
+    from taskgraph.tracing.check import check_trace
 
     trace = tmp_path / "run.json"
     overrides = ["hardware.gpu.count=2", "workload.gen_len=400"]

@@ -19,7 +19,7 @@ from taskgraph.compiled import KIND_NAMES
 from taskgraph.schedules import RESOURCES
 from taskgraph.scenario import scenario_from_dict
 from taskgraph.simulation import simulate_scenario
-from taskgraph.trace import Window, write_trace
+from taskgraph.tracing.writer import Window, write_trace
 from tests.helpers import unrolled_edges
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from taskgraph.cli import main
 from taskgraph.compiled import KIND_NAMES
 from taskgraph.errors import TgError
-from taskgraph.requests import (Request, algorithm2, generate_requests, pack, read_requests,
+from taskgraph.serving.requests import (Request, algorithm2, generate_requests, pack, read_requests,
                                 refill, summary)
 from taskgraph.scenario import load_scenario
 from taskgraph.simulation import simulate_scenario
@@ -170,7 +170,7 @@ def _queue_scenario(tmp_path, rows, policy="{N: 8, mu: 2}", extra=""):
 
 
 def test_a_queue_of_equal_requests_is_todays_mean_length_model(tmp_path):
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     sc = _queue_scenario(tmp_path, [(40, 6)] * 16, policy="{N: 16, mu: 4}")
     q, mean = simulate_queue(sc).summary, simulate_scenario(sc).summary
@@ -184,7 +184,7 @@ def test_each_request_stops_at_its_own_length(tmp_path):
     """A micro-batch whose requests have all finished is skipped (its tasks take no time);
     one still generating is priced for what is left; a request finishes with its own last
     token, and each batch ends with its longest request."""
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     rows = [(30, 2), (30, 2), (30, 9), (30, 5), (12, 3), (45, 7), (8, 1), (20, 6)]
     q = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}"), keep_runs=True)
@@ -207,7 +207,7 @@ def test_each_request_stops_at_its_own_length(tmp_path):
 
 
 def test_longer_prompts_cost_more_prefill(tmp_path):
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     short = simulate_queue(_queue_scenario(tmp_path, [(20, 3)] * 8)).summary
     long = simulate_queue(_queue_scenario(tmp_path, [(20, 3)] * 4 + [(200, 3)] * 4)).summary
@@ -221,7 +221,7 @@ def test_simulated_queues_keep_the_invariants(tmp_path_factory, rows, schedule, 
     """Every request finishes exactly once with its own tokens; in every batch no task starts
     before its stream's previous one ends, the makespan covers the busiest resource, and the
     decode layer is never below the HRM bound."""
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
     from taskgraph.scenario import for_schedule
 
     tmp = tmp_path_factory.mktemp("q")
@@ -314,7 +314,7 @@ def test_refill_never_leaves_a_slot_empty_while_the_queue_head_fits():
 
 def test_refill_of_a_queue_that_fits_one_batch_is_that_batch(tmp_path):
     """Nothing to refill: the continuous batch is the consecutive batch, to the number."""
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     rows = [(40, 6)] * 16
     one = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 16, mu: 4}")).summary
@@ -330,7 +330,7 @@ def test_refill_prefills_newcomers_inside_decode_steps_and_beats_waiting(tmp_pat
     the decode step that admits it (its micro-batch's PreAttn and PostAttn grow), each request
     still finishes with its own last token, and the queue ends sooner than in consecutive
     batches, each of which waits for its longest request."""
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
 
     rows = [(30, 12), (30, 2), (20, 3), (40, 2), (25, 11), (35, 1), (30, 2), (20, 3)] * 2
     plain = simulate_queue(_queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}")).summary
@@ -386,7 +386,7 @@ def test_refill_needs_an_unpadded_request_list(tmp_path, capsys):
 def test_search_verify_simulates_the_request_list(tmp_path, capsys):
     """The search ranks by the mean lengths; --verify simulates each candidate's whole queue,
     and what it reports is what simulating that queue gives."""
-    from taskgraph.queue import simulate_queue
+    from taskgraph.serving.queue import simulate_queue
     from taskgraph.search import Candidate
 
     rows = [(30, 12), (30, 2), (20, 3), (40, 2), (25, 11), (35, 1)] * 3
@@ -425,7 +425,7 @@ def test_the_hardware_limit_follows_the_request_distribution(tmp_path):
 
 
 def test_compare_on_a_request_list_traces_every_batch_of_every_queue(tmp_path, capsys):
-    from taskgraph.tracecheck import check_trace, load_trace
+    from taskgraph.tracing.check import check_trace, load_trace
 
     _queue_scenario(tmp_path, [(60, 4), (10, 2), (35, 6), (5, 3)] * 3)
     path, trace = str(tmp_path / "s.yaml"), tmp_path / "c.json"
@@ -445,7 +445,7 @@ def test_compare_on_a_request_list_traces_every_batch_of_every_queue(tmp_path, c
 def test_a_long_refill_run_is_simulated_in_windows_that_agree_with_one(tmp_path, monkeypatch):
     """Memory stays one window's: the windows, each starting with an empty pipeline, give the
     one-program run's figures within a fraction of a percent, and every request's tokens."""
-    from taskgraph import queue
+    from taskgraph.serving import queue
 
     rows = [(30, 12), (30, 2), (20, 3), (40, 9), (25, 11), (35, 1), (30, 7), (20, 3)] * 6
     sc = _queue_scenario(tmp_path, rows, policy="{N: 4, mu: 2}", extra=", refill: true")

@@ -16,8 +16,8 @@ from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute  # noqa: E402
 from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # noqa: E402
 from taskgraph.kernels.weights import synthetic_weights  # noqa: E402
-from taskgraph.trace import TraceRun, Window, write_trace  # noqa: E402
-from taskgraph.tracecheck import check_trace, load_trace  # noqa: E402
+from taskgraph.tracing.writer import TraceRun, Window, write_trace  # noqa: E402
+from taskgraph.tracing.check import check_trace, load_trace  # noqa: E402
 from tests.helpers import QueuedHostDevice, tiny  # noqa: E402
 
 

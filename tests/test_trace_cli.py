@@ -18,8 +18,8 @@ from taskgraph.memory import memory_footprint
 from taskgraph.sim.engine import simulate
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import simulate_scenario
-from taskgraph.trace import TraceRun, Window, write_trace
-from taskgraph.tracecheck import check_trace, load_trace
+from taskgraph.tracing.writer import TraceRun, Window, write_trace
+from taskgraph.tracing.check import check_trace, load_trace
 from tests.helpers import tiny
 
 CONTRACT = {"scenario", "schedule", "policy", "throughput_tok_s", "prefill_s", "decode_s",
@@ -153,7 +153,7 @@ def test_graph_export(tmp_path, capsys):
 
 
 def test_the_simulator_does_not_import_torch():
-    code = ("import sys, taskgraph.cli, taskgraph.simulation, taskgraph.trace; "
+    code = ("import sys, taskgraph.cli, taskgraph.simulation, taskgraph.tracing.writer; "
             "from taskgraph.cli import main; main(['simulate', 'scenarios/tiny.yaml', '--json']);"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -238,7 +238,7 @@ def test_the_checker_reads_protobuf_traces(tmp_path, capsys):
     """Overlapping slices are found in a .pftrace as in a .json; bytes that are no trace are a
     read error (exit 2), not a crash."""
     pytest.importorskip("perfetto")
-    from taskgraph.tracecheck import main as check_main
+    from taskgraph.tracing.check import main as check_main
 
     sim = simulate_scenario(tiny())
     run = sim.trace_run()

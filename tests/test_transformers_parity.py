@@ -286,7 +286,7 @@ def test_a_request_list_executes_in_the_simulators_batches_as_transformers_does(
     simulator packs (Algorithm 2, or padded), each request generating its own gen_len tokens,
     which equal transformers' greedy generate on that request alone."""
     from taskgraph.cli import main
-    from taskgraph.requests import pack_scenario
+    from taskgraph.serving.requests import pack_scenario
     from taskgraph.scenario import load_scenario
 
     ckpt = tmp_path / "ckpt"

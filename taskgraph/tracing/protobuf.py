@@ -21,7 +21,7 @@ _PROCESS, _THREAD, _COUNTER = 1 << 40, 2 << 40, 3 << 40   # uuid spaces
 
 
 class ProtoWriter:
-    """Encodes the trace writer's events (:func:`taskgraph.trace._run_events`) as packets."""
+    """Encodes the trace writer's events (:func:`taskgraph.tracing.writer._run_events`) as packets."""
 
     _BATCH = 20_000
 

@@ -3,7 +3,7 @@
 Perfetto's trace processor is downloaded at run time and not available offline, so tests (and
 users) check traces with this instead. It returns a list of problems; an empty list means the
 trace will import without dropped or moved events. A Perfetto protobuf trace (``.pftrace``) is
-read back into the Chrome JSON form first (:func:`taskgraph.pftrace.decode`), so both formats
+read back into the Chrome JSON form first (:func:`taskgraph.tracing.protobuf.decode`), so both formats
 meet the same checks.
 """
 
@@ -23,7 +23,7 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     """A ``.json``, ``.json.gz`` or ``.pftrace`` trace in the Chrome JSON form."""
     path = Path(path)
     if path.suffix == ".pftrace":
-        from taskgraph.pftrace import decode
+        from taskgraph.tracing.protobuf import decode
 
         return decode(path.read_bytes())
     raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
@@ -125,13 +125,13 @@ def _three_decimals(x: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m taskgraph.tracecheck FILE...`: check traces; exit 1 if any has problems, 2 if
+    """`python -m taskgraph.tracing.check FILE...`: check traces; exit 1 if any has problems, 2 if
     one cannot be read."""
     import sys
 
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
-        print("usage: python -m taskgraph.tracecheck TRACE.json[.gz]|TRACE.pftrace ...",
+        print("usage: python -m taskgraph.tracing.check TRACE.json[.gz]|TRACE.pftrace ...",
               file=sys.stderr)
         return 2
     worst = 0

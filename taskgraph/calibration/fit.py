@@ -32,7 +32,7 @@ from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
 from taskgraph.jobs import LOCAL, Backend, run_jobs
-from taskgraph.measurements import Cell
+from taskgraph.calibration.measurements import Cell
 
 
 @dataclass(frozen=True)

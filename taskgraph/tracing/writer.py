@@ -12,7 +12,7 @@ slices. Counters show the GPU weight buffer, KV cache sizes and link throughput.
 
 What is drawn is one stream of events (:func:`_run_events`); two encoders write it: Chrome JSON
 (``.json``, gzip when the path ends in ``.gz``) and Perfetto's native protobuf (``.pftrace``,
-:mod:`taskgraph.pftrace`), so both formats carry the same tracks, slices, flows and counters.
+:mod:`taskgraph.tracing.protobuf`), so both formats carry the same tracks, slices, flows and counters.
 Events are written in batches as they come, so big traces stream out.
 """
 
@@ -183,7 +183,7 @@ class _Writer:
 
 def _write_proto(f: IO[bytes], path: Path, runs: list[TraceRun], window: Window,
                  metadata: dict[str, Any]) -> None:
-    from taskgraph.pftrace import ProtoWriter
+    from taskgraph.tracing.protobuf import ProtoWriter
 
     out = ProtoWriter(f)
     for k, run in enumerate(runs):

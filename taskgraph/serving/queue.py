@@ -1,15 +1,15 @@
 """A queue of requests, simulated batch after batch.
 
-The scenario's request list is packed for its policy (:func:`taskgraph.requests.pack_scenario`:
+The scenario's request list is packed for its policy (:func:`taskgraph.serving.requests.pack_scenario`:
 Algorithm 2, or padded in arrival order) and each batch is simulated on its own, back to back.
-Every task is priced by its own micro-batch's requests (:class:`taskgraph.requests.BatchLoad`):
+Every task is priced by its own micro-batch's requests (:class:`taskgraph.serving.requests.BatchLoad`):
 prefill by the actual prompt tokens, attention by the actual contexts, the FFN by the tokens
 still generating and the experts they reach. A request stops at its own generation length, so
 its micro-batch shrinks; a micro-batch whose requests have all finished is skipped, and the
 batch ends with its longest request.
 
 With ``workload.refill`` the queue runs instead as one continuous batch
-(:func:`taskgraph.requests.refill`): a finished request's slot goes to the next request, whose
+(:func:`taskgraph.serving.requests.refill`): a finished request's slot goes to the next request, whose
 prompt is prefilled within its micro-batch's tasks of the next decode step, so the GPU
 prefills while the CPU attends for the others (MoE-Lens's prefill/decode overlap). The graph is
 the schedule's own, one long run; only the work of its tasks changes.
@@ -36,14 +36,14 @@ from taskgraph.compiled import KIND_NAMES, Program, compile_plan
 from taskgraph.cost import cost_model
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
+from taskgraph.serving.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
 from taskgraph.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import check_size
 from taskgraph.specs import Scenario
-from taskgraph.trace import TraceRun
+from taskgraph.tracing.writer import TraceRun
 
 
 @dataclass
