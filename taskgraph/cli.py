@@ -245,25 +245,19 @@ def _simulate_queue(args: argparse.Namespace, scenario) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from taskgraph.builder import make_plan
-    from taskgraph.errors import MemoryFitError
+    from taskgraph.compare import compare_scenario, default_schedules, parse_entry
     from taskgraph.expect import evaluate
-    from taskgraph.memory import check_fits, memory_footprint
-    from taskgraph.scenario import for_schedule
-    from taskgraph.simulation import simulate_scenario
 
     names = [n.strip() for n in (args.schedules or ",".join(SCHEDULES)).split(",") if n.strip()]
-    unknown = [n for n in names if _batching(n)[0] not in SCHEDULES]
-    if unknown or not names:
-        raise TgError(f"--schedules names unknown schedule '{(unknown or [''])[0]}'; known "
-                      f"schedules: {', '.join(SCHEDULES)} (NAME:padded pads a request list, "
-                      "NAME:refill runs it as one continuous batch).")
+    if not names:
+        raise TgError(f"--schedules names no schedule; known schedules: {', '.join(SCHEDULES)}.")
+    entries = [parse_entry(n) for n in names]
     # the command line chooses the schedules, not the file
-    args.schedule = _batching(names[0])[0]
+    args.schedule = entries[0][0]
     scenario = _load(args)
     if scenario.requests is not None:
         return _compare_queues(args, scenario, names)
-    if any(_batching(n)[1] for n in names):
+    if any(batching for _, batching in entries):
         raise TgError("NAME:padded and NAME:refill batch a request list; this scenario lists "
                       "none (give workload.requests or workload.lengths).")
     if args.check:
@@ -274,51 +268,33 @@ def _compare(args: argparse.Namespace) -> int:
         names += [n for n in scenario.expect.schedules() if n not in names]
     expected = set(scenario.expect.schedules()) if args.check else set()
     if args.schedules is None:
-        # S5 runs on one GPU; PP on one GPU is S4.
-        one = scenario.hardware.gpu.count == 1
-        names = [n for n in names if (SCHEDULES[n].pipeline and not one)
-                 or (not SCHEDULES[n].pipeline and (one or SCHEDULES[n].ffn == "gpu"))]
-    adapted, sims, notes, left_out = {}, {}, {}, {}
-    for name in list(names):      # every schedule checked before any is simulated
-        adapted[name], note = for_schedule(scenario, name)
-        try:
-            check_fits(memory_footprint(make_plan(adapted[name], name)), name)
-        except MemoryFitError as e:
-            # A schedule the user did not name is left out rather than failing the rest.
-            if args.schedules is not None or name in expected:
-                raise
-            left_out[name] = str(e)
-            names.remove(name)
-            continue
-        if note:
-            notes[name] = note
+        names = [n for n in names if n in default_schedules(scenario)]
+    # A schedule the user named (or expects) must fit; one chosen by default is left out.
+    required = set(names) if args.schedules is not None else expected
     with _progress(not args.json, "simulating") as tick:
-        for name in names:
-            sims[name] = simulate_scenario(adapted[name], name, progress=tick)
-            if sims[name].summary["interrupted"]:
-                break
-    results = [s.summary for s in sims.values()]
+        comparison = compare_scenario(scenario, names, required, progress=tick)
+    sims, results = comparison.sims, comparison.results
     if args.trace:
         _write_trace(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()],
                      {"scenario": scenario.name})
     _gantt(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()])
     out: dict[str, Any] = {"results": results}
-    if left_out:
-        out["left_out"] = left_out
+    if comparison.left_out:
+        out["left_out"] = comparison.left_out
     checks = evaluate(scenario.expect, {n: s.summary for n, s in sims.items()}) if args.check else []
     if args.check:
         out["checks"] = [c.__dict__ for c in checks]
         out["checks_ok"] = all(c.ok for c in checks)
 
     def human() -> None:
-        _print_compare(results, notes)
-        for name, why in left_out.items():
+        _print_compare(results, comparison.notes)
+        for name, why in comparison.left_out.items():
             _console().print(f"[yellow]left out:[/yellow] {name}: {why}")
         if args.check:
             _console().print(_tables().check_table(checks))
 
     _emit(args, out, human)
-    if any(r["interrupted"] for r in results):
+    if comparison.interrupted:
         return _interrupted(results[-1])
     failed = [c for c in checks if not c.ok]
     if failed:
@@ -331,53 +307,21 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int:
-    """Each schedule over the whole request list; NAME:padded batches it as FlexGen does (the
-    paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests),
-    NAME:refill as one continuous batch (MoE-Lens)."""
-    from taskgraph.serving.queue import simulate_queue
-    from taskgraph.serving.requests import with_padding
-    from taskgraph.scenario import for_schedule
+    from taskgraph.compare import compare_queues
 
     if args.check:
         raise TgError("tg compare --check gates a mean-length scenario's schedules; on a request "
                       "list, compare the queues' figures (--json) instead.")
-    results, notes, runs = [], {}, []
-    keep = bool(args.trace or args.gantt)
     with _progress(not args.json, "simulating queues") as tick:
-        for entry in names:
-            name, batching = _batching(entry)
-            w = scenario.workload
-            if batching == "padded" or (not batching and w.padded):
-                queue = with_padding(scenario, True)
-            else:
-                queue = with_padding(scenario, False)
-                queue = queue.model_copy(update={"workload": queue.workload.model_copy(
-                    update={"refill": batching == "refill" or (not batching and w.refill)})})
-            adapted, note = for_schedule(queue, name)
-            if note:
-                notes[name] = note
-            q = simulate_queue(adapted, progress=tick, keep_runs=keep)
-            results.append(q.summary)
-            for run in q.trace_runs():
-                run.label = f"{entry} {run.label}"
-                runs.append(run)
-            if results[-1]["interrupted"]:
-                break
+        comparison, runs = compare_queues(scenario, names, bool(args.trace or args.gantt),
+                                          progress=tick)
+    results = comparison.results
     if args.trace:
         _write_trace(args, runs, {"scenario": scenario.name})
     # the first batch of each queue: how the schedules' steps differ
     _gantt(args, [r for r in runs if r.label.endswith((" batch 0", " window 0"))])
-
-    _emit(args, {"results": results}, lambda: _print_compare(results, notes))
-    return _interrupted(results[-1]) if results[-1]["interrupted"] else 0
-
-
-def _batching(entry: str) -> tuple[str, str | None]:
-    """'S1:refill' -> ('S1', 'refill'); 'S4' -> ('S4', None)."""
-    name, _, batching = entry.partition(":")
-    if batching and batching not in ("padded", "refill"):
-        raise TgError(f"--schedules entry '{entry}': after the colon give padded or refill.")
-    return name, batching or None
+    _emit(args, {"results": results}, lambda: _print_compare(results, comparison.notes))
+    return _interrupted(results[-1]) if comparison.interrupted else 0
 
 
 def _print_compare(results: list[dict[str, Any]], notes: dict[str, str]) -> None:
