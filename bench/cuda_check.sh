@@ -4,7 +4,8 @@
 #   1. the tests that need a GPU, among them the executor on CUDA against transformers' Mixtral;
 #   2. every schedule of a Mixtral-shaped model (scenarios/mixtral-2layer.yaml) executed on the
 #      GPU, checked against the sequential reference, with a Perfetto trace of S1;
-#   3. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it.
+#   3. with two GPUs or more: tensor parallel and pipeline runs, a process per GPU over NCCL;
+#   4. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it.
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
 #
 #     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate
@@ -41,6 +42,15 @@ print(s["schedule"], "tokens_match", s["tokens_match"], "max_abs_err", s["max_ab
       "decode_layer_ms", s["decode_layer_ms"], "hrm_layer_ms", s["hrm_layer_ms"],
       "prefill_s", s["prefill_s"], "wall_s", s["wall_s"], s["warnings"])
 EOF
+    done
+fi
+
+if [[ $STEPS == *execute* ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    echo "== two GPUs, a process each, over NCCL (tensor parallel S1, pipeline PP)"
+    for s in S1 PP; do
+        tg execute scenarios/small.yaml --device cuda --schedule "$s" --processes \
+            --set hardware.gpu.count=2 --json > "$OUT/processes-$s.json" \
+            && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['schedule'], 'tokens_match', s['tokens_match'], 'max_abs_err', s['max_abs_err'])" "$OUT/processes-$s.json"
     done
 fi
 

@@ -1,5 +1,5 @@
-"""A multi-GPU plan run as one process per GPU, talking through ``torch.distributed`` (gloo, so
-it runs on the CPU backend).
+"""A multi-GPU plan run as one process per GPU, talking through ``torch.distributed``: gloo on
+the CPU backend, NCCL with each process on a CUDA device of its own.
 
 Every process builds the same plan and compiled program and runs only its own GPU's streams
 (``gpu:r``, ``h2d:r`` ...) and the shared streams its GPU takes part in:
@@ -34,7 +34,7 @@ import torch
 from taskgraph.builder import Plan
 from taskgraph.compiled import KIND_NAMES, compile_plan
 from taskgraph.errors import TgError
-from taskgraph.exec.dispatch import execute
+from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.sim.engine import SimRun
@@ -64,25 +64,32 @@ class DistributedRun:
 
 
 class _Stage:
-    """One rank's runtime: what the dispatcher calls, with sends turned into messages."""
+    """One rank's runtime: what the dispatcher calls, with sends turned into messages.
+
+    Each direction between two stages has a process group of its own, used on each end by one
+    thread (the sender's interconnect stream), in launch order: NCCL needs every rank to issue a
+    communicator's operations in one order, and a stage that sends and receives on one group
+    from two threads would not."""
 
     def __init__(self, runtime: Runtime, plan: Plan, rank: int):
         import torch.distributed as dist
 
         self.rt, self.plan, self.rank, self.dist = runtime, plan, rank, dist
+        # every rank creates every group, in one order (torch.distributed's rule)
+        self.groups = [dist.new_group(sorted({g, (g + 1) % plan.pp})) for g in range(plan.pp)]
 
     def run(self, step: int, kind: str, layer: int, index: int, gpu: int = -1) -> None:
         if kind not in SENDS:
             self.rt.run(step, kind, layer, index)
             return
         sender = self.plan.stage_of(layer)
-        peer = (sender + 1) % self.plan.pp
+        peer, group = (sender + 1) % self.plan.pp, self.groups[sender]
         for buf in self._payload(step, kind, index):
             if self.rank == sender:
-                self.dist.send(buf.contiguous(), dst=peer)
+                self.dist.send(buf.contiguous(), dst=peer, group=group)
             else:
                 tmp = torch.empty_like(buf)
-                self.dist.recv(tmp, src=sender)
+                self.dist.recv(tmp, src=sender, group=group)
                 buf.copy_(tmp)
 
     def _payload(self, step: int, kind: str, j: int) -> list[torch.Tensor]:
@@ -132,7 +139,7 @@ def _rank_streams(plan: Plan, rank: int) -> frozenset[str]:
 
 def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             prompt_lens: torch.Tensor | None, rendezvous: str, out: str, delay_s: float,
-            seed: int) -> None:
+            seed: int, device: str) -> None:
     import torch.distributed as dist
 
     # Ctrl-C reaches the parent only, which passes it on to each rank once (`_wind_down`): a
@@ -141,22 +148,24 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if (Path(out) / "stop").exists():       # interrupted while this process was starting
         return
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=plan.gpus)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=plan.gpus)
     try:
-        cpu = torch.device("cpu")
+        kw = {"prompt_lens": prompt_lens, "pin_memory": cuda}
         if plan.tp > 1:
             from taskgraph.exec.tensor import ShardRuntime, make_shard
 
             shard, w = make_shard(plan, weights, rank)
-            runtime = _Shard(ShardRuntime(plan, w, prompts, cpu, shard,
-                                          prompt_lens=prompt_lens), plan)
+            runtime = _Shard(ShardRuntime(plan, w, prompts, dev, shard, **kw), plan)
         else:
-            runtime = _Stage(Runtime(plan, weights, prompts, cpu, prompt_lens=prompt_lens),
-                             plan, rank)
+            runtime = _Stage(Runtime(plan, weights, prompts, dev, **kw), plan, rank)
         program = compile_plan(plan)
         delays = np.random.default_rng(seed + rank).random(program.total) * delay_s
-        run = execute(program, runtime,
+        run = execute(program, runtime, CudaDevice(torch) if cuda else None,
                       delay=(lambda gid: float(delays[gid])) if delay_s else None,
                       streams=_rank_streams(plan, rank))
         if run.failure is not None:
@@ -204,12 +213,17 @@ def _first_failure(folder: Path, ranks: int) -> str:
 
 def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                       prompt_lens: torch.Tensor | None = None, delay_s: float = 0.0,
-                      seed: int = 0) -> DistributedRun:
-    """Run a multi-GPU plan as one process per GPU (CPU backend, gloo). `delay_s`: each task
-    first sleeps up to that long, at random (to shake out races)."""
+                      seed: int = 0, device: str = "cpu") -> DistributedRun:
+    """Run a multi-GPU plan as one process per GPU: on the CPU backend over gloo, or with
+    ``device="cuda"`` each process on its own GPU (``cuda:rank``) over NCCL. `delay_s`: each
+    task first sleeps up to that long, at random (to shake out races)."""
     if plan.gpus < 2:
         raise TgError(f"hardware.gpu.count is {plan.gpus}: there is no second GPU to run as a "
                       "process of its own.")
+    if device == "cuda" and torch.cuda.device_count() < plan.gpus:
+        raise TgError(f"hardware.gpu.count is {plan.gpus}, but this machine has "
+                      f"{torch.cuda.device_count()} CUDA device(s): --processes --device cuda "
+                      "runs each GPU of the plan on a GPU of its own.")
     if plan.tp > 1:
         from taskgraph.exec.tensor import check_shardable
 
@@ -232,7 +246,8 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous,
-                                            tmp, delay_s, seed), nprocs=plan.gpus, join=False)
+                                            tmp, delay_s, seed, device), nprocs=plan.gpus,
+                             join=False)
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)

@@ -94,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                    "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
                    "(default: real copies, as a GPU machine would make them)")
     c.add_argument("--processes", action="store_true", help="several GPUs: each GPU its own "
-                   "process, collectives and pipeline sends over torch.distributed (gloo, CPU "
-                   "backend)")
+                   "process, collectives and pipeline sends over torch.distributed (gloo on "
+                   "the CPU backend; NCCL with --device cuda, a CUDA device per process)")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

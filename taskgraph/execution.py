@@ -189,13 +189,12 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
 _last_weights: dict[tuple, Any] = {}
 
 
-def _check_processes(plan, dev: str, zero_copy: bool, profile: bool, last_steps) -> None:
+def _check_processes(plan, zero_copy: bool, profile: bool, last_steps) -> None:
     if plan.gpus < 2:
         raise TgError(
             f"--processes runs each GPU as its own process; hardware.gpu.count is "
             f"{plan.gpus}. Set it to 2 or more (--set hardware.gpu.count=2).")
-    for bad, what in ((dev != "cpu", f"--device {dev} (gloo runs on the CPU backend)"),
-                      (zero_copy, "--zero-copy"), (profile, "--profile"),
+    for bad, what in ((zero_copy, "--zero-copy"), (profile, "--profile"),
                       (last_steps is not None, "a request list")):
         if bad:
             raise TgError(f"--processes does not combine with {what}.")
@@ -286,7 +285,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         last_steps = [max((r.max_new_tokens - 1 for r in slots[j * p.mu:(j + 1) * p.mu]
                            if r is not None), default=-1) for j in range(p.N // p.mu)]
     if processes:
-        _check_processes(plan, dev, zero_copy, profile, last_steps)
+        _check_processes(plan, zero_copy, profile, last_steps)
     # Several GPUs in one process: every GPU's shard on this device (TensorParallel), or each
     # pipeline stage's buffers in the one Runtime.
     make_runtime: Any = Runtime
@@ -303,7 +302,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         if processes:
             from taskgraph.exec.distributed import execute_processes
 
-            ranks = execute_processes(plan, w, prompts, prompt_lens=lens)
+            ranks = execute_processes(plan, w, prompts, prompt_lens=lens, device=dev)
             return ranks.as_run(program)
         return execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
                        progress=(lambda d: progress(d, total)) if progress else None,

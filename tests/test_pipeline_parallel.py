@@ -298,3 +298,37 @@ def test_ctrl_c_under_processes_leaves_a_valid_trace_of_what_ran(tmp_path):
     ran = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     assert 0 < len(ran) == summary["tasks"] < total
     assert not check_trace(json.loads(trace.read_text()))
+
+
+def test_processes_on_cuda_need_a_gpu_for_each_process(monkeypatch):
+    from taskgraph.errors import TgError
+    from taskgraph.exec.distributed import execute_processes
+    from taskgraph.kernels.reference import synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+
+    sc = _pp(2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(TgError, match="hardware.gpu.count is 2, but this machine has 1 CUDA"):
+        execute_processes(make_plan(sc), synthetic_weights(sc.model), synthetic_prompts(8, 16,
+                          sc.model.V), device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("schedule", ["PP", "S1", "S4"])
+def test_one_process_per_gpu_over_nccl_computes_the_reference(schedule):
+    """Each GPU of the plan a process on a CUDA device of its own, messages and collectives
+    over NCCL: the tokens are the sequential reference's (float32 weights)."""
+    from taskgraph.exec.distributed import execute_processes
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+
+    sc = _pp(2, workload={"prompt_len": 6, "gen_len": 3}).model_copy(
+        update={"schedule": schedule})
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(8, 6, sc.model.V, seed=2)
+    run = execute_processes(make_plan(sc), w, prompts, delay_s=0.002, device="cuda")
+    ref = reference_forward(w, prompts, 2, 3)
+    assert torch.equal(run.tokens, ref.tokens)
+    torch.testing.assert_close(run.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    assert not np.isnan(run.end).any()
