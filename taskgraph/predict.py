@@ -13,8 +13,10 @@ prediction takes them where they exceed the HRM bound:
 
 * A schedule that copies the next layer's weights whole (not in pages) queues that copy on the
   CPU->GPU link ahead of the micro-batches' own copies (hidden states, KV), and the link serves in
-  order: only the first micro-batch's work overlaps the weight copy, the others follow it. A
-  layer then takes at least ``D3 + (n - 1) x pace``.
+  order: only the micro-batches whose copies went first overlap the weight copy (one when they
+  share its stream; S4's KV prefetch rides a stream of its own and runs ahead into its
+  ``kv_slots``), the others follow it. A layer then takes at least
+  ``D3 + copy of the first waiting micro-batch + waiting x pace``.
 * The pace of a micro-batch is the busiest resource's share of it when the schedule launches with
   lookahead (micro-batches pipeline), but the sum over resources when it launches each
   micro-batch's chain only after the previous one (FlexGen's order, S3): nothing overlaps.
@@ -100,7 +102,16 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     lookahead = any(op.ahead > 0 for op in decode_ops)
     pace = per_micro_batch.max(axis=0) if lookahead else per_micro_batch.sum(axis=0)
     if whole:
-        layer = np.maximum(hrm, np.sum(copy, axis=0) + (n - 1)[:, None] * pace)
+        # Micro-batches whose own copies the weight copy holds up wait for it. Copies on a
+        # stream of their own (S4's KV prefetch) run ahead into their slots, so the first
+        # `kv_slots` micro-batches went before the copy started, and the next waits for the
+        # copy and then its own share of the link.
+        free = _ahead_of_copy(schedule, decode_ops)
+        h2d = RESOURCES.index("h2d")
+        waiting = np.maximum(n - free, 0)[:, None]
+        layer = np.maximum(hrm, np.sum(copy, axis=0)
+                           + np.where(waiting > 0, per_micro_batch[h2d], 0.0)
+                           + waiting * pace)
     else:
         layer = np.maximum(hrm, n[:, None] * pace)
     decode_s = L * layer.sum(axis=1)
@@ -115,6 +126,16 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
         hrm_layer_ms=L * hrm.sum(axis=1) / (G * L) * 1e3,
         binding=decode.sum(axis=2).argmax(axis=0),
     )
+
+
+def _ahead_of_copy(schedule: Schedule, ops) -> int:
+    """How many of a layer's micro-batches go before its whole-layer weight copy on the link:
+    one, if a micro-batch's own CPU->GPU copies queue on the weight copy's stream; the copies'
+    slots (`kv_slots`), if they ride a stream of their own."""
+    d3 = schedule.streams["D3"]
+    own = {schedule.streams[op.kind] for op in ops
+           if op.when == "each" and STREAM_RESOURCE[schedule.streams[op.kind]] == "h2d"}
+    return schedule.kv_slots if own and d3 not in own else 1
 
 
 def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
