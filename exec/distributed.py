@@ -152,9 +152,9 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     if cuda:
         torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=plan.gpus)
     try:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                                rank=rank, world_size=plan.gpus)
         kw = {"prompt_lens": prompt_lens, "pin_memory": cuda}
         if plan.tp > 1:
             from taskgraph.exec.tensor import ShardRuntime, make_shard
