@@ -160,7 +160,8 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     # the GPU a stream's tasks run on (``gpu:1``), -1 for the host's and shared streams
     gpu_of = [int(s.partition(":")[2]) if ":" in s else -1 for s in streams]
     local = np.isin(program.column("stream"), mine)
-    queues = {s: device.stream(s) for s in streams if s not in HOST_STREAMS}
+    on_host = [s.partition(":")[0] in HOST_STREAMS for s in streams]
+    queues = {s: device.stream(s) for s, host in zip(streams, on_host) if not host}
     recorded = [threading.Event() for _ in range(total)]   # device: enqueued; host: finished
     begin_ev = [None] * total
     done_ev = [None] * total
@@ -170,7 +171,7 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     failure: list[BaseException] = []
     kinds, steps = program.column("kind"), program.step
     layers, index = program.column("layer"), program.column("index")
-    on_device = np.array([s not in HOST_STREAMS for s in streams])[program.column("stream")]
+    on_device = ~np.array(on_host)[program.column("stream")]
 
     if annotate:
         # The profiler's clock is not this one: a mark at the origin ties the two. The first

@@ -8,11 +8,11 @@ Every process builds the same plan and compiled program and runs only its own GP
   ``Send`` task is ``dist.send`` on the sender and ``dist.recv`` on the receiver, into the same
   buffer the receiver's tasks read. Each pair of ranks exchanges messages on one thread per
   direction, in launch order on both ends, so messages pair up without tags.
-* tensor parallelism: the host's streams, each rank running a host task's part for its shard
-  (its heads' CPU attention, its pages' staging copy), and the interconnect stream, whose
-  collectives every rank calls in the same launch order (``all_reduce``, ``all_gather``).
+* tensor parallelism: its own host streams (``cpu:r``, ``pin:r``: its heads' CPU attention,
+  its part of each page's staging copy), and the interconnect stream, whose collectives every
+  rank calls in the same launch order (``all_reduce``, ``all_gather``).
 
-The builder guarantees that GPUs meet only through sends or collectives and host tasks (tested),
+The builder guarantees that GPUs meet only through sends or collectives (tested),
 so nothing else crosses between processes. The last rank returns the outputs; every rank its own
 task times, which line up because ``time.perf_counter`` is one monotonic clock for the machine.
 """
@@ -224,6 +224,10 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         raise TgError(f"hardware.gpu.count is {plan.gpus}, but this machine has "
                       f"{torch.cuda.device_count()} CUDA device(s): --processes --device cuda "
                       "runs each GPU of the plan on a GPU of its own.")
+    if plan.dp > 1:
+        raise TgError(f"Schedule {plan.schedule.name} ({plan.schedule.title}) runs data "
+                      "parallel: --processes runs tensor-parallel and pipeline schedules only "
+                      "so far. Run it in one process (drop --processes).")
     if plan.tp > 1:
         from taskgraph.exec.tensor import check_shardable
 

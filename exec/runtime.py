@@ -99,9 +99,9 @@ class Runtime:
             self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
             self.cut, self.pages = numel, []
         # Weights: resident prefixes, the double buffer, pinned staging slots.
-        # One double buffer and one set of KV slots per GPU: on several GPUs in pipeline (one
-        # process, one device) each stage keeps its own, as on its own GPU.
-        stages = plan.pp
+        # One double buffer and one set of KV slots per GPU: on several GPUs in pipeline or data
+        # parallel (one process, one device) each stage or group keeps its own, as on its GPU.
+        stages = plan.groups
         self.resident = [flat[:self.cut].to(device) for flat in weights.layers]
         self.halves = [dev(numel - self.cut) for _ in range(2 * stages)]
         page_max = max((b - a for a, b in self.pages), default=0)

@@ -12,8 +12,8 @@ A shard's weights are the elements of the full layer its GPU reads, in the full 
 so the plan's weight pages (byte ranges of the full layer) map onto contiguous ranges of the
 shard's: a shard's copy of page p moves exactly the elements of page p it will read.
 
-:class:`TensorParallel` runs every shard in one process (a task of GPU g on shard g, a host task
-on every shard's part, a collective as a sum over the shards); :mod:`taskgraph.exec.distributed`
+:class:`TensorParallel` runs every shard in one process (a task of GPU g, or of the host for GPU
+g, on shard g; a collective as a sum over the shards); :mod:`taskgraph.exec.distributed`
 runs one shard per process and the collectives over ``torch.distributed``.
 """
 
@@ -29,7 +29,7 @@ from taskgraph.exec.runtime import Runtime, _page_elements
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.specs import ModelSpec
-from taskgraph.work import COLLECTIVES, HOST_KINDS
+from taskgraph.work import COLLECTIVES
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,8 @@ class TensorParallel:
         last = self.shards[0].last_steps
         if kind in COLLECTIVES and last is not None and step > last[index]:
             return                    # the micro-batch's requests have all finished
-        if gpu >= 0:
+        if gpu >= 0:                  # a GPU's task, or the host's for that GPU's process
             self.shards[gpu].run(step, kind, layer, index)
-        elif kind in HOST_KINDS:      # the host serves every GPU: each shard's heads or pages
-            for rt in self.shards:
-                rt.run(step, kind, layer, index)
         elif kind == "GatherLogits":
             logits = torch.cat([rt.logit_part[index] for rt in self.shards], dim=-1)
             for rt in self.shards:

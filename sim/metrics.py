@@ -17,6 +17,11 @@ One definition of the phases, for simulated and executed runs alike:
   inside a window cannot exceed the window, and ``decode_layer_ms >= hrm_layer_ms`` holds for
   every run, simulated or measured. Work done before the window (the prefetch counted in
   ``overlap_s``) is excluded from both figures alike.
+* ``shared``: for each pool of what the GPUs of a host share (host memory bandwidth, the PCIe
+  lanes upstream of the links; :mod:`taskgraph.sim.contention`), what share of each phase its
+  capacity was in use, and ``bound_by``, what binds each phase: the resource or pool busiest in
+  it. A pool's busy time is the bytes drawn from it inside the window over its capacity, so it
+  takes part in the HRM bound like a resource.
 """
 
 from __future__ import annotations
@@ -26,15 +31,17 @@ from typing import Any
 import numpy as np
 
 from taskgraph.compiled import KIND_NAMES
-from taskgraph.cost import hrm_bound
+from taskgraph.cost import POOLS, CostModel, hrm_bound
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import MemoryReport
 from taskgraph.schedules import RESOURCES
 from taskgraph.sim.engine import SimRun
 
 
-def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
-    """The result object of one simulated run."""
+def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
+              ) -> dict[str, Any]:
+    """The result object of one simulated run (or executed: its times measured). With the
+    `cost` model that priced it, the host's shared pools are reported too."""
     prog = run.program
     plan, sc = prog.plan, prog.plan.scenario
     p = sc.policy
@@ -57,13 +64,24 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
     # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;
     # utilization is their mean and the HRM bound the busiest of them.
     busy = {r: 0.0 for r in _reported(prog)}
-    window_busy = dict(busy)
+    window_busy, prefill_busy = dict(busy), dict(busy)
     device = prog.device
+    # A simulated run's bound takes each task at its own cost, before what it overlapped
+    # slowed it (interference, shared pools): the HRM's time of each resource alone.
+    alone = prog.durations(cost) if cost is not None else None
     for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
         mine = (device == d) & done
         busy[r] += float(run.durations[mine].sum()) / _instances(prog, r)
-        window_busy[r] = max(window_busy[r], _busy_between(run.start[mine], run.end[mine],
-                                                           prefill_end, makespan))
+        for window, lo, hi in ((window_busy, prefill_end, makespan),
+                               (prefill_busy, 0.0, prefill_end)):
+            if alone is None:
+                seconds = _busy_between(run.start[mine], run.end[mine], lo, hi)
+            else:
+                seconds = _work_between(run.start[mine], run.end[mine], alone[mine], lo, hi)
+            window[r] = max(window[r], seconds)
+    shared = _pools(run, cost, prefill_end, makespan) if cost is not None else {}
+    for pool, (pre, dec) in shared.items():
+        prefill_busy[pool], window_busy[pool] = pre, dec
     bound_s, binding = hrm_bound(window_busy, max(layers_done, 1))
     layer_s = decode_s / max(layers_done, 1)
     throughput = p.N * steps_done / makespan if makespan else 0.0
@@ -85,8 +103,14 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "decode_layer_ms": _r(layer_s * 1e3),
         "hrm_layer_ms": _r(bound_s * 1e3),
         "hrm_binding": binding,
+        "bound_by": {"prefill": max(prefill_busy, key=prefill_busy.__getitem__),
+                     "decode": binding},
         "efficiency": _r(bound_s / layer_s if layer_s else 0.0),
         "utilization": {r: _r(busy[r] / makespan if makespan else 0.0) for r in busy},
+        "shared": {pool: {"capacity_gbps": _r(float(cost.pool_capacity[POOLS.index(pool)]) / 1e9),
+                          "prefill": _r(pre / prefill_end if prefill_end else 0.0),
+                          "decode": _r(dec / decode_s if decode_s else 0.0)}
+                   for pool, (pre, dec) in shared.items()},
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
@@ -96,6 +120,26 @@ def summarize(run: SimRun, memory: MemoryReport) -> dict[str, Any]:
         "interrupted": run.interrupted,
         "wall_s": round(run.wall_s, 3),
     }
+
+
+def _pools(run: SimRun, cost: CostModel, prefill_end: float, makespan: float
+           ) -> dict[str, tuple[float, float]]:
+    """Per shared pool: seconds of its capacity the tasks drew on in the prefill window and in
+    the decode window (bytes drawn inside each, spread evenly over each task's run, over the
+    capacity), at most the window itself."""
+    if not cost.pools_shared:
+        return {}
+    drawn = run.program.pool_bytes(cost)
+    ran = ~np.isnan(run.end)
+    out = {}
+    for p, pool in enumerate(POOLS):
+        capacity = cost.pool_capacity[p]
+        if np.isfinite(capacity):
+            out[pool] = tuple(
+                min(_work_between(run.start[ran], run.end[ran], drawn[p][ran], lo, hi)
+                    / capacity, hi - lo)
+                for lo, hi in ((0.0, prefill_end), (prefill_end, makespan)))
+    return out
 
 
 def _reported(prog) -> tuple[str, ...]:
@@ -117,6 +161,15 @@ def _phases(run: SimRun, prog, done: np.ndarray, makespan: float) -> tuple[float
     decode = done & (prog.step >= 1)
     first = float(np.nanmin(run.start[decode])) if decode.any() else end
     return end, max(0.0, end - first)
+
+
+def _work_between(start: np.ndarray, end: np.ndarray, work: np.ndarray, lo: float,
+                  hi: float) -> float:
+    """Seconds of `work` done inside [lo, hi], each task's spread evenly over its run."""
+    length = end - start
+    inside = np.clip(np.minimum(end, hi) - np.maximum(start, lo), 0.0, None)
+    share = np.divide(inside, length, out=np.zeros_like(inside), where=length > 0)
+    return float((work * share).sum())
 
 
 def _busy_between(start: np.ndarray, end: np.ndarray, lo: float, hi: float) -> float:

@@ -16,17 +16,19 @@ Dependencies are derived here for every schedule alike (SPEC 3.6):
   that read it.
 
 On several GPUs (tensor parallelism) every GPU task and copy is launched as one shard per GPU on
-that GPU's streams, a task holding an all-reduce as its parts (PostAttn: OProj, MoE); a shard
-depends on its own GPU's shards, a host task on every GPU's, and a task reading a partial sum
-(the O projection's or the experts' output, the logits) on the collective that completes it,
-launched right after the shards that feed it. Buffers on the GPUs are rings per GPU; the host's
-pinned staging slots are refilled only after every GPU's copy emptied them.
+that GPU's streams, a task holding an all-reduce as its parts (PostAttn: OProj, MoE), and so is
+the host's work for that GPU (its heads' CPU attention, its part of each page's pinned copy), on
+the host streams of that GPU's process; a shard depends on its own GPU's shards, and a task
+reading a partial sum (the O projection's or the experts' output, the logits) on the collective
+that completes it, launched right after the shards that feed it. Buffers are rings per GPU.
 
 A pipeline schedule on several GPUs instead gives each GPU a stage of layers and splits the
 micro-batches into one group per stage, launched group by group (each group through every
 layer); a GPU task or copy runs on its layer's stage, reads another stage's output only through
 the send that carried it, and a GPU's rings follow that GPU's own order of use
-(:meth:`Plan.use_position`).
+(:meth:`Plan.use_position`). A data-parallel schedule splits the micro-batches into one group per
+GPU too, but every GPU runs every layer on its own group, launched layer by layer, and receives
+every layer's weights over its own link.
 
 Every dependency must point to a task launched earlier: on real streams an event that is not yet
 recorded cannot be waited on. A description that breaks this gets a :class:`ScheduleError`.
@@ -91,12 +93,22 @@ class Plan:
     @property
     def tp(self) -> int:
         """GPUs in tensor parallel: every GPU task and copy runs as one shard per GPU."""
-        return 1 if self.schedule.pipeline else self.gpus
+        return self.gpus if self.schedule.parallel == "tensor" else 1
 
     @property
     def pp(self) -> int:
         """Pipeline stages, one per GPU, and as many groups of micro-batches."""
-        return self.gpus if self.schedule.pipeline else 1
+        return self.gpus if self.schedule.parallel == "pipeline" else 1
+
+    @property
+    def dp(self) -> int:
+        """GPUs in data parallel, each running its own group of micro-batches."""
+        return self.gpus if self.schedule.parallel == "data" else 1
+
+    @property
+    def groups(self) -> int:
+        """Groups of micro-batches: one per GPU in pipeline or data parallel, else one."""
+        return self.pp * self.dp
 
     @cached_property
     def stages(self) -> tuple[range, ...]:
@@ -118,8 +130,16 @@ class Plan:
         return self._stage_index[layer]
 
     def group_of(self, index: int) -> int:
-        """The group of micro-batch `index` (pipeline parallelism; else 0)."""
-        return index // (self.n // self.pp)
+        """The group of micro-batch `index` (pipeline and data parallelism; else 0)."""
+        return index // (self.n // self.groups)
+
+    def gpu_of(self, key: "TaskKey") -> int:
+        """The GPU a task of a GPU's kind runs on, in pipeline or data parallel: its layer's
+        stage, or its group's GPU (a weight copy's index counts its group's pages)."""
+        if self.pp > 1:
+            return self.stage_of(key.layer)
+        per = self.layout.n_pages if key.kind in PAGED else self.n // self.groups
+        return key.index // per
 
     def stream_of(self, key: TaskKey) -> str:
         """The stream a task is launched on: its kind's, on its own GPU for a GPU's task."""
@@ -136,6 +156,7 @@ class Plan:
                 continue
             # Every stage sends on its own stream, as each of FlexGen's processes does, and at
             # the interconnect's per-GPU rate (as every GPU of a ring all-reduce sends at once).
+            # Every GPU's process runs its host work on threads of its own.
             if self.gpus > 1 and (STREAM_RESOURCE[base] in PER_GPU
                                   or (base == "peer" and self.pp > 1)):
                 out += [f"{base}:{g}" for g in range(self.gpus)]
@@ -157,15 +178,21 @@ class Plan:
 
     def items(self, kind: str) -> int:
         """Tasks of a kind per layer and group: pages, or the group's micro-batches."""
-        return self.layout.n_pages if kind in PAGED else self.n // self.pp
+        return self.layout.n_pages if kind in PAGED else self.n // self.groups
 
     def use_position(self, step: int, layer: int, index: int, per: int) -> int:
         """Where a task of a kind with `per` items per layer and group stands in its GPU's order
         of use (step, group, layer of the GPU's stage, item): the cycle a ring of buffers on
-        that GPU follows. On one GPU, or sharded, every layer is every GPU's."""
+        that GPU follows. On one GPU, sharded, or in data parallel (a group per GPU), every
+        layer is every GPU's."""
         group, item = divmod(index, per)
+        if self.dp > 1:
+            group = 0
         layers = self.stages[self.stage_of(layer)]
         return ((step * self.pp + group) * len(layers) + layer - layers.start) * per + item
+
+    def _gpu_of_group(self, layer: int, group: int) -> int:
+        return group if self.dp > 1 else self.stage_of(layer)
 
     def weight_pages(self, index: int, section: str) -> list[int]:
         """The weight pages (D3 indices) a task of micro-batch `index` reads for a section: its
@@ -177,13 +204,13 @@ class Plan:
         """The half of the weight double buffer (numbered over the GPUs, two each) that holds
         a layer's streamed weights for a group in a step."""
         turn = self.use_position(step, layer, group, 1)
-        return 2 * self.stage_of(layer) + turn % 2
+        return 2 * self._gpu_of_group(layer, group) + turn % 2
 
     def kv_slot(self, step: int, layer: int, index: int) -> int:
         """The GPU KV slot (numbered over the GPUs) micro-batch `index` uses in a layer."""
         slots = self.schedule.kv_slots
         turn = self.use_position(step, layer, index, self.items("KVOut"))
-        return slots * self.stage_of(layer) + turn % slots
+        return slots * self._gpu_of_group(layer, self.group_of(index)) + turn % slots
 
 
 def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Plan:
@@ -209,13 +236,13 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) runs on one GPU; hardware.gpu.count is {gpus}. "
             "Choose a one-GPU machine, or a schedule with the FFN on the GPUs.")
-    if s.pipeline and gpus > 1:
+    if s.grouped and gpus > 1:
         if p.n_micro % gpus:
             raise ScheduleError(
                 f"Schedule {s.name} ({s.title}) splits the batch into one group per GPU: "
                 f"policy.N / policy.mu = {p.n_micro} micro-batches must be a multiple of "
                 f"hardware.gpu.count = {gpus}.")
-        if scenario.model.L < gpus:
+        if s.parallel == "pipeline" and scenario.model.L < gpus:
             raise ScheduleError(
                 f"Schedule {s.name} ({s.title}) gives each GPU a stage of layers: model.L = "
                 f"{scenario.model.L} is fewer than hardware.gpu.count = {gpus}.")
@@ -250,7 +277,7 @@ def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
             if key.step <= plan.G]
     if plan.tp > 1:
         return _shard(plan, keys)
-    return _stage(plan, keys) if plan.pp > 1 else keys
+    return _stage(plan, keys) if plan.groups > 1 else keys
 
 
 def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
@@ -270,15 +297,16 @@ def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
 
 
 def _stage(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
-    """Pipeline parallelism: each GPU task and copy on the GPU of its layer's stage, and an
-    output another stage reads followed by the send that carries it there."""
+    """Pipeline and data parallelism: each GPU task and copy on its layer's stage or its
+    group's GPU, and (pipeline) an output another stage reads followed by the send that
+    carries it there."""
     out: list[TaskKey] = []
     for key in keys:
         if key.kind not in SHARDED:
             out.append(key)
             continue
-        out.append(key._replace(gpu=plan.stage_of(key.layer)))
-        send = _send_after(plan, key)
+        out.append(key._replace(gpu=plan.gpu_of(key)))
+        send = _send_after(plan, key) if plan.pp > 1 else None
         if send is not None:
             out.append(send)
     return out
@@ -303,11 +331,16 @@ def lookahead_steps(plan: Plan) -> int:
 
 def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
     # Positions (group, layer, item of the group): with pipeline parallelism every group runs
-    # through all layers before the next group starts, as each stage runs them; else one group.
+    # through all layers before the next group starts, as each stage runs them; with data
+    # parallelism every group (GPU) runs each layer before the next; else one group.
+    groups = range(plan.groups) if plan.dp > 1 else range(1)
     if loop.over == "once":
-        positions = [(0, 0, 0)]
+        positions = [(t, 0, 0) for t in groups]
     elif loop.over == "items":
-        positions = [(0, 0, j) for j in range(plan.layout.n_pages)]
+        positions = [(t, 0, j) for t in groups for j in range(plan.layout.n_pages)]
+    elif plan.dp > 1:
+        per = plan.n // plan.groups
+        positions = [(t, i, j) for i in range(plan.L) for t in groups for j in range(per)]
     else:
         per = plan.n // plan.pp
         positions = [(t, i, j) for t in range(plan.pp) for i in range(plan.L)
@@ -323,10 +356,13 @@ def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
 
 def _place(plan: Plan, step: int, t: int, i: int, j: int, op: Op) -> TaskKey:
     """The task an op launches at a position: shifted items past the group's last wrap into
-    the next layer, layers past the last into the next group, groups into the next step."""
+    the next layer, layers past the last into the next group (in data parallel: the next
+    step, each group staying on its GPU), groups into the next step."""
     per = plan.items(op.kind)
     idx = j + op.ahead
     layer = i + op.layer + idx // per
+    if plan.dp > 1:
+        return TaskKey(step + layer // plan.L, op.kind, layer % plan.L, t * per + idx % per)
     group = t + layer // plan.L
     return TaskKey(step + group // plan.pp, op.kind, layer % plan.L,
                    group % plan.pp * per + idx % per)
@@ -336,11 +372,11 @@ def _place(plan: Plan, step: int, t: int, i: int, j: int, op: Op) -> TaskKey:
 
 def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     """Read-after-write dependencies of a task, shards and collectives included: a shard reads
-    its own GPU's shards, a host task every GPU's, a later part of a split task the collective
-    after the part before it, and whatever reads a partial sum (the hidden state after a layer,
-    the logits) waits for the collective that completes it. Pipeline stages: see
+    its own GPU's shards, a later part of a split task the collective after the part before
+    it, and whatever reads a partial sum (the hidden state after a layer, the logits) waits for
+    the collective that completes it. Pipeline stages and data-parallel groups: see
     :func:`_stage_deps`."""
-    if plan.pp > 1:
+    if plan.groups > 1:
         return _stage_deps(plan, t)
     if plan.tp == 1:
         return _data_deps(plan, t)
@@ -364,8 +400,6 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
             continue                      # a part reads only its own section's pages (below)
         if d.kind not in SHARDED:
             out.append(d)
-        elif t.kind not in SHARDED:       # a host task reads every GPU's copy
-            out += [d._replace(gpu=g) for g in range(plan.tp)]
         elif d.kind in TP_PARTS and t.kind == "KVOut":   # K,V: the shard's own attention's
             out.append(d._replace(kind=TP_PARTS[d.kind][0], gpu=t.gpu))
         elif d.kind in TP_PARTS or d.kind in COLLECTIVE_AFTER:   # a partial sum: completed
@@ -389,8 +423,9 @@ def _whole_of(t: TaskKey) -> tuple[TaskKey, str]:
 
 
 def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
-    """Pipeline parallelism: a task on one stage's GPU reads another stage's output only
-    through the send that carried it; a send reads its producer on the producer's GPU."""
+    """Pipeline and data parallelism: a task reads what its GPU's tasks wrote; on a pipeline,
+    another stage's output only through the send that carried it, and a send reads its producer
+    on the producer's GPU."""
     if t.kind in SENDS:
         producer = ("LMHead" if t.kind == "SendTokens" else "Prefill" if t.step == 0
                     else "PostAttn")
@@ -400,7 +435,7 @@ def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
         if d.kind not in SHARDED:
             out.append(d)
             continue
-        d = d._replace(gpu=plan.stage_of(d.layer))
+        d = d._replace(gpu=plan.gpu_of(d))
         if t.kind in SHARDED and d.gpu != t.gpu:
             d = _send_after(plan, d)
         out.append(d)

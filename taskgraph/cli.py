@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from taskgraph import __version__
 from taskgraph.errors import CheckFailed, TgError
@@ -129,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     # PP on the one device validate runs on is S4
     c.add_argument("--schedules", default=",".join(n for n, s in SCHEDULES.items()
-                                                   if not s.pipeline),
+                                                   if s.parallel != "pipeline"),
                    help="schedules to validate (default: %(default)s)")
     c.add_argument("--mu", default=None, help="micro-batch sizes, comma-separated (default: "
                    "the scenario's and half of it)")
@@ -464,6 +465,10 @@ def _fit(args: argparse.Namespace) -> int:
         console = _console()
         for table in _tables().fit_table(report):
             console.print(table)
+        for r in report.cells:
+            if r.memory:
+                console.print(Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory "
+                                   f"model {r.memory}", style="yellow"))
         if report.at_bound():
             console.print("[yellow]at a bound:[/yellow] " + ", ".join(report.at_bound()))
         console.print(f"wrote {', '.join(str(f) for f in files)}")

@@ -52,7 +52,7 @@ def default_schedules(scenario: Scenario) -> list[str]:
     GPU, and PP on one GPU is S4."""
     one = scenario.hardware.gpu.count == 1
     return [n for n, s in SCHEDULES.items()
-            if (s.pipeline and not one) or (not s.pipeline and (one or s.ffn == "gpu"))]
+            if (s.parallel != "pipeline" or not one) and (one or s.ffn == "gpu")]
 
 
 def compare_scenario(scenario: Scenario, names: list[str], required: set[str],

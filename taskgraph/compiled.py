@@ -104,6 +104,13 @@ class Program:
         out[idle] = 0.0
         return out
 
+    def pool_bytes(self, cost) -> np.ndarray:
+        """(pools x tasks): the bytes each task draws from each of the host's shared pools
+        (:data:`taskgraph.cost.POOLS`), in global id order; none for a skipped task."""
+        _, nbytes, idle = self.work()
+        nbytes[idle] = 0.0
+        return cost.pool_bytes(self.column("resource"), self.column("kind"), nbytes)
+
     def work(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(FLOPs, bytes, idle) of every task, in global id order: idle marks tasks of a
         micro-batch with no request left (only with a batch of real requests, ``plan.load``)."""

@@ -3,10 +3,18 @@
 A compute task at a level takes its roofline time, ``max(F / P, B / BW)`` with achieved (peak x
 efficiency) FLOP rate and memory bandwidth, plus a fixed per-task overhead (kernel launches,
 thread hand-off). A transfer takes ``bytes / (link bandwidth x efficiency)`` plus the link's
-latency. The pinned staging copy is bound by host memcpy bandwidth. On a multi-GPU machine every GPU and
-its link are resources of their own, priced at one GPU's rates (a task there is one GPU's shard
-of the work); the host's cores and memory copies serve them all, and a ring collective crosses
-the interconnect, paying its latency at each of its 2 (n - 1) steps.
+latency. The pinned staging copy is bound by host memcpy bandwidth. On a multi-GPU machine every
+GPU and its link are resources of their own, priced at one GPU's rates (a task there is one
+GPU's shard of the work), and a ring collective crosses the interconnect, paying its latency at
+each of its 2 (n - 1) steps. Each GPU has a process of its own, whose host work (``cpu``, ``pin``)
+runs on its threads: its share of the host's cores, or the implementation's ``rank_threads``,
+whichever is fewer, each thread driving at most ``cpu.core_gbps`` of memory traffic.
+
+What the processes and links share beyond the cores (``hardware.shared``: host memory bandwidth,
+the PCIe lanes upstream of the links) are *pools*: :meth:`CostModel.pool_bytes` says what each
+task draws from each, and the simulator divides a pool among the tasks drawing on it at once
+(:mod:`taskgraph.sim.contention`). Without a shared memory figure a process gets its share of
+the host's memory bandwidth and copy rate outright, so the host's totals are today's.
 
 The HRM bound of a decode layer (Eq. 12-14) is ``max(comm_CPU->GPU, T_cpu, T_gpu)``: each term the
 time the layer's tasks need on that resource, which no overlap can beat. It is computed from the
@@ -24,6 +32,11 @@ from taskgraph.specs import HardwareSpec, ImplementationSpec, Scenario
 from taskgraph.work import KINDS
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+#: What the GPUs of one host share (hardware.shared): host memory bandwidth, and the PCIe lanes
+#: upstream of the GPUs' links, each direction.
+POOLS: tuple[str, ...] = ("host_memory", "pcie_h2d", "pcie_d2h")
+POOL_NAMES = {"host_memory": "host memory", "pcie_h2d": "shared PCIe CPU->GPU",
+              "pcie_d2h": "shared PCIe GPU->CPU"}
 
 
 class CostModel:
@@ -31,18 +44,30 @@ class CostModel:
 
     def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None):
         g, c, k = hw.gpu, hw.cpu, hw.link
+        impl = impl or ImplementationSpec(name="ideal")
         peer = hw.interconnect
         peer_rate, peer_latency = ((peer.gbps * 1e9 * peer.eff, peer.latency_us) if peer else
                                    (k.d2h_gbps * 1e9 * k.d2h_eff, k.latency_us))
+        # A process's host threads (one process per GPU) and what they reach.
+        self.processes = g.count
+        fair = c.cores / g.count
+        self.process_cores = min(impl.rank_threads or fair, fair) if g.count > 1 else c.cores
+        share = self.process_cores / c.cores
+        # Host memory priced as shared: a process may burst to the host's rates and the
+        # contention solver divides them; else each process owns its share outright.
+        outright = 1.0 if hw.shared.memory_gbps else share
+        cpu_bw, copy_bw = c.mem_gbps * 1e9 * c.mem_eff * outright, c.memcpy_gbps * 1e9 * outright
+        if c.core_gbps is not None:
+            cpu_bw = min(cpu_bw, self.process_cores * c.core_gbps * 1e9)
+            copy_bw = min(copy_bw, self.process_cores * c.core_gbps * 1e9 / 2)
         rates = {
             # resource: (FLOP/s, bytes/s, fixed seconds per task)
             "gpu": (g.tflops * 1e12 * g.flops_eff, g.mem_gbps * 1e9 * g.mem_eff,
                     g.task_overhead_us * 1e-6),
-            "cpu": (c.tflops * 1e12 * c.flops_eff, c.mem_gbps * 1e9 * c.mem_eff,
-                    c.task_overhead_us * 1e-6),
+            "cpu": (c.tflops * 1e12 * c.flops_eff * share, cpu_bw, c.task_overhead_us * 1e-6),
             "h2d": (math.inf, k.h2d_gbps * 1e9 * k.h2d_eff, k.latency_us * 1e-6),
             "d2h": (math.inf, k.d2h_gbps * 1e9 * k.d2h_eff, k.latency_us * 1e-6),
-            "pin": (math.inf, c.memcpy_gbps * 1e9, c.task_overhead_us * 1e-6),
+            "pin": (math.inf, copy_bw, c.task_overhead_us * 1e-6),
             "peer": (math.inf, peer_rate, 2 * (g.count - 1) * peer_latency * 1e-6),
         }
         self.hardware = hw
@@ -58,15 +83,53 @@ class CostModel:
                 self.kind_overhead[KIND_INDEX[send]] = peer_latency * 1e-6
         self.handoff = hw.handoff_us * 1e-6
         # The implementation's share of those rates, and its own fixed cost, per kind.
-        impl = impl or ImplementationSpec(name="ideal")
         self.implementation = impl
         effects = [impl.kinds.get(kind) for kind in KINDS]
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
-        if impl.pageable_weights and k.pageable_h2d_gbps is not None:
+        pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
+        if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
+        self._pools(hw, pageable)
+
+    def _pools(self, hw: HardwareSpec, pageable_weights: bool) -> None:
+        """Capacities of the shared pools (bytes/s, inf: not shared) and, per (resource, kind),
+        the bytes a task draws from each pool per byte it moves."""
+        sh = hw.shared
+        self.pool_capacity = np.array([(x or math.inf) * 1e9 for x in
+                                       (sh.memory_gbps, sh.pcie_gbps, sh.pcie_gbps)])
+        f = np.zeros((len(POOLS), len(RESOURCES), len(KINDS)))
+        mem, up, down = range(len(POOLS))
+        r = {name: RESOURCES.index(name) for name in RESOURCES}
+        f[mem, r["cpu"]] = 1.0          # a host task's bytes are its memory traffic
+        f[mem, r["pin"]] = 2.0          # a copy reads and writes every byte
+        f[[mem, up], r["h2d"]] = 1.0    # DMA reads host memory, crosses the lanes
+        f[[mem, down], r["d2h"]] = 1.0
+        if pageable_weights:            # the driver copies each byte into its pinned buffer
+            f[mem, r["h2d"], KIND_INDEX["D3"]] = 3.0
+        if hw.interconnect is not None and hw.interconnect.through_host:
+            # A collective's bytes are what each GPU sends; every GPU sends and receives them
+            # through host memory (written, read back). A send goes from one GPU to one.
+            n = hw.gpu.count
+            senders = np.array([1.0 if kind in ("Send", "SendTokens") else n for kind in KINDS])
+            f[mem, r["peer"]] = 2 * senders
+            f[up, r["peer"]] = senders
+            f[down, r["peer"]] = senders
+        self.pool_factor = f
+
+    @property
+    def pools_shared(self) -> bool:
+        """Whether any pool is priced (a finite capacity)."""
+        return bool(np.isfinite(self.pool_capacity).any())
+
+    def pool_bytes(self, resource: np.ndarray | int, kind: np.ndarray | int,
+                   nbytes: np.ndarray) -> np.ndarray:
+        """(pools x tasks): the bytes each task draws from each shared pool (tasks given as
+        arrays of resource and kind indexes and bytes, or one task's, its bytes any shape)."""
+        f = self.pool_factor[:, resource, kind]
+        return f.reshape(f.shape + (1,) * (np.ndim(nbytes) - f.ndim + 1)) * nbytes
 
     def fixed(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
         """Fixed seconds per task: the kind's own if the profile has one, else the resource's,

@@ -76,16 +76,19 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     extent = m.layer_bytes - experts_on_cpu
     streamed = (1 - r_w) * extent
 
-    # Pipeline stages each keep their own double buffer, activations and KV slots; tensor
-    # parallelism splits one set across the GPUs.
-    copies = sc.hardware.gpu.count if schedule.pipeline else 1
+    # Pipeline stages and data-parallel GPUs each keep their own double buffer, activations
+    # and KV slots; tensor parallelism splits one set across the GPUs. Data-parallel GPUs each
+    # hold every resident weight and the embedding and LM head too.
+    copies = sc.hardware.gpu.count if schedule.grouped else 1
+    replicas = sc.hardware.gpu.count if schedule.parallel == "data" else 1
     decode_act = b * mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
     prefill_act = b * (mu * prompt * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
                        + mu * m.n_q * prompt * prompt)  # attention scores, not fused
     gpu = {
-        "resident weights (r_w)": r_w * m.L * extent,
-        "embedding + LM head": float(m.embed_bytes),
-        "weight double buffer": 2 * streamed * copies,
+        "resident weights (r_w)": r_w * m.L * extent * replicas,
+        "embedding + LM head": float(m.embed_bytes) * replicas,
+        "weight double buffer": np.minimum(2 * streamed, schedule.live_params * b or np.inf)
+                                * copies,
         "activations (one micro-batch)": float(max(decode_act, prefill_act)) * copies,
         "hidden states (N sequences)": 2 * b * N * m.h,
     }

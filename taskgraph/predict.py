@@ -23,6 +23,11 @@ prediction takes them where they exceed the HRM bound:
 
 On the T4, S2 simulates at 370 ms per layer against a 231 ms HRM bound; 370 is predicted.
 
+What the GPUs of a host share (``hardware.shared``: host memory bandwidth, the PCIe lanes
+upstream of the links) enters as one more row per pool beside the resources: the bytes every
+GPU's tasks draw from it, over its capacity. That is the pool's own HRM term; how much more the
+tasks lose when their bursts collide the simulator finds (:mod:`taskgraph.sim.contention`).
+
 Everything is vectorised over the number of micro-batches, since most policy knobs change work
 per micro-batch but not the shape of the computation.
 """
@@ -33,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.cost import KIND_INDEX, CostModel, cost_model
-from taskgraph.schedules import RESOURCES, STREAM_RESOURCE, Op, Schedule
+from taskgraph.cost import KIND_INDEX, POOLS, CostModel, cost_model
+from taskgraph.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 from taskgraph.work import COLLECTIVE_AFTER, PAGED, TP_PARTS, TaskWork, WeightLayout
 
@@ -49,7 +54,11 @@ class Predictions:
     decode_s: np.ndarray
     decode_layer_ms: np.ndarray
     hrm_layer_ms: np.ndarray     # the HRM bound alone (perfect overlap)
-    binding: np.ndarray          # index into RESOURCES of the busiest decode resource
+    binding: np.ndarray          # index into ROWS of the busiest decode resource or pool
+
+
+#: What the prediction prices per layer: every resource, then every shared pool.
+ROWS: tuple[str, ...] = RESOURCES + POOLS
 
 
 def predict(scenario: Scenario, schedule: Schedule, cost: CostModel | None = None
@@ -69,17 +78,18 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     batches = np.asarray(n, dtype=float)
     # A pipeline's stages each run every layer of theirs once per group, a group at a time,
     # all stages at once on different groups: per step, every stage does the work of L layers
-    # of one group's micro-batches (n / stages of them), in parallel with the others.
+    # of one group's micro-batches (n / stages of them), in parallel with the others. In data
+    # parallel every GPU runs every layer on its own group, all at once: the same per GPU.
     gpus = scenario.hardware.gpu.count
-    stages = gpus if schedule.pipeline else 1
-    n = batches / stages
+    groups = gpus if schedule.grouped else 1
+    n = batches / groups
     G, L = scenario.decode_steps, m.L
     streamed = r_w < 1.0
     n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
                                         F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
-    tp = 1 if schedule.pipeline else gpus
+    tp = gpus if schedule.parallel == "tensor" else 1
     work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0,
                                                streams_experts=schedule.ffn == "gpu"), tp=tp)
     contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
@@ -107,9 +117,9 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
         # `kv_slots` micro-batches went before the copy started, and the next waits for the
         # copy and then its own share of the link.
         free = _ahead_of_copy(schedule, decode_ops)
-        h2d = RESOURCES.index("h2d")
+        h2d = ROWS.index("h2d")
         waiting = np.maximum(n - free, 0)[:, None]
-        layer = np.maximum(hrm, np.sum(copy, axis=0)
+        layer = np.maximum(hrm, copy[h2d]
                            + np.where(waiting > 0, per_micro_batch[h2d], 0.0)
                            + waiting * pace)
     else:
@@ -157,8 +167,11 @@ def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
 def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n: np.ndarray,
                     n_pages: np.ndarray, L: int, contexts: np.ndarray, prefill: bool
                     ) -> np.ndarray:
-    """Seconds each resource works per layer: array (resources, len(n), len(contexts))."""
-    out = np.zeros((len(RESOURCES), len(n), len(contexts)))
+    """Seconds each resource works per layer, and each shared pool is drawn on by every GPU's
+    tasks together: array (ROWS, len(n), len(contexts))."""
+    out = np.zeros((len(ROWS), len(n), len(contexts)))
+    gpus = cost.hardware.gpu.count
+    pooled = np.isfinite(cost.pool_capacity)
     for op in ops:
         paged = op.kind in PAGED
         if paged and not n_pages.any():
@@ -176,5 +189,16 @@ def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n:
             flops = np.broadcast_to(flops, nbytes.shape)
         t = cost.times(r, flops, nbytes, KIND_INDEX[op.kind])
         out[r] += count[:, None] * np.broadcast_to(t, (len(n), len(contexts)))
+        if pooled.any():
+            # every GPU runs this task (its shard, or its group's) at once; a collective is one
+            # task whose draw counts every GPU already; a pipeline's sends leave every stage
+            resource = RESOURCES[r]
+            each = gpus if resource in PER_GPU or (resource == "peer" and schedule.grouped) \
+                else 1
+            drawn = cost.pool_bytes(r, KIND_INDEX[op.kind], np.broadcast_to(
+                nbytes, (len(n), len(contexts))))                  # (pools, n, contexts)
+            for p in np.flatnonzero(pooled):
+                out[len(RESOURCES) + p] += (count[:, None] * each * drawn[p]
+                                            / cost.pool_capacity[p])
     return out
 

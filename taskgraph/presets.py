@@ -29,6 +29,13 @@ MODELS: dict[str, dict[str, Any]] = {
 # `tg fit ../shared/measurements/moe-lightning-table4.yaml --out fit/`.
 FITTED = ("tg fit on MoE-Lightning (ASPLOS 2025) Table 4, 12 cells, 2026-11-22: median "
           "|error| 7.6%, leave-one-out median 9.0% (max 48.3%, FlexGen(c) on the L4)")
+# The same for the paper's multi-GPU machines, fitted to its Fig. 7 S6 and S7 cells: Mixtral
+# 8x22B on 2xT4 and 4xT4 (one 32-core host), MoE-Lightning(p) and DeepSpeed
+# (shared/measurements/moe-lightning-multi-gpu.yaml). Refit with
+# `tg fit scenarios/measurements/moe-lightning-multi-gpu.yaml --out fit/`.
+FITTED_MULTI = ("tg fit on MoE-Lightning (ASPLOS 2025) Fig. 7 S6/S7, 16 cells, 2026-11-24: "
+                "median |error| 4.3%, leave-one-out median 5.3% (max 27.2%, DeepSpeed on 4xT4 "
+                "at 32 tokens)")
 
 _GPUS: dict[str, dict[str, Any]] = {
     # flops_eff of the T4 and L4 is fitted (FITTED): the fp16 rate their prefill sustains, MoE
@@ -62,22 +69,33 @@ _LINKS: dict[str, dict[str, Any]] = {
 _INTERCONNECTS: dict[str, dict[str, Any]] = {
     # T4s have no NVLink, and cloud VMs rarely allow PCIe peer-to-peer: NCCL's ring goes through
     # host memory, every hop crossing PCIe 3.0 twice (~12.6 GB/s achieved, halved).
-    "pcie3-host": dict(name="PCIe 3.0 through host memory", gbps=12.6, eff=0.5, latency_us=20),
+    "pcie3-host": dict(name="PCIe 3.0 through host memory", gbps=12.6, eff=0.5, latency_us=20,
+                       through_host=True),
     # A100 SXM NVLink 3: 300 GB/s each way; NCCL reaches ~230 GB/s bus bandwidth.
     "nvlink3": dict(name="NVLink 3", gbps=300, eff=0.77, latency_us=8),
 }
 
+# One core's memory traffic on the paper's Xeon hosts: FlexGen's profiler moved weights from
+# pageable memory at 5.43 GiB/s on both (shared/reference/flexgen-cost-model.yaml), a copy the
+# CUDA driver makes on one thread into its pinned buffer, reading and writing each byte:
+# 2 x 5.83 GB/s.
+_XEON_CORE_GBPS = 11.66
+
 _HOSTS: dict[str, dict[str, Any]] = {
     # The paper's 1xT4 / 1xL4 host: 24-core Xeon @2.2-2.3 GHz, 192 GB.
     "xeon-24c": dict(name="Xeon 24-core 2.3 GHz", cores=24, memory_gb=192, mem_gbps=140,
-                     tflops=1.6, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20),
+                     tflops=1.6, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20,
+                     core_gbps=_XEON_CORE_GBPS),
     # The same host class at 2.2 GHz (FlexGen's profiler found the two hosts within 16% of
     # each other), so the same figures scaled by clock.
     "xeon-24c-l4": dict(name="Xeon 24-core 2.2 GHz", cores=24, memory_gb=192, mem_gbps=140,
-                        tflops=1.53, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20),
-    # The paper's 2x/4xT4 host: 32 cores, 416 GB.
+                        tflops=1.53, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20,
+                        core_gbps=_XEON_CORE_GBPS),
+    # The paper's 2x/4xT4 host: 32 cores, 416 GB (the memory of a GCP n1-highmem-64: 64
+    # hyperthreads on two sockets, 136 GB/s of DDR4-2133 channels in all).
     "xeon-32c": dict(name="Xeon 32-core 2.3 GHz", cores=32, memory_gb=416, mem_gbps=140,
-                     tflops=2.4, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20),
+                     tflops=2.4, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=20,
+                     core_gbps=_XEON_CORE_GBPS),
     "epyc-64c": dict(name="EPYC 64-core", cores=64, memory_gb=1024, mem_gbps=300,
                      tflops=4.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=40),
     "xeon-112c": dict(name="2x Xeon 56-core", cores=112, memory_gb=2048, mem_gbps=600,
@@ -89,10 +107,11 @@ _HOSTS: dict[str, dict[str, Any]] = {
 
 
 def _machine(name: str, gpu: str, count: int, link: str, host: str,
-             interconnect: str | None = None, **extra: Any) -> dict[str, Any]:
+             interconnect: str | None = None, gpu_fitted: dict[str, Any] | None = None,
+             **extra: Any) -> dict[str, Any]:
     out = dict(
         name=name,
-        gpu=dict(name=gpu, count=count, **_GPUS[gpu]),
+        gpu=dict(name=gpu, count=count, **{**_GPUS[gpu], **(gpu_fitted or {})}),
         cpu=dict(_HOSTS[host]),
         link=dict(_LINKS[link]),
         **extra,
@@ -102,11 +121,24 @@ def _machine(name: str, gpu: str, count: int, link: str, host: str,
     return out
 
 
+_T4_SEVERAL = dict(flops_eff=0.0972)
+_XEON_32C_SHARED_GBPS = 58.70
+
 HARDWARE: dict[str, dict[str, Any]] = {
     "t4": _machine("1xT4", "T4", 1, "pcie3-paper", "xeon-24c",
                    fitted=f"gpu.flops_eff: {FITTED}"),
-    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c", "pcie3-host"),
-    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c", "pcie3-host"),
+    # The paper's multi-GPU host. Fitted (FITTED_MULTI): the T4s' prefill rate (9.7% of peak;
+    # the one-GPU fit, on other cells and another host, found 8.4%) and the host memory
+    # bandwidth that its GPUs' DMA, its processes' copies into pinned memory and CPU attention
+    # share (59 GB/s, 43% of what its DDR4-2133 channels carry: two sockets, and processes
+    # and pinned buffers with no regard to which socket their memory is on). Whether the T4s
+    # share PCIe lanes upstream is not published: not modelled (shared.pcie_gbps absent).
+    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c", "pcie3-host",
+                     gpu_fitted=_T4_SEVERAL, shared=dict(memory_gbps=_XEON_32C_SHARED_GBPS),
+                     fitted=f"gpu.flops_eff, shared.memory_gbps: {FITTED_MULTI}"),
+    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c", "pcie3-host",
+                     gpu_fitted=_T4_SEVERAL, shared=dict(memory_gbps=_XEON_32C_SHARED_GBPS),
+                     fitted=f"gpu.flops_eff, shared.memory_gbps: {FITTED_MULTI}"),
     "l4": _machine("1xL4", "L4", 1, "pcie4-l4-paper", "xeon-24c-l4",
                    fitted=f"gpu.flops_eff: {FITTED}"),
     "a100-80g": _machine("1xA100-80G", "A100-80G", 1, "pcie4", "epyc-64c"),
@@ -126,7 +158,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 # Implementation profiles: what one system's software achieves relative to the machine's own
 # kernels and copies (taskgraph.specs.ImplementationSpec). "ideal" prices every task at the
 # machine's rates. The figures marked fitted come from `tg fit` on the MoE-Lightning paper's
-# Table 4 (shared/measurements); the rest are public measurements, cited where they are used.
+# Table 4 and Fig. 7 (shared/measurements); the rest are public measurements, cited where they
+# are used.
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "ideal": dict(name="ideal", title="the machine's own rates, no software losses"),
     # What `tg validate` prices tg's own executor as: the calibrated machine's rates (its
@@ -134,17 +167,27 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # pageable memory by the schedules without pinned staging, as its runtime really copies them.
     "tg": dict(name="tg", title="tg's own executor (the calibrated machine's rates)",
                pageable_weights=True),
+    # Fitted (FITTED_MULTI): on several GPUs each of its processes (one per GPU, tensor
+    # parallel) does its host work, its heads' CPU attention and its copies into pinned memory,
+    # with about one thread (0.94): what torchrun gives a process unless told otherwise
+    # (OMP_NUM_THREADS=1). Its copies then run at one core's rate, and the 2xT4 machine's decode
+    # is bound by them; on one GPU its one process has every core.
     "moe-lightning": dict(
-        name="moe-lightning", title="MoE-Lightning (CGOPipe's system)",
+        name="moe-lightning", title="MoE-Lightning (CGOPipe's system)", rank_threads=0.9376,
+        fitted=f"rank_threads: {FITTED_MULTI}",
         sources=["MoE-Lightning, ASPLOS 2025: pinned staging of weights (Algorithm 1)"]),
-    # DeepSpeed ZeRO-Inference: transformers' eager Mixtral under ZeRO-3 parameter offload.
-    # Nothing here is fitted to DeepSpeed's measured throughputs. Its parameters are offloaded
-    # to pinned CPU memory (offload_param.pin_memory, as the ZeRO-Inference examples set it),
-    # so weights cross at the pinned rate; the eager kernels are PyTorch's GEMMs and SDPA at the
-    # machine's rates, and the eager MoE block reads the weights of every expert it routes to,
-    # which the cost model charges already.
+    # DeepSpeed ZeRO-Inference: transformers' eager Mixtral under ZeRO-3 parameter offload, data
+    # parallel on several GPUs. Its parameters are offloaded to pinned CPU memory
+    # (offload_param.pin_memory, as the ZeRO-Inference examples set it); the eager kernels are
+    # PyTorch's GEMMs and SDPA at the machine's rates, and the eager MoE block reads the weights
+    # of every expert it routes to, which the cost model charges already. Fitted
+    # (FITTED_MULTI): its layer-by-layer parameter gather moves weights at 20% of each GPU's
+    # link (2.5 GB/s on a T4): ZeRO-3 fetches module by module with Python hooks and gathers
+    # through host memory, the GPUs having no peer-to-peer.
     "deepspeed": dict(
         name="deepspeed", title="DeepSpeed ZeRO-Inference (transformers' eager Mixtral)",
+        kinds={"D3": dict(bytes_eff=0.2024)},
+        fitted=f"kinds.D3.bytes_eff: {FITTED_MULTI}",
         sources=["DeepSpeed ZeRO-3 offload_param with pin_memory (deepspeed.readthedocs.io, "
                  "zero3.html); transformers MixtralSparseMoeBlock: a loop over the experts hit"]),
     "flexgen": dict(
@@ -154,6 +197,9 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
                # 2.0151 GiB/s on both machines, against ~12.6 GB/s that pinned PCIe 3.0 copies
                # reach (shared/reference/flexgen-cost-model.yaml, gtoc_bdw_*).
                "KVOut": dict(bytes_eff=0.171), "D1": dict(bytes_eff=0.171),
+               # Its pipeline's stages pass hidden states through the CPU (its multi-GPU runs
+               # use a CPU communication device): the same copies, out and back in.
+               "Send": dict(bytes_eff=0.171),
                # Fitted (FITTED): its CPU attention (FlexGen(c)) moves KV at 1.7% of host
                # memory bandwidth, ~1.8 GB/s: it upcasts the fp16 cache to fp32 and computes
                # with repeated KV heads in PyTorch ops, not a fused kernel.

@@ -259,24 +259,35 @@ def stderr_console() -> Console:
     return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 110)
 
 
-def fit_table(report) -> tuple[Table, Table]:
-    """The cells (measured, simulated, leave-one-out, datasheet-only) and the fitted values."""
+def fit_table(report) -> tuple[Table, Table, Table]:
+    """The cells (measured, simulated, leave-one-out, datasheet-only), what binds each at the
+    fitted values, and the fitted values."""
     s = report.summary()
-    ranks = ", ".join(f"{k} {'right' if v['right'] else 'WRONG'}" for k, v in s["rankings"].items())
+    wrong = [k for k, v in s["rankings"].items() if not v["right"]]
+    ranks = (f"right in all {len(s['rankings'])} settings" if not wrong else
+             f"WRONG in {len(wrong)} of {len(s['rankings'])}: " + "; ".join(wrong))
     loo = (f", leave-one-out {s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})"
            if s["loo_median_abs_error"] is not None else ", no leave-one-out")
     cells = Table(title=f"tg fit {report.source}: median |error| {s['median_abs_error']:.1%} "
                         f"(max {s['max_abs_error']:.1%}){loo}",
-                  title_justify="left", caption=f"ranking within each setting: {ranks}",
-                  caption_justify="left")
+                  title_justify="left", caption=f"ranking of systems within each setting: "
+                                                f"{ranks}", caption_justify="left")
     for col in ("cell", "sched", "measured tok/s", "simulated", "error", "leave-one-out",
                 "error", "datasheet only", "error"):
         cells.add_column(col, justify="left" if col == "cell" else "right")
     for r in report.cells:
-        label = f"{r.cell.machine} {r.cell.workload.get('preset', '')} {r.cell.system}"
-        cells.add_row(label if r.cell.system else r.cell.id, r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
+        cells.add_row(_label(r), r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
                       f"{r.simulated:.2f}", f"{r.error:+.1%}", f"{r.loo:.2f}",
                       f"{r.loo_error:+.1%}", f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
+    pools = sorted({p for r in report.cells for p in r.shared})
+    binds = Table(title="what binds each cell at the fitted values (share of each phase the "
+                        "host's shared pools were in use)", title_justify="left")
+    for col in ("cell", "prefill", "decode", *(f"{p} (decode)" for p in pools), "memory"):
+        binds.add_column(col, justify="left" if col in ("cell", "memory") else "right")
+    for r in report.cells:
+        binds.add_row(_label(r), r.bound_by.get("prefill", ""), r.bound_by.get("decode", ""),
+                      *(f"{r.shared[p]['decode']:.0%}" if p in r.shared else "" for p in pools),
+                      "over: " + r.memory.split(":")[0] if r.memory else "fits")
     values = Table(title="fitted parameters", title_justify="left")
     for col in ("parameter", "value", "bounds", "mechanism"):
         values.add_column(col, justify="right" if col == "value" else "left")
@@ -284,7 +295,16 @@ def fit_table(report) -> tuple[Table, Table]:
     for p, v in zip(report.params, report.values):
         values.add_row(p.name, f"{v:.4g}" + (" AT BOUND" if p.name in bound else ""),
                        f"[{p.lo:g}, {p.hi:g}]", p.why)
-    return cells, values
+    return cells, binds, values
+
+
+def _label(r) -> str:
+    """A fit cell as a reader names it: machine, workload, generated tokens, system."""
+    w, c = r.cell.workload, r.cell
+    if not c.system:
+        return c.id
+    return " ".join(str(x) for x in (c.machine, w.get("preset", ""), w.get("gen_len", ""),
+                                     c.system) if x != "")
 
 
 def batch_table(scenario: Any, packing: Any) -> Table:

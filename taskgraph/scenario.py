@@ -111,26 +111,31 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
                 f"choose a schedule that allows policy.{key}={have:g} "
                 f"({', '.join(allowing) or 'none does yet'}).")
         changes[key] = value
-    cap = s.max_micro_batches * policy.mu
+    gpus = scenario.hardware.gpu.count
+    # a pipeline's stages, or data parallelism's GPUs, run one group of micro-batches each
+    groups = gpus if s.grouped else 1
+    cap = s.max_micro_batches * policy.mu * groups
     if cap and policy.N > cap:
         where, everywhere = scenario._pins.get("N", (None, False))
         if where is not None and (everywhere or schedule == scenario.schedule):
             raise TgError(f"{where} conflicts with schedule {s.name} ({s.title}), which runs "
-                          f"at most {s.max_micro_batches} micro-batch(es) of mu = {policy.mu}: "
-                          f"set policy.N = {cap} (or give it no N).")
+                          f"at most {s.max_micro_batches} micro-batch(es) of mu = {policy.mu}"
+                          + (f" on each of {gpus} GPUs" if groups > 1 else "")
+                          + f": set policy.N = {cap} (or give it no N).")
         changes["N"] = cap
-    gpus = scenario.hardware.gpu.count
-    groups = gpus * policy.mu          # a pipeline runs one group of micro-batches per GPU
-    if s.pipeline and gpus > 1 and policy.N % groups and policy.N > groups:
+    N, whole = changes.get("N", policy.N), groups * policy.mu
+    if groups > 1 and N % whole and N > whole:
         where, everywhere = scenario._pins.get("N", (None, False))
         if where is None or not (everywhere or schedule == scenario.schedule):
-            changes["N"] = policy.N // groups * groups
+            changes["N"] = N // whole * whole
     if not changes and scenario.schedule == schedule:
         return scenario, None
     placed = scenario.model_copy(update={
         "schedule": schedule, "policy": policy.model_copy(update=changes)})
-    means = dict(PLACEMENT_MEANS, N="how many sequences (one micro-batch)" if s.max_micro_batches
-                 else "how many sequences (whole micro-batches for each GPU's group)")
+    means = dict(PLACEMENT_MEANS, N=(
+        "how many sequences (one micro-batch" + (" per GPU)" if groups > 1 else ")")
+        if s.max_micro_batches else "how many sequences (whole micro-batches for each GPU's "
+                                    "group)"))
     note = (f"{schedule} decides " + ", ".join(f"{means[k]}: {k}={v:g}"
                                                 for k, v in changes.items())) if changes else None
     return placed, note

@@ -23,10 +23,13 @@ STREAM_RESOURCE: dict[str, str] = {
     "peer": "peer",
 }
 #: Kinds of resource. On a machine with several GPUs, every GPU has its own ``gpu``, ``h2d`` and
-#: ``d2h`` (its compute and its own PCIe link, see PER_GPU); the host's ``cpu`` and ``pin`` (its
-#: cores and memory copies) and the GPUs' ``peer`` interconnect (all-reduces) are shared.
+#: ``d2h`` (its compute and its own PCIe link), and its process its own ``cpu`` and ``pin`` (the
+#: host threads that run its share of the host's work: see PER_GPU); the GPUs' ``peer``
+#: interconnect (all-reduces) is one. What the processes' threads and the links share of the
+#: host (its cores, memory bandwidth, PCIe lanes) the cost model and the simulator's contention
+#: solver price.
 RESOURCES: tuple[str, ...] = ("gpu", "cpu", "h2d", "d2h", "pin", "peer")
-PER_GPU: frozenset[str] = frozenset({"gpu", "h2d", "d2h"})
+PER_GPU: frozenset[str] = frozenset({"gpu", "h2d", "d2h", "cpu", "pin"})
 
 
 @dataclass(frozen=True)
@@ -80,27 +83,39 @@ class Schedule:
     # The policy fields the schedule decides (where attention, the KV cache and the FFN live).
     # Choosing the schedule sets them; only an explicit, different value is an error.
     placement: dict[str, float] = field(default_factory=dict)
-    # At most this many micro-batches (0: any); choosing the schedule caps N at mu times it.
+    # At most this many micro-batches (0: any), per GPU where each GPU runs a group of the
+    # batch; choosing the schedule caps N at mu times it (times the GPUs).
     max_micro_batches: int = 0
+    # Streamed weights a GPU holds at once, in parameters (0: a double buffer of two layers'
+    # streamed weights).
+    live_params: int = 0
     # Where the routed experts run: "gpu" (their weights cross the link) or "cpu" (F_g = 0:
     # they stay in host memory and the CPU computes them).
     ffn: Literal["gpu", "cpu"] = "gpu"
-    # On several GPUs: False shards every layer across them (tensor parallelism); True gives each
-    # GPU a stage of consecutive layers and splits the batch into one group per stage, so the
-    # stages work on different groups at once (FlexGen's pipeline parallelism).
-    pipeline: bool = False
+    # How several GPUs share the work: "tensor" shards every layer across them (MoE-Lightning);
+    # "pipeline" gives each GPU a stage of consecutive layers and splits the batch into one
+    # group per stage, so the stages work on different groups at once (FlexGen); "data" gives
+    # each GPU a group of the batch and every layer whole, each GPU receiving every layer's
+    # weights (DeepSpeed ZeRO-Inference).
+    parallel: Literal["tensor", "pipeline", "data"] = "tensor"
 
     def __post_init__(self) -> None:
-        # A stage's buffers are its GPU's; the host's pinned staging ring and experts on the
-        # host would be shared by all stages, which the builder does not model.
-        if self.pipeline and (self.staging or self.ffn == "cpu"):
-            raise ValueError(f"schedule {self.name}: a pipeline schedule neither stages weights "
-                             "nor runs the FFN on the CPU")
+        # A group's buffers are its GPU's; pinned staging and experts on the host would be
+        # shared by all groups, which the builder does not model.
+        if self.grouped and (self.staging or self.ffn == "cpu"):
+            raise ValueError(f"schedule {self.name}: a {self.parallel}-parallel schedule "
+                             "neither stages weights nor runs the FFN on the CPU")
+
+    @property
+    def grouped(self) -> bool:
+        """On several GPUs, the batch splits into one group of micro-batches per GPU, and each
+        GPU keeps buffers of its own (pipeline and data parallelism)."""
+        return self.parallel != "tensor"
 
 
 #: What each placement field decides, for messages.
 PLACEMENT_MEANS = {"A_g": "where attention runs", "r_c": "where the KV cache lives",
-                   "F_g": "where the MoE FFN runs"}
+                   "F_g": "where the MoE FFN runs", "r_w": "which weights stay on the GPU"}
 _CPU_ATTENTION = {"A_g": 0, "r_c": 0.0, "F_g": 1}
 _GPU_ATTENTION = {"A_g": 1, "F_g": 1}
 
@@ -177,12 +192,20 @@ S4 = Schedule(
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
+# DeepSpeed's ZeRO-Inference on several GPUs is data parallel (ZeRO stage 3): each GPU runs a
+# batch of its own, and each layer's parameters, partitioned across the GPUs' shares of host
+# memory, are gathered whole on every GPU before use. Without peer-to-peer the gather passes
+# through host memory, so every GPU's own link carries the whole layer.
 DS = Schedule(
     name="DS", title="DeepSpeed ZeRO-Inference",
-    summary="S4's order with one micro-batch and the whole KV cache on the GPU: each layer's "
-            "weights cross whole, prefetched one layer ahead; the KV moves carry nothing",
+    summary="S4's order with one micro-batch per GPU and the whole KV cache on the GPU: each "
+            "layer's weights cross whole to every GPU, prefetched one layer ahead",
     attention="gpu", paged=False, staging=False, implementation="deepspeed",
-    placement={"A_g": 1, "r_c": 1.0, "F_g": 1}, max_micro_batches=1,
+    placement={"A_g": 1, "r_c": 1.0, "F_g": 1, "r_w": 0.0}, max_micro_batches=1,
+    parallel="data",
+    # ZeRO-3 gathers parameters module by module as the forward pass reaches them and frees
+    # them after, keeping at most stage3_max_live_parameters (10^9 by default) on the GPU.
+    live_params=10**9,
     prefill=S4.prefill,
     decode_prologue=S4.decode_prologue,
     decode=S4.decode,
@@ -221,7 +244,7 @@ PP = Schedule(
     summary="S4's order with the layers split into one stage per GPU and the batch into one group "
             "per stage; every group reloads the stage's weights, hidden states cross between "
             "stages over the interconnect",
-    attention="gpu", paged=False, staging=False, implementation="flexgen", pipeline=True,
+    attention="gpu", paged=False, staging=False, implementation="flexgen", parallel="pipeline",
     placement=_GPU_ATTENTION,
     prefill=S4.prefill,
     decode_prologue=S4.decode_prologue,

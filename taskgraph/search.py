@@ -27,8 +27,8 @@ from taskgraph.cost import CostModel, cost_model
 from taskgraph.errors import ScheduleError, TgError
 from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.memory import GB, memory_items
-from taskgraph.predict import predict_micro_batches
-from taskgraph.schedules import RESOURCES, SCHEDULES, Schedule
+from taskgraph.predict import ROWS, predict_micro_batches
+from taskgraph.schedules import SCHEDULES, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -37,7 +37,9 @@ R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_MICRO_BATCHES = 64
 _RESOURCE_NAMES = {"gpu": "GPU", "cpu": "CPU", "h2d": "link (CPU->GPU)",
                    "d2h": "link (GPU->CPU)", "pin": "CPU (pinned staging copy)",
-                   "peer": "GPU interconnect"}
+                   "peer": "GPU interconnect", "host_memory": "host memory bandwidth",
+                   "pcie_h2d": "shared PCIe lanes (CPU->GPU)",
+                   "pcie_d2h": "shared PCIe lanes (GPU->CPU)"}
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,11 @@ class GridJob:
         for name, mu, r_w, r_c in self.combos:
             schedule = SCHEDULES[name]
             cost = costs.get(name) or costs.setdefault(name, cost_model(self.scenario, name))
+            # one group of micro-batches per GPU in pipeline or data parallel
+            groups = self.scenario.hardware.gpu.count if schedule.grouped else 1
             n = np.arange(_min_micro(self.scenario, schedule),
-                          (schedule.max_micro_batches or self.max_micro_batches) + 1)
-            if schedule.pipeline:       # one group of micro-batches per GPU
-                n = n[n % self.scenario.hardware.gpu.count == 0]
+                          (schedule.max_micro_batches * groups or self.max_micro_batches) + 1)
+            n = n[n % groups == 0]
             considered += len(n)
             fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)
             if not fits.any():
@@ -118,7 +121,7 @@ class GridJob:
                     policy=_policy(int(n[i]) * mu, mu, schedule, r_w, r_c),
                     predicted_tok_s=float(pred.throughput_tok_s[i]),
                     predicted_layer_ms=float(pred.decode_layer_ms[i]),
-                    resource=_RESOURCE_NAMES[RESOURCES[pred.binding[i]]]))
+                    resource=_RESOURCE_NAMES[ROWS[pred.binding[i]]]))
         return found, considered
 
 
@@ -276,7 +279,7 @@ def _schedules_for(scenario: Scenario, attention: str, ffn: str = "gpu"
     if ffn == "cpu" and gpus > 1:
         return ()
     own = SCHEDULES[scenario.schedule]
-    if own.attention == attention and own.ffn == ffn and not own.pipeline:
+    if own.attention == attention and own.ffn == ffn and own.parallel == "tensor":
         found = [own]
     else:
         found = [s for s in (_BY_PLACEMENT.get((attention, ffn)),) if s is not None]

@@ -9,10 +9,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from taskgraph.builder import Plan, make_plan
 from taskgraph.compiled import Program, compile_plan
-from taskgraph.errors import TgError
-from taskgraph.cost import cost_model
+from taskgraph.errors import MemoryFitError, TgError
+from taskgraph.cost import POOL_NAMES, POOLS, cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
@@ -30,23 +32,36 @@ class Simulation:
     summary: dict[str, Any]
 
     def trace_run(self, label: str = "simulated") -> TraceRun:
-        return TraceRun(label, self.program, self.run.start, self.run.end)
+        cost = cost_model(self.plan.scenario, self.plan.schedule.name)
+        drawn = self.program.pool_bytes(cost) if cost.pools_shared else ()
+        pools = {POOL_NAMES[p]: drawn[i] for i, p in enumerate(POOLS)
+                 if len(drawn) and np.isfinite(cost.pool_capacity[i])}
+        return TraceRun(label, self.program, self.run.start, self.run.end, pools=pools)
 
 
 def simulate_scenario(scenario: Scenario, schedule: str | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> Simulation:
+                      progress: Callable[[int, int], None] | None = None,
+                      over_memory: bool = False) -> Simulation:
     """Simulate a scenario with its own schedule or `schedule`. `progress(done, total)` is
-    called once per segment (prefill, then each decode step)."""
+    called once per segment (prefill, then each decode step). A policy that needs more memory
+    than the machine has is refused, unless `over_memory` (a run that did happen: the memory
+    model is what is wrong), when the result's warnings say so."""
     t0 = time.perf_counter()
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
-    warnings = check_fits(memory, plan.schedule.name)
+    try:
+        warnings = check_fits(memory, plan.schedule.name)
+    except MemoryFitError as err:
+        if not over_memory:
+            raise
+        warnings = [str(err)]
     program = compile_plan(plan)
     check_size(program.total)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
-    run = simulate_with_interference(program, cost_model(scenario, plan.schedule.name), tick)
-    summary = summarize(run, memory)
+    cost = cost_model(scenario, plan.schedule.name)
+    run = simulate_with_interference(program, cost, tick)
+    summary = summarize(run, memory, cost)
     summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, program, memory, run, summary)

@@ -158,7 +158,13 @@ class CPUSpec(BaseModel):
     tflops: float = Positive
     flops_eff: float = Efficiency
     mem_eff: float = Efficiency
+    # What the host's copies into pinned memory reach, one process with all its threads.
     memcpy_gbps: float = Positive
+    # Memory bandwidth one core drives on its own (GB/s, bytes read plus written). A process
+    # with few threads gets no more than its threads' worth: its host tasks' memory traffic at
+    # threads x this, its copies at half that (a copy reads and writes every byte). None: no
+    # per-core limit (a process reaches the host's rates whatever its threads).
+    core_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     task_overhead_us: float = Field(default=20.0, ge=0.0)
 
 
@@ -189,6 +195,27 @@ class InterconnectSpec(BaseModel):
     gbps: float = Positive
     eff: float = Efficiency
     latency_us: float = Field(default=10.0, ge=0.0)
+    # No peer-to-peer between the GPUs: what they send each other is written to host memory and
+    # read back, drawing on what the host shares (hardware.shared) on its way.
+    through_host: bool = False
+
+
+class SharedSpec(BaseModel):
+    """What the GPUs of one host share beyond its cores. A figure left out is not shared: each
+    GPU's link, and each process's host work, runs at its own rate whatever the others do.
+
+    Shared bandwidth is divided among the tasks drawing on it in proportion to what each would
+    draw alone (:mod:`taskgraph.sim.contention`)."""
+
+    model_config = _STRICT
+
+    # The bandwidth the GPUs' links reach together, per direction: the CPU's PCIe lanes or the
+    # switch the GPUs sit behind (achieved GB/s).
+    pcie_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Host memory bandwidth (achieved GB/s, bytes read plus written, as STREAM counts them) that
+    # every link's DMA, every copy into pinned memory (which reads and writes each byte) and the
+    # host's own tasks (CPU attention, CPU experts) draw on together.
+    memory_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class InterferenceSpec(BaseModel):
@@ -251,6 +278,12 @@ class ImplementationSpec(BaseModel):
     # Weights cross CPU->GPU from pageable memory (the driver stages them) at
     # hardware.link.pageable_h2d_gbps instead of the pinned rate.
     pageable_weights: bool = False
+    # On several GPUs the system runs one process per GPU, and each runs its host work (its
+    # shard's CPU attention, its copies into pinned memory) with this many threads: torchrun
+    # sets OMP_NUM_THREADS=1 for every process it starts unless told otherwise. None: the
+    # host's cores shared evenly among the processes. A process never gets more than its
+    # share of the cores, however many threads it starts.
+    rank_threads: float | None = Field(default=None, gt=0, le=1e4, allow_inf_nan=False)
     sources: list[str] = Field(default_factory=list)
     # Where the figures come from: `tg fit` writes the data, date and error here.
     fitted: str | None = None
@@ -276,6 +309,8 @@ class HardwareSpec(BaseModel):
     # Between the GPUs of a multi-GPU machine (None: the GPUs' collectives cross their PCIe
     # links, at the link's GPU->CPU rate).
     interconnect: InterconnectSpec | None = None
+    # What the GPUs' links and the host's tasks share (nothing, unless given).
+    shared: SharedSpec = Field(default_factory=SharedSpec)
     # Where and when `tg calibrate` measured this profile (None: datasheet figures).
     calibrated: str | None = None
     # Which figures `tg fit` fitted to published end-to-end measurements, on what data, when,

@@ -13,6 +13,7 @@ time for a hardware profile, and the executor measures it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Union
 
 import numpy as np
@@ -67,7 +68,8 @@ _EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn"
                            "Send", "OProj", "AllReduceAttn", "MoE"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
-#: Kinds that run whole on the host (its cores, its memory copies) whatever the number of GPUs.
+#: Kinds that run on the host (its cores, its memory copies): on several GPUs, each GPU's
+#: process runs its own part.
 HOST_KINDS = frozenset({"CPUAttn", "CPUFFN", "W_CtoPin"})
 #: Under tensor parallelism, a kind whose output is a sum of per-GPU partial sums, and the
 #: collective that completes it (Megatron-style: column-parallel QKV and expert up/gate
@@ -85,10 +87,12 @@ TP_ONLY = frozenset({"OProj", "MoE"})
 #: there: a stage's last layer's hidden state; the sampled tokens back to the first stage.
 SEND_AFTER: dict[str, str] = {"PostAttn": "Send", "Prefill": "Send", "LMHead": "SendTokens"}
 SENDS = frozenset(SEND_AFTER.values())
-#: Kinds that run on a GPU or cross its own link: split across GPUs under tensor parallelism,
-#: one shard per GPU (each GPU moves its shard over its own link); placed on the GPU of their
-#: layer's stage under pipeline parallelism.
-SHARDED = frozenset(KINDS) - HOST_KINDS - COLLECTIVES - SENDS
+#: Kinds that run on a GPU, cross its own link, or run on the host for it: split across GPUs
+#: under tensor parallelism, one shard per GPU (each GPU moves its shard over its own link, its
+#: process computes its heads' CPU attention and copies its part of each page into pinned
+#: memory); placed on the GPU of their layer's stage (pipeline) or of their group (data
+#: parallelism).
+SHARDED = frozenset(KINDS) - COLLECTIVES - SENDS
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,14 @@ class WeightLayout:
     def pages_for(self, section: str) -> range:
         """Pages that hold any byte of a section ('qkv', 'o', 'route', 'moe', 'post' or
         'all')."""
+        return self._pages[section]
+
+    @cached_property
+    def _pages(self) -> dict[str, range]:
+        return {section: self._pages_of(section)
+                for section in ("qkv", "post", "route", "o", "moe", "all")}
+
+    def _pages_of(self, section: str) -> range:
         if not self.n_pages:
             return range(0)
         m = self.model

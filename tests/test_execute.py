@@ -27,8 +27,8 @@ POLICIES = [
     ("S3", 10, 2, 0.6, 0.0),
     ("S4", 6, 2, 0.0, 0.5),      # GPU attention, half the KV resident
     ("S4", 3, 3, 0.25, 0.0),
-    ("DS", 4, 4, 0.0, 1.0),      # one micro-batch, the whole KV cache on the GPU
-    ("DS", 3, 3, 0.4, 1.0),
+    ("DS", 4, 4, 0.0, 1.0),      # one micro-batch, the whole KV cache on the GPU, every
+    ("DS", 3, 3, 0.0, 1.0),      # weight streamed (ZeRO-Inference offloads them all)
     ("S5", 6, 2, 0.0, 0.0),      # the experts on the CPU
     ("S5", 4, 2, 0.5, 0.5),
 ]

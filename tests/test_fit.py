@@ -37,11 +37,12 @@ def _cell(**changes):
     ({"measured_tok_s": -3}, "cell 'c': measured_tok_s"),
     ({"machine": "z80"}, "cell 'c': machine: 'z80' is not a preset"),
     ({"schedule": "S9"}, "cell 'c': schedule: 'S9' is not a schedule tg knows"),
-    ({"policy": {"r_w": 0.0}}, "cell 'c': policy.mu: required but missing"),
+    ({"policy": {"r_w": 0.0}}, "cell 'c': policy: mu: required but missing"),
+    ({"policy": {"batch": 4, "mu": 4}}, "cell 'c': policy: give batch"),
     ({"machine": None}, "cell 'c': machine: required but missing"),
     ({"policy": {"mu": 8, "n_ub": 4, "N": 30}}, "N = 30 is not mu x n_ub"),
-    # a cell that cannot be simulated: the policy needs more GPU memory than a T4 has
-    ({"policy": {"mu": 8, "n_ub": 4, "r_w": 0.9}}, "cell 'c' is not a scenario tg can run"),
+    # a cell that cannot be simulated: CGOPipe needs two micro-batches
+    ({"policy": {"mu": 8, "n_ub": 1}}, "cell 'c' is not a scenario tg can run"),
 ])
 def test_bad_measurements_name_the_cell_and_the_field(tmp_path, capsys, change, message):
     path = tmp_path / "m.yaml"
@@ -52,6 +53,25 @@ def test_bad_measurements_name_the_cell_and_the_field(tmp_path, capsys, change, 
     assert not (tmp_path / "out").exists()
     path.write_text("cells: []\n")
     assert main(["fit", str(path), "--out", str(tmp_path / "out")]) == 2
+
+
+def test_a_cell_over_its_machines_memory_is_fitted_and_reported(tmp_path, capsys):
+    """The run happened, so tg's memory model is what is wrong: the cell is simulated all the
+    same, and the report says which memory, by how much, and what is largest."""
+    path = tmp_path / "m.yaml"
+    over = _cell(id="over", policy={"mu": 8, "n_ub": 4, "r_w": 0.9})
+    path.write_text(yaml.safe_dump({"cells": [over, _cell(id="fits")]}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cells = {c["id"]: c for c in report["cells"]}
+    assert cells["fits"]["memory"] is None
+    note = cells["over"]["memory"]
+    assert "GPU memory" in note and "resident weights (r_w)" in note
+    assert cells["over"]["simulated_tok_s"] > 0
+    # one cell cannot be left out of a fit of one
+    path.write_text(yaml.safe_dump({"cells": [over]}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "one")]) == 2
+    assert "Leave-one-out" in capsys.readouterr().err
 
 
 def test_the_fit_recovers_known_parameters(tmp_path):

@@ -44,8 +44,8 @@ def scenarios(draw):
     # pipeline stages of at least one layer, and one group of micro-batches per stage.
     gpus = 1 if schedule == "S5" else draw(st.sampled_from(
         [g for g in (1, 1, 2, 4) if schedule != "PP" or g <= L]))
-    if schedule == "DS":
-        n_micro = 1
+    if schedule == "DS":               # one micro-batch per GPU
+        n_micro = gpus
     elif schedule == "PP":
         n_micro = gpus * draw(st.integers(-(-min_micro // gpus), max(1, 5 // gpus)))
     else:
@@ -53,7 +53,8 @@ def scenarios(draw):
     mu = draw(st.integers(1, 6))
     gpu_attention = schedule in ("S4", "DS", "S5", "PP")
     policy = {"N": n_micro * mu, "mu": mu, "A_g": int(gpu_attention), "F_g": int(schedule != "S5"),
-              "r_w": draw(st.sampled_from([0.0, 0.0, 0.3, 0.9, 1.0])),
+              # ZeRO-Inference streams every weight
+              "r_w": 0.0 if schedule == "DS" else draw(st.sampled_from([0.0, 0.0, 0.3, 0.9, 1.0])),
               "r_c": 1.0 if schedule == "DS" else
               draw(st.sampled_from([0.0, 0.5])) if gpu_attention else 0.0}
     prompt = draw(st.integers(1, 64))

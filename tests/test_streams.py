@@ -33,9 +33,9 @@ class CountingDevice(HostDevice):
 
 
 def _setup(schedule, device="cpu"):
-    one = schedule == "DS"              # one micro-batch, the KV cache on the GPU
-    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 6 if one else 2, "r_w": 0.25,
-                                         "r_c": 1.0 if one else 0.0},
+    one = schedule == "DS"              # one micro-batch, the KV cache on the GPU, every
+    sc = tiny(schedule=schedule, policy={"N": 6, "mu": 6 if one else 2,      # weight streamed
+                                         "r_w": 0.0 if one else 0.25, "r_c": 1.0 if one else 0.0},
               workload={"prompt_len": 6, "gen_len": 2})
     plan = make_plan(sc, schedule)
     w = synthetic_weights(sc.model, seed=4)

@@ -2,10 +2,12 @@
 measurements by simulation.
 
 The parameters are few, physically bounded and shared where the mechanism is shared: a GPU's
-dense GEMM rate belongs to the machine (every system's prefill runs on it), a system's kernel
-losses belong to its implementation profile (FlexGen's kernels are the same software on the T4
-and the L4). Everything else comes from datasheets or from public measurements cited where they
-are used (taskgraph.presets).
+dense GEMM rate belongs to the GPU (every system's prefill runs on it; the 2xT4 and 4xT4 machines
+share one T4 figure), the memory bandwidth a host's GPUs and processes share belongs to the host
+(the paper's 2xT4 and 4xT4 machines are one 32-core host), a system's kernel losses and habits
+belong to its implementation profile (FlexGen's kernels are the same software on the T4 and the
+L4; how many threads MoE-Lightning's processes run with is its own). Everything else comes from
+datasheets or from public measurements cited where they are used (taskgraph.presets).
 
 Least squares on log(predicted / measured). The HRM predictor (:mod:`taskgraph.predict`), fast
 enough to call thousands of times, drives the inner loop; each outer round simulates every cell
@@ -37,77 +39,121 @@ from taskgraph.calibration.measurements import Cell
 
 @dataclass(frozen=True)
 class Param:
-    """One free parameter: where it lives (a machine or implementation preset and the field
-    path in it), its physical bounds, its datasheet-era value (the model before any fit) and
-    the mechanism it stands for."""
+    """One free parameter: where it lives (the machine or implementation presets it is set in,
+    several when they share the part, and the field path in them), its physical bounds, its
+    datasheet-era value (the model before any fit; None: the field left out) and the mechanism
+    it stands for."""
 
     section: str                  # "hardware" or "implementation"
-    target: str                   # the preset's name
+    targets: tuple[str, ...]      # the presets' names
     path: tuple[str, ...]
     lo: float
     hi: float
     start: float
-    datasheet: float
+    datasheet: float | None
     why: str
 
     @property
     def name(self) -> str:
-        return f"{self.target} {'.'.join(self.path)}"
+        return f"{'+'.join(self.targets)} {'.'.join(self.path)}"
 
 
-# The mechanisms a fit may tune. Bounds are physical: an efficiency lies in (0, 1]; a skinny
-# product's half-bandwidth intensity is a few to a few tens of tokens per expert.
-# (path, lower bound, upper bound, start, datasheet-era value, mechanism)
-MACHINE_PARAMS = [
-    (("gpu", "flops_eff"), 0.03, 0.9, 0.3, 0.6,
-     "dense fp16 GEMM rate this GPU sustains (prefill), as a share of the datasheet peak; a T4 "
-     "at its 70 W cap reaches well under half"),
-]
-_Spec = tuple[tuple[str, ...], float, float, float, float, str]
+@dataclass(frozen=True)
+class _Spec:
+    """A mechanism a fit may tune. Bounds are physical: an efficiency lies in (0, 1]; a host's
+    memory bandwidth lies below what its memory channels carry."""
+
+    path: tuple[str, ...]
+    lo: float
+    hi: float
+    start: float
+    datasheet: float | None
+    why: str
+    # Only where several GPUs run at once (the mechanism does nothing on one).
+    several_gpus: bool = False
+
+
+# Shared by the machines with the same GPU (gpu) or the same host (host).
+MACHINE_PARAMS = {
+    "gpu": [_Spec(("gpu", "flops_eff"), 0.03, 0.9, 0.3, 0.6,
+                  "dense fp16 GEMM rate this GPU sustains (prefill), as a share of the datasheet "
+                  "peak; a T4 at its 70 W cap reaches well under half")],
+    "host": [_Spec(("shared", "memory_gbps"), 15.0, 140.0, 60.0, None,
+                   "host memory bandwidth the GPUs' DMA, the processes' copies into pinned "
+                   "memory and CPU attention share (GB/s, read plus written)",
+                   several_gpus=True)],
+}
 IMPLEMENTATION_PARAMS: dict[str, list[_Spec]] = {
     "flexgen": [
-        (("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3, 1.0,
-         "its CPU attention's share of host memory bandwidth (it computes in fp32 over fp16 KV)"),
+        _Spec(("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3, 1.0,
+              "its CPU attention's share of host memory bandwidth (it computes in fp32 over "
+              "fp16 KV)"),
+    ],
+    "moe-lightning": [
+        _Spec(("rank_threads",), 0.5, 16.0, 4.0, None,
+              "threads each of its processes (one per GPU) runs its host work with: its share "
+              "of the host's copy and CPU-attention rates", several_gpus=True),
+    ],
+    "deepspeed": [
+        _Spec(("kinds", "D3", "bytes_eff"), 0.02, 1.0, 0.3, 1.0,
+              "its layer-by-layer parameter gather's share of each GPU's link (ZeRO-3: fetched "
+              "module by module, gathered through host memory)"),
     ],
 }
 
 
 def free_parameters(cells: list[Cell]) -> list[Param]:
-    machines = sorted({c.machine for c in cells})
-    impls = sorted({c.implementation_name for c in cells})
-    out = [Param("hardware", m, *spec) for m in machines for spec in MACHINE_PARAMS]
-    out += [Param("implementation", i, *spec)
-            for i in impls for spec in IMPLEMENTATION_PARAMS.get(i, [])]
+    """The parameters `cells` can inform: each machine part (a GPU type, a host) once for the
+    machines that share it, each system's once; a mechanism of several GPUs only where some
+    cell runs on several."""
+    def part(machine: str, scope: str) -> str:
+        hw = presets.HARDWARE[machine]
+        return hw["gpu"]["name"] if scope == "gpu" else hw["cpu"]["name"]
+
+    out = []
+    for scope, specs in MACHINE_PARAMS.items():
+        for spec in specs:
+            groups: dict[str, list[str]] = {}
+            for c in cells:
+                if c.gpus > 1 or not spec.several_gpus:
+                    groups.setdefault(part(c.machine, scope), []).append(c.machine)
+            out += [Param("hardware", tuple(sorted(set(ms))), spec.path, spec.lo, spec.hi,
+                          spec.start, spec.datasheet, spec.why)
+                    for _, ms in sorted(groups.items())]
+    for impl in sorted({c.implementation_name for c in cells}):
+        mine = [c for c in cells if c.implementation_name == impl]
+        out += [Param("implementation", (impl,), spec.path, spec.lo, spec.hi, spec.start,
+                      spec.datasheet, spec.why)
+                for spec in IMPLEMENTATION_PARAMS.get(impl, [])
+                if not spec.several_gpus or any(c.gpus > 1 for c in mine)]
     return out
 
 
 def datasheet_profiles(params: list[Param]):
-    """The model before fitting: datasheet-era machine figures and every system priced at the
-    machine's own rates (the "ideal" implementation)."""
-    machines, impls = profiles(params, np.array([p.datasheet for p in params]))
+    """The model before fitting: datasheet-era machine figures (nothing of a host shared) and
+    every system priced at the machine's own rates (the "ideal" implementation)."""
+    machines, impls = profiles(params, [p.datasheet for p in params])
     ideal = presets.IMPLEMENTATIONS["ideal"]
     return machines, {name: ideal for name in impls}
 
 
-def profiles(params: list[Param], values: np.ndarray
+def profiles(params: list[Param], values
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """Machine and implementation profiles (plain mappings) with the parameters set."""
+    """Machine and implementation profiles (plain mappings) with the parameters set (a value of
+    None leaves the field out)."""
     machines = {k: copy.deepcopy(v) for k, v in presets.HARDWARE.items()}
     impls = {k: copy.deepcopy(v) for k, v in presets.IMPLEMENTATIONS.items()}
     for p, v in zip(params, values):
-        node = (machines if p.section == "hardware" else impls)[p.target]
-        for key in p.path[:-1]:
-            node = node.setdefault(key, {})
-        node[p.path[-1]] = float(v)
+        for target in p.targets:
+            node = (machines if p.section == "hardware" else impls)[target]
+            for key in p.path[:-1]:
+                node = node.setdefault(key, {})
+            node[p.path[-1]] = None if v is None else float(v)
     return machines, impls
 
 
 def _scenario(cell: Cell, machines, impls):
-    from taskgraph.scenario import scenario_from_dict
-
-    return scenario_from_dict(cell.scenario_doc(machines[cell.machine],
-                                                impls[cell.implementation_name]),
-                              source=f"cell '{cell.id}'")
+    return cell.scenario(machines[cell.machine], impls[cell.implementation_name])
 
 
 def predicted_tok_s(cell: Cell, machines, impls) -> float:
@@ -118,10 +164,19 @@ def predicted_tok_s(cell: Cell, machines, impls) -> float:
                          SCHEDULES[cell.schedule]).throughput_tok_s[0])
 
 
-def simulated_tok_s(cell: Cell, machines, impls) -> float:
+def simulate_cell(cell: Cell, machines, impls) -> dict[str, Any]:
+    """The cell simulated on the given profiles: its throughput, what binds each phase and
+    what share of each the host's shared pools were in use. A policy over the machine's memory
+    under tg's model is simulated all the same: it ran."""
     from taskgraph.simulation import simulate_scenario
 
-    return float(simulate_scenario(_scenario(cell, machines, impls)).summary["throughput_tok_s"])
+    s = simulate_scenario(_scenario(cell, machines, impls), over_memory=True).summary
+    return {k: s[k] for k in ("throughput_tok_s", "prefill_s", "decode_s", "bound_by",
+                              "shared")}
+
+
+def simulated_tok_s(cell: Cell, machines, impls) -> float:
+    return float(simulate_cell(cell, machines, impls)["throughput_tok_s"])
 
 
 @dataclass(frozen=True)
@@ -130,13 +185,18 @@ class _Simulate:
     machines: dict[str, Any]
     impls: dict[str, Any]
 
-    def run(self) -> float:
-        return simulated_tok_s(self.cell, self.machines, self.impls)
+    def run(self) -> dict[str, Any]:
+        return simulate_cell(self.cell, self.machines, self.impls)
 
 
-def simulate_cells(cells: list[Cell], machines, impls, backend: Backend = LOCAL) -> np.ndarray:
-    """Every cell simulated on the given profiles, in cell order."""
-    return np.array(run_jobs([_Simulate(c, machines, impls) for c in cells], backend))
+def simulate_cells(cells: list[Cell], machines, impls, backend: Backend = LOCAL
+                   ) -> list[dict[str, Any]]:
+    """Every cell simulated on the given profiles, in cell order (:func:`simulate_cell`)."""
+    return run_jobs([_Simulate(c, machines, impls) for c in cells], backend)
+
+
+def _throughputs(sims: list[dict[str, Any]]) -> np.ndarray:
+    return np.array([s["throughput_tok_s"] for s in sims])
 
 
 @dataclass
@@ -167,8 +227,11 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
 
     def solve(x: np.ndarray):
         best = None
-        # Two deterministic starts: the last values and the middle of the bounds.
-        for x0 in (x, (lo + hi) / 2):
+        # Deterministic starts: the last values, and every parameter at the same place in its
+        # (log) bounds: low, middle, high. A rate that binds only in part of its range (a
+        # process's copy limited by its threads, or not) is flat elsewhere, so one start
+        # cannot find the other regime.
+        for x0 in (x, *(lo + f * (hi - lo) for f in (0.5, 0.15, 0.85))):
             res = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi),
                                 method="trf", diff_step=1e-4, xtol=1e-8, ftol=1e-10,
                                 max_nfev=400 * len(params))
@@ -187,7 +250,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
             break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
-        corrections = simulate_cells(cells, machines, impls, backend) / pred
+        corrections = _throughputs(simulate_cells(cells, machines, impls, backend)) / pred
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
     return FitResult(np.exp(x), converged, message, corrections)
@@ -199,6 +262,12 @@ class CellReport:
     simulated: float = math.nan
     loo: float = math.nan           # simulated after a refit without this cell
     datasheet: float = math.nan     # simulated on the presets before any fitting
+    # At the fitted values: what binds prefill and decode, and what share of each phase the
+    # host's shared pools were in use.
+    bound_by: dict[str, str] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+    # Memory over the machine's under tg's memory model, if it is (the run happened).
+    memory: str | None = None
 
     @property
     def error(self) -> float:
@@ -247,7 +316,9 @@ class FitReport:
                        "simulated_tok_s": round(r.simulated, 4), "error": round(r.error, 4),
                        "loo_tok_s": _finite(r.loo), "loo_error": _finite(r.loo_error),
                        "datasheet_tok_s": round(r.datasheet, 4),
-                       "datasheet_error": round(r.datasheet_error, 4)} for r in self.cells],
+                       "datasheet_error": round(r.datasheet_error, 4),
+                       "bound_by": r.bound_by, "shared": r.shared, "memory": r.memory}
+                      for r in self.cells],
             "summary": self.summary(),
         }
 
@@ -261,7 +332,9 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
     one?"""
     groups: dict[str, list[CellReport]] = {}
     for r in cells:
-        key = f"{r.cell.machine} {r.cell.workload.get('preset', '')}".strip()
+        w = r.cell.workload
+        key = " ".join([r.cell.machine, str(w.get("preset", "")),
+                        *(f"{k} {v}" for k, v in sorted(w.items()) if k != "preset")])
         groups.setdefault(key, []).append(r)
     out = {}
     for key, rs in groups.items():
@@ -276,20 +349,24 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     """Fit on every cell, report each cell's simulation, its leave-one-out prediction and what
     the unfitted presets simulated. `progress(done, total)`: the datasheet simulations, the
     fit, then each leave-one-out refit as it finishes."""
+    if loo and len(cells) < 2:
+        raise TgError("Leave-one-out refits without each cell in turn: it needs at least two "
+                      "cells (or give --no-loo).")
     total = 2 + (len(cells) if loo else 0)
     tick = progress or (lambda done, total: None)
     params = free_parameters(cells)
-    reports = [CellReport(c) for c in cells]
+    reports = [CellReport(c, memory=c.memory_note()) for c in cells]
     machines, impls = datasheet_profiles(params)
-    for r, tok_s in zip(reports, simulate_cells(cells, machines, impls, backend)):
-        r.datasheet = float(tok_s)
+    for r, sim in zip(reports, simulate_cells(cells, machines, impls, backend)):
+        r.datasheet = float(sim["throughput_tok_s"])
     tick(1, total)
     result = fit(cells, params, backend=backend)
     if not result.converged:
         raise TgError(f"The fit did not converge ({result.message}); nothing was written.")
     machines, impls = profiles(params, result.values)
-    for r, tok_s in zip(reports, simulate_cells(cells, machines, impls, backend)):
-        r.simulated = float(tok_s)
+    for r, sim in zip(reports, simulate_cells(cells, machines, impls, backend)):
+        r.simulated = float(sim["throughput_tok_s"])
+        r.bound_by, r.shared = sim["bound_by"], sim["shared"]
     tick(2, total)
     report = FitReport(source, params, result.values, reports)
     if loo:
@@ -316,10 +393,12 @@ class _LeaveOneOut:
     def run(self) -> tuple[np.ndarray, float]:
         rest = list(self.cells[:self.i] + self.cells[self.i + 1:])
         rest_params = free_parameters(rest)
-        sub = fit(rest, rest_params, rounds=0,
-                  corrections=np.delete(np.array(self.corrections), self.i))
+        found = {}
+        if rest_params:
+            sub = fit(rest, rest_params, rounds=0,
+                      corrections=np.delete(np.array(self.corrections), self.i))
+            found = dict(zip((p.name for p in rest_params), sub.values))
         # a parameter the other cells do not touch keeps the full fit's value
-        found = dict(zip((p.name for p in rest_params), sub.values))
         values = np.array([found.get(p.name, v) for p, v in zip(self.params, self.values)])
         machines, impls = profiles(list(self.params), values)
         return values, simulated_tok_s(self.cells[self.i], machines, impls)
@@ -342,19 +421,25 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
                   f"|error| {s['median_abs_error']:.1%}{loo}")
     machines, impls = profiles(report.params, report.values)
     texts: dict[str, str] = {}
-    for name in sorted({p.target for p in report.params if p.section == "hardware"}):
-        fitted = ", ".join(".".join(p.path) for p in report.params if p.target == name)
+    for name in sorted({t for p in report.params if p.section == "hardware" for t in p.targets}):
+        fitted = ", ".join(".".join(p.path) for p in report.params if name in p.targets)
         texts[f"hardware-{name}.yaml"] = yaml.safe_dump(
             {**machines[name], "fitted": f"{fitted}: {provenance}"}, sort_keys=False)
-    for name in sorted({p.target for p in report.params if p.section == "implementation"}):
+    for name in sorted({t for p in report.params if p.section == "implementation"
+                        for t in p.targets}):
         texts[f"implementation-{name}.yaml"] = yaml.safe_dump(
             {**impls[name], "fitted": provenance}, sort_keys=False)
     data = report.to_json()
     texts["report.json"] = json.dumps(data, indent=2) + "\n"
     table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=list(data["cells"][0]))
+    rows = [{**{k: v for k, v in c.items() if not isinstance(v, dict)},
+             "bound_prefill": c["bound_by"].get("prefill"),
+             "bound_decode": c["bound_by"].get("decode"),
+             **{f"{pool}_decode_share": x["decode"] for pool, x in c["shared"].items()}}
+            for c in data["cells"]]
+    writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
     writer.writeheader()
-    writer.writerows(data["cells"])
+    writer.writerows(rows)
     texts["cells.csv"] = table.getvalue()
     out = Path(out)
     written = []
@@ -377,14 +462,16 @@ def parity_plot(report: FitReport, path: Path) -> Path:
     x = np.geomspace(meas.min() * 0.5, meas.max() * 5, 20)
     ax.fill_between(x, x * 0.85, x * 1.15, color="tab:green", alpha=0.15, label="±15%")
     ax.plot(x, x, color="black", lw=1, label="y = x")
-    marks = {"S1": "o", "S2": "s", "S3": "^", "S4": "D"}
+    marks = {"S1": "o", "S2": "s", "S3": "^", "S4": "D", "DS": "v", "PP": "P"}
     for r in report.cells:
         m = marks.get(r.cell.schedule, "o")
         ax.plot(r.cell.measured_tok_s, r.datasheet, m, color="tab:gray", alpha=0.6, ms=6)
         ax.plot(r.cell.measured_tok_s, r.loo, m, mfc="none", color="tab:blue", ms=9)
         ax.plot(r.cell.measured_tok_s, r.simulated, m, color="tab:blue", ms=6)
-    for label, m in (("S1 MoE-Lightning(p)", "o"), ("S3 FlexGen(c)", "^"), ("S4 FlexGen", "D")):
-        ax.plot([], [], m, color="tab:blue", label=label)
+    systems = {r.cell.schedule: r.cell.system for r in report.cells}
+    for schedule, system in sorted(systems.items()):
+        ax.plot([], [], marks.get(schedule, "o"), color="tab:blue",
+                label=f"{schedule} {system}".strip())
     ax.plot([], [], "o", color="tab:gray", alpha=0.6, label="datasheet presets, before")
     ax.plot([], [], "o", mfc="none", color="tab:blue", label="leave-one-out")
     ax.set_xscale("log")

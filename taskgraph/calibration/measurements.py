@@ -4,7 +4,13 @@ workload and policy. Users write the same file for their own runs.
 
 A cell becomes a scenario: the machine and model presets, the workload, the policy with
 N = mu x n_ub, and the schedule that stands for the system (whose implementation profile prices
-it unless the cell names another).
+it unless the cell names another). A system that runs one batch per GPU at once (DeepSpeed's
+ZeRO-Inference: each rank generates for a batch of its own) gives ``batch`` instead: the
+sequences of each GPU's one micro-batch, so N = batch x GPUs.
+
+A cell whose policy needs more memory than its machine has under tg's memory model is simulated
+all the same (the run happened); the fit report says which memory and by how much
+(:attr:`Cell.memory_note`), as a lead on which of the model's terms is wrong.
 """
 
 from __future__ import annotations
@@ -23,14 +29,24 @@ from taskgraph.schedules import SCHEDULES
 class CellPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mu: int = Field(gt=0)
+    mu: int | None = Field(default=None, gt=0)
     n_ub: int | None = Field(default=None, gt=0)
     N: int | None = Field(default=None, gt=0)
-    r_w: float = Field(default=0.0, ge=0.0, le=1.0)
-    r_c: float = Field(default=0.0, ge=0.0, le=1.0)
+    # Sequences each GPU runs as its one micro-batch (instead of mu, n_ub and N).
+    batch: int | None = Field(default=None, gt=0)
+    # None: as the schedule places them (0 unless it decides otherwise).
+    r_w: float | None = Field(default=None, ge=0.0, le=1.0)
+    r_c: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _batch(self) -> "CellPolicy":
+        if self.batch is not None:
+            if any(x is not None for x in (self.mu, self.n_ub, self.N)):
+                raise ValueError("give batch (each GPU's one micro-batch) or mu with N or "
+                                 "n_ub, not both")
+            return self
+        if self.mu is None:
+            raise ValueError("mu: required but missing (or give batch)")
         if self.N is None and self.n_ub is None:
             raise ValueError("give N or n_ub (micro-batches)")
         if self.N is not None and self.n_ub is not None and self.N != self.mu * self.n_ub:
@@ -39,9 +55,11 @@ class CellPolicy(BaseModel):
             raise ValueError(f"N = {self.N} is not a multiple of mu = {self.mu}")
         return self
 
-    @property
-    def batch(self) -> int:
-        return self.N if self.N is not None else self.mu * self.n_ub
+    def sequences(self, gpus: int) -> tuple[int, int]:
+        """(N, mu) on a machine with `gpus` GPUs."""
+        if self.batch is not None:
+            return self.batch * gpus, self.batch
+        return (self.N if self.N is not None else self.mu * self.n_ub), self.mu
 
 
 class Cell(BaseModel):
@@ -76,6 +94,33 @@ class Cell(BaseModel):
         return name
 
     @property
+    def gpus(self) -> int:
+        return presets.HARDWARE[self.machine]["gpu"]["count"]
+
+    def scenario(self, hardware: dict[str, Any] | None = None,
+                 implementation: dict[str, Any] | None = None):
+        """The scenario this cell ran (on its machine's and system's presets by default)."""
+        from taskgraph.scenario import scenario_from_dict
+
+        return scenario_from_dict(self.scenario_doc(
+            hardware or self.machine,
+            implementation or presets.IMPLEMENTATIONS[self.implementation_name]),
+            source=f"cell '{self.id}'")
+
+    def memory_note(self) -> str | None:
+        """What is over, if the policy needs more memory than the machine has under tg's memory
+        model: the run happened, so a term of the model is wrong (None: it fits)."""
+        from taskgraph.builder import make_plan
+        from taskgraph.errors import MemoryFitError
+        from taskgraph.memory import check_fits, memory_footprint
+
+        try:
+            check_fits(memory_footprint(make_plan(self.scenario())), self.schedule)
+        except MemoryFitError as err:
+            return str(err)
+        return None
+
+    @property
     def implementation_name(self) -> str:
         return self.implementation or SCHEDULES[self.schedule].implementation
 
@@ -86,9 +131,10 @@ class Cell(BaseModel):
         name = workload.pop("preset", None)
         if name is not None:
             workload = {**presets.WORKLOADS[name], **workload}
-        policy = dict(N=self.policy.batch, mu=self.policy.mu, r_w=self.policy.r_w,
-                      r_c=self.policy.r_c,
-                      A_g=int(SCHEDULES[self.schedule].attention == "gpu"))
+        N, mu = self.policy.sequences(presets.HARDWARE[self.machine]["gpu"]["count"])
+        policy = dict(N=N, mu=mu, A_g=int(SCHEDULES[self.schedule].attention == "gpu"),
+                      **{k: v for k, v in (("r_w", self.policy.r_w), ("r_c", self.policy.r_c))
+                         if v is not None})
         return dict(name=self.id, model=self.model, hardware=hardware, workload=workload,
                     policy=policy, schedule=self.schedule, implementation=implementation)
 
@@ -96,8 +142,7 @@ class Cell(BaseModel):
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
     from taskgraph.builder import make_plan
-    from taskgraph.memory import check_fits, memory_footprint
-    from taskgraph.scenario import _read_yaml, scenario_from_dict
+    from taskgraph.scenario import _read_yaml
 
     path = Path(path)
     doc = _read_yaml(path, what="measurements file")
@@ -119,11 +164,8 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
         if cell.id in seen:
             raise TgError(f"Measurements '{path}': two cells are called '{cell.id}'.")
         seen.add(cell.id)
-        try:        # the cell must be a scenario tg can simulate, memory included
-            scenario = scenario_from_dict(cell.scenario_doc(
-                cell.machine, presets.IMPLEMENTATIONS[cell.implementation_name]),
-                source=f"'{path}', {label}")
-            check_fits(memory_footprint(make_plan(scenario)), cell.schedule)
+        try:        # the cell must be a scenario tg can simulate (memory aside: see memory_note)
+            make_plan(cell.scenario())
         except TgError as err:
             raise TgError(f"Measurements '{path}', {label} is not a scenario tg can run: "
                           f"{err}") from None

@@ -124,8 +124,9 @@ def _simulate_batches(scenario: Scenario, memory, progress, keep_runs: bool) -> 
         if key not in compiled:       # the task graph depends on the shape, not the lengths
             compiled[key] = compile_plan(plan)
         program = dataclasses.replace(compiled[key], plan=plan)
-        run = simulate_with_interference(program, cost_model(sc, schedule.name))
-        batches.append(BatchRun(summarize(run, memory), offset,
+        cost = cost_model(sc, schedule.name)
+        run = simulate_with_interference(program, cost)
+        batches.append(BatchRun(summarize(run, memory, cost), offset,
                                 program if keep_runs else None, run if keep_runs else None))
         ends = _lm_head_ends(program, run)
         for j, mb in enumerate(batch):
@@ -175,8 +176,9 @@ def _simulate_refill(scenario: Scenario, memory, progress, keep_runs: bool) -> Q
             compiled[d1 - d0] = compile_plan(plan)
             check_size(compiled[d1 - d0].total)
         program = dataclasses.replace(compiled[d1 - d0], plan=plan)
-        run = simulate_with_interference(program, cost_model(sc, schedule.name))
-        batches.append(BatchRun(summarize(run, memory), offset, program if keep_runs else None,
+        cost = cost_model(sc, schedule.name)
+        run = simulate_with_interference(program, cost)
+        batches.append(BatchRun(summarize(run, memory, cost), offset, program if keep_runs else None,
                                 run if keep_runs else None))
         ends.update({(step + d0, j): offset + t
                      for (step, j), t in _lm_head_ends(program, run).items() if step > 0})

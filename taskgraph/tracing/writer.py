@@ -67,6 +67,9 @@ class TraceRun:
     # What the PyTorch profiler saw inside the run (taskgraph.exec.profiling.ProfiledOp: a
     # track, a name, a category, ns on the run's clock), drawn on tracks of their own.
     ops: list[Any] = field(default_factory=list)
+    # The host's shared pools (taskgraph.cost.POOLS) the run was priced with: a track's name ->
+    # the bytes each task drew from the pool, in global id order.
+    pools: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -402,3 +405,15 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
             nxt = int(start_ns[on_link[i + 1]]) if i + 1 < len(on_link) else None
             if nxt is None or nxt > t1:
                 yield ("counter", _pid(k), label, t1, 0.0)
+
+    # What the tasks drew from each of the host's shared pools, all GPUs' together.
+    for name, drawn in run.pools.items():
+        mine = ids[(drawn[ids] > 0) & (end_ns[ids] > start_ns[ids])]
+        rate = drawn[mine] / (end_ns[mine] - start_ns[mine])          # bytes/ns = GB/s
+        times = np.concatenate([start_ns[mine], end_ns[mine]])
+        order = np.argsort(times, kind="stable")
+        level = np.cumsum(np.concatenate([rate, -rate])[order])
+        times = times[order]
+        last = np.append(times[1:] != times[:-1], True)       # one point per instant
+        for t, x in zip(times[last].tolist(), level[last].tolist()):
+            yield ("counter", _pid(k), f"{name} (GB/s)", t, round(max(x, 0.0), 3))
