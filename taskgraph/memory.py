@@ -87,8 +87,8 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     gpu = {
         "resident weights (r_w)": r_w * m.L * extent * replicas,
         "embedding + LM head": float(m.embed_bytes) * replicas,
-        "weight double buffer": np.minimum(2 * streamed, schedule.live_params * b or np.inf)
-                                * copies,
+        ("live weights (ZeRO-3)" if schedule.live_params else "weight double buffer"):
+            np.minimum(2 * streamed, schedule.live_params * b or np.inf) * copies,
         "activations (one micro-batch)": float(max(decode_act, prefill_act)) * copies,
         "hidden states (N sequences)": 2 * b * N * m.h,
     }

@@ -104,9 +104,17 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
 
     hrm = decode.max(axis=0)                                      # (n, steps)
     whole = streamed and not schedule.paged
-    copy = _per_layer_time(schedule, tuple(op for op in schedule.decode if op.kind == "D3"),
-                           work, cost, n, n_pages, L, contexts, prefill=False) if whole else 0.0
-    per_micro_batch = (decode - copy) / n[:, None]                # (resources, n, steps)
+    # A layer's whole-layer work (its weight copy, and with staging its copy into pinned memory)
+    # is no micro-batch's: it sets no micro-batch's pace.
+    once = copy = 0.0
+    if whole:
+        def per_layer(ops) -> np.ndarray:
+            return _per_layer_time(schedule, tuple(ops), work, cost, n, n_pages, L, contexts,
+                                   prefill=False)
+
+        once = per_layer(op for op in schedule.decode if op.when == "first")
+        copy = per_layer(op for op in schedule.decode if op.kind == "D3")
+    per_micro_batch = (decode - once) / n[:, None]                # (rows, n, steps)
     # Launched with lookahead, micro-batches pipeline and the busiest resource sets the pace;
     # launched one after the other (FlexGen's order), each waits for the one before it.
     lookahead = any(op.ahead > 0 for op in decode_ops)
@@ -119,7 +127,9 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
         free = _ahead_of_copy(schedule, decode_ops)
         h2d = ROWS.index("h2d")
         waiting = np.maximum(n - free, 0)[:, None]
-        layer = np.maximum(hrm, copy[h2d]
+        # the copy takes its link's time, or what it draws from a shared pool over the pool's
+        # capacity (every GPU copies at once), whichever is longer
+        layer = np.maximum(hrm, copy.max(axis=0)
                            + np.where(waiting > 0, per_micro_batch[h2d], 0.0)
                            + waiting * pace)
     else:

@@ -121,8 +121,8 @@ def _machine(name: str, gpu: str, count: int, link: str, host: str,
     return out
 
 
-_T4_SEVERAL = dict(flops_eff=0.0972)
-_XEON_32C_SHARED_GBPS = 58.70
+_T4_SEVERAL = dict(flops_eff=0.0975)
+_XEON_32C_SHARED_GBPS = 59.21
 
 HARDWARE: dict[str, dict[str, Any]] = {
     "t4": _machine("1xT4", "T4", 1, "pcie3-paper", "xeon-24c",
@@ -133,10 +133,12 @@ HARDWARE: dict[str, dict[str, Any]] = {
     # share (59 GB/s, 43% of what its DDR4-2133 channels carry: two sockets, and processes
     # and pinned buffers with no regard to which socket their memory is on). Whether the T4s
     # share PCIe lanes upstream is not published: not modelled (shared.pcie_gbps absent).
-    "2xt4": _machine("2xT4", "T4", 2, "pcie3", "xeon-32c", "pcie3-host",
+    # Pageable copies as FlexGen's profiler measured them on the one-GPU hosts of the same
+    # Xeon generation: one core's copy.
+    "2xt4": _machine("2xT4", "T4", 2, "pcie3-paper", "xeon-32c", "pcie3-host",
                      gpu_fitted=_T4_SEVERAL, shared=dict(memory_gbps=_XEON_32C_SHARED_GBPS),
                      fitted=f"gpu.flops_eff, shared.memory_gbps: {FITTED_MULTI}"),
-    "4xt4": _machine("4xT4", "T4", 4, "pcie3", "xeon-32c", "pcie3-host",
+    "4xt4": _machine("4xT4", "T4", 4, "pcie3-paper", "xeon-32c", "pcie3-host",
                      gpu_fitted=_T4_SEVERAL, shared=dict(memory_gbps=_XEON_32C_SHARED_GBPS),
                      fitted=f"gpu.flops_eff, shared.memory_gbps: {FITTED_MULTI}"),
     "l4": _machine("1xL4", "L4", 1, "pcie4-l4-paper", "xeon-24c-l4",
@@ -173,7 +175,7 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # (OMP_NUM_THREADS=1). Its copies then run at one core's rate, and the 2xT4 machine's decode
     # is bound by them; on one GPU its one process has every core.
     "moe-lightning": dict(
-        name="moe-lightning", title="MoE-Lightning (CGOPipe's system)", rank_threads=0.9376,
+        name="moe-lightning", title="MoE-Lightning (CGOPipe's system)", rank_threads=0.9369,
         fitted=f"rank_threads: {FITTED_MULTI}",
         sources=["MoE-Lightning, ASPLOS 2025: pinned staging of weights (Algorithm 1)"]),
     # DeepSpeed ZeRO-Inference: transformers' eager Mixtral under ZeRO-3 parameter offload, data

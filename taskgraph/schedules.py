@@ -153,18 +153,27 @@ S1 = Schedule(
             Op("W_CtoPin", layer=1, ahead=2)),
 )
 
+# Whole layers staged through two pinned buffers: a layer's pinned copy starts as the layer two
+# back has left its buffer.
+_PREFILL_WHOLE_STAGED = (
+    Loop("once", (Op("W_CtoPin"), Op("W_CtoPin", ahead=1), Op("D3"))),
+    Loop("layers", (Op("D3", layer=1, when="first"), Op("Prefill"), Op("KVOut"),
+                    Op("W_CtoPin", layer=1, ahead=1, when="first"), _LMHEAD)),
+)
+
 S2 = Schedule(
     name="S2", title="FastDecode-like",
     summary="CPU attention overlapped as in CGOPipe, but the next layer's weights cross whole",
-    attention="cpu", paged=False, staging=False, min_micro_batches=2,
-    # The paper's S2 is an ablation inside MoE-Lightning's own system: its kernels, FastDecode's
-    # order.
+    attention="cpu", paged=False, staging=True, min_micro_batches=2,
+    # The paper's S2 is an ablation inside MoE-Lightning's own system: its kernels and its
+    # pinned relay for the weights, FastDecode's order (whole layers, not pages).
     implementation="moe-lightning",
     placement=_CPU_ATTENTION,
-    prefill=_PREFILL_WHOLE,
+    prefill=_PREFILL_WHOLE_STAGED,
     decode_prologue=_CPU_PROLOGUE,
     decode=(Op("D2"), Op("D3", layer=1, when="first"), Op("PostAttn"), _LMHEAD,
-            Op("PreAttn", ahead=2), Op("D1", ahead=2), Op("CPUAttn", ahead=2)),
+            Op("PreAttn", ahead=2), Op("D1", ahead=2), Op("CPUAttn", ahead=2),
+            Op("W_CtoPin", layer=1, ahead=1, when="first")),
 )
 
 S3 = Schedule(

@@ -93,7 +93,9 @@ def test_whole_layer_schedules_send_one_page_per_layer():
     for sched in (S2, S3, S4):
         seq = launch_sequence(_plan(sched.name), 2)
         assert sum(k.kind == "D3" for k in seq) == 4          # one per layer
-        assert not any(k.kind == "W_CtoPin" for k in seq)
+        # FastDecode's order in MoE-Lightning's system stages whole layers through its pinned
+        # relay; FlexGen copies from pageable memory
+        assert sum(k.kind == "W_CtoPin" for k in seq) == (4 if sched is S2 else 0)
 
 
 def test_resident_weights_need_no_transfers():

@@ -162,6 +162,36 @@ def test_fitted_presets_predict_table4(tmp_path, capsys):
                                                                                    rel=0.02)
 
 
+MULTI = "scenarios/measurements/moe-lightning-multi-gpu.yaml"
+
+
+def test_the_multi_gpu_presets_predict_the_papers_2xt4_and_4xt4_cells():
+    """The calibrated presets against published cells (the full fit with leave-one-out takes
+    6 minutes: README): MoE-Lightning(p) at 32 tokens and DeepSpeed at 256 on both machines,
+    within 15%; their 2 -> 4 GPU gains within 10% of the measured (2.77x and 2.10x, where this
+    morning's model said 2.2x and 2.0x at 32 tokens: 1.61x measured), and MoE-Lightning(p) far
+    above DeepSpeed on both."""
+    from taskgraph.calibration.fit import simulated_tok_s
+
+    _, cells = load_measurements(MULTI)
+    sims = {}
+    for c in cells:
+        if c.workload["gen_len"] == {"S1": 32, "DS": 256}[c.schedule]:
+            sims[c.machine, c.schedule] = (
+                simulated_tok_s(c, presets.HARDWARE, presets.IMPLEMENTATIONS), c.measured_tok_s)
+    for key, (sim, measured) in sims.items():
+        assert sim == pytest.approx(measured, rel=0.15), key
+    for schedule in ("S1", "DS"):
+        gain = sims["4xt4", schedule][0] / sims["2xt4", schedule][0]
+        assert gain == pytest.approx(sims["4xt4", schedule][1] / sims["2xt4", schedule][1],
+                                     rel=0.1)
+    for machine in ("2xt4", "4xt4"):
+        assert sims[machine, "S1"][0] > 5 * sims[machine, "DS"][0]
+    # DeepSpeed's batch of 32 is each GPU's: its cells are data parallel, 32 a GPU
+    ds = next(c for c in cells if c.schedule == "DS" and c.machine == "4xt4")
+    assert ds.scenario().policy.N == 4 * 32
+
+
 def test_a_fit_that_does_not_converge_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
     import scipy.optimize
 

@@ -146,7 +146,7 @@ def test_the_search_predictor_prices_four_gpus_as_the_simulator_does(schedule):
 
 
 def test_the_search_predictor_prices_a_pipeline_as_the_simulator_does():
-    # the best PP policy of bench/pipeline_vs_tensor.py on 4xT4
+    # a pipeline policy that fits beside 5% resident weights on 4xT4
     sc = load_scenario("scenarios/4xt4-8x22b.yaml", [
         "schedule=PP", "policy.A_g=1", "policy.N=1792", "policy.mu=64", "policy.r_w=0.05"])
     sim = simulate_scenario(sc).summary
