@@ -2,7 +2,8 @@
 
 However well a schedule overlaps, a machine cannot decode faster than
 ``T_max = min(PME * M / delta, T_GPU)``. Every decode step must stream the model over the link:
-``delta = model bytes / link bandwidth`` seconds. The KV capacity ``M`` (tokens) caps how many
+``delta = model bytes / link bandwidth`` seconds (all the GPUs' links, or what they share
+upstream or of host memory, if less). The KV capacity ``M`` (tokens) caps how many
 sequences share that cost. ``PME = 2(p+g) / ((2p+g) g)`` converts capacity into generated tokens
 over a request's life, given the average prompt ``p`` and generation ``g``; for a request list
 it is the same ratio summed over the requests, ``sum 2(p+g) / sum (2p+g) g`` (each request's own
@@ -12,6 +13,8 @@ over the FLOPs a token costs.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -30,7 +33,10 @@ def hardware_limit_tok_s(scenario: Scenario) -> float:
         p = np.array([float(r.prompt_len) for r in scenario.requests])
         g = np.array([float(r.gen_len) for r in scenario.requests])
     pme = float((2 * (p + g)).sum() / ((2 * p + g) * g).sum())
-    link = hw.link.h2d_gbps * 1e9 * hw.link.h2d_eff * hw.gpu.count
+    # every GPU's link, but no faster than the lanes upstream of them or the host memory every
+    # byte is read from, where the GPUs share those (hardware.shared)
+    link = min(hw.link.h2d_gbps * hw.link.h2d_eff * hw.gpu.count,
+               hw.shared.pcie_gbps or math.inf, hw.shared.memory_gbps or math.inf) * 1e9
     delta = m.model_bytes / link
     # KV capacity: what host and GPU memory hold beyond the weights.
     free = (hw.cpu.memory_gb * hw.cpu.usable_fraction

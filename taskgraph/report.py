@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from taskgraph.cost import POOL_NAMES
 from taskgraph.expect import Check
 
 
@@ -30,6 +31,13 @@ def simulate_table(r: dict[str, Any]) -> Table:
     t.add_row("decode layer", f"{r['decode_layer_ms']:.2f} ms (HRM bound {r['hrm_layer_ms']:.2f}"
                               f" ms, {r['hrm_binding']}-bound: {r['efficiency']:.1%})")
     t.add_row("utilization", "  ".join(f"{k} {v:.0%}" for k, v in r["utilization"].items()))
+    if r.get("shared"):
+        t.add_row("host shared", "  ".join(
+            f"{POOL_NAMES[p]} {x['capacity_gbps']:g} GB/s: {x['prefill']:.0%} of prefill, "
+            f"{x['decode']:.0%} of decode" for p, x in r["shared"].items()))
+    if "bound_by" in r:
+        t.add_row("bound by", f"prefill {r['bound_by']['prefill']}, decode "
+                              f"{r['bound_by']['decode']}")
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
@@ -282,7 +290,8 @@ def fit_table(report) -> tuple[Table, Table, Table]:
     pools = sorted({p for r in report.cells for p in r.shared})
     binds = Table(title="what binds each cell at the fitted values (share of each phase the "
                         "host's shared pools were in use)", title_justify="left")
-    for col in ("cell", "prefill", "decode", *(f"{p} (decode)" for p in pools), "memory"):
+    for col in ("cell", "prefill", "decode", *(f"{POOL_NAMES[p]} (decode)" for p in pools),
+                "memory"):
         binds.add_column(col, justify="left" if col in ("cell", "memory") else "right")
     for r in report.cells:
         binds.add_row(_label(r), r.bound_by.get("prefill", ""), r.bound_by.get("decode", ""),

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from taskgraph.builder import launch_sequence
 from taskgraph.compiled import KIND_NAMES
+from taskgraph.cost import cost_model
 from taskgraph.schedules import RESOURCES
 from taskgraph.scenario import scenario_from_dict
 from taskgraph.simulation import simulate_scenario
@@ -72,6 +73,10 @@ def scenarios(draw):
     if gpus > 1 and draw(st.booleans()):
         hardware["interconnect"] = {"gbps": draw(st.floats(0.05, 600)), "eff": 1.0,
                                     "latency_us": draw(st.floats(0, 30))}
+    if draw(st.booleans()):            # what the GPUs of the host share
+        hardware["shared"] = {"memory_gbps": draw(st.floats(0.5, 200)),
+                              "pcie_gbps": draw(st.one_of(st.none(), st.floats(0.5, 100)))}
+        hardware["cpu"]["core_gbps"] = draw(st.one_of(st.none(), st.floats(0.5, 20)))
     if draw(st.booleans()):
         hardware["interference"] = {"slowdown": {
             "gpu": {"cpu": draw(st.floats(0, 2)), "h2d": draw(st.floats(0, 2))},
@@ -138,6 +143,9 @@ def test_simulated_runs_keep_every_invariant(sc):
         finish[dst] = max(finish[dst], finish[src] + dur[dst])
     assert makespan >= finish.max() * (1 - 1e-12)
     assert makespan >= max(busy.values()) * (1 - 1e-12)
+
+    # Whatever overlaps a task (interference, shared pools) only ever slows it.
+    assert (dur >= prog.durations(cost_model(sc, sc.schedule)) * (1 - 1e-9)).all()
 
     # The simulated decode layer is never faster than the HRM bound.
     s = sim.summary

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,30 +38,11 @@ from taskgraph.calibration.measurements import Cell
 
 
 @dataclass(frozen=True)
-class Param:
-    """One free parameter: where it lives (the machine or implementation presets it is set in,
-    several when they share the part, and the field path in them), its physical bounds, its
-    datasheet-era value (the model before any fit; None: the field left out) and the mechanism
-    it stands for."""
-
-    section: str                  # "hardware" or "implementation"
-    targets: tuple[str, ...]      # the presets' names
-    path: tuple[str, ...]
-    lo: float
-    hi: float
-    start: float
-    datasheet: float | None
-    why: str
-
-    @property
-    def name(self) -> str:
-        return f"{'+'.join(self.targets)} {'.'.join(self.path)}"
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """A mechanism a fit may tune. Bounds are physical: an efficiency lies in (0, 1]; a host's
-    memory bandwidth lies below what its memory channels carry."""
+class Mechanism:
+    """A mechanism a fit may tune: the field path in its preset, its physical bounds (an
+    efficiency lies in (0, 1]; a host's memory bandwidth below what its channels carry), where
+    the fit starts, its datasheet-era value (the model before any fit; None: the field left
+    out) and what it stands for."""
 
     path: tuple[str, ...]
     lo: float
@@ -73,29 +54,42 @@ class _Spec:
     several_gpus: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class Param(Mechanism):
+    """One free parameter: a mechanism in the machine or implementation presets it is set in
+    (several, when they share the part)."""
+
+    section: str                  # "hardware" or "implementation"
+    targets: tuple[str, ...]      # the presets' names
+
+    @property
+    def name(self) -> str:
+        return f"{'+'.join(self.targets)} {'.'.join(self.path)}"
+
+
 # Shared by the machines with the same GPU (gpu) or the same host (host).
 MACHINE_PARAMS = {
-    "gpu": [_Spec(("gpu", "flops_eff"), 0.03, 0.9, 0.3, 0.6,
+    "gpu": [Mechanism(("gpu", "flops_eff"), 0.03, 0.9, 0.3, 0.6,
                   "dense fp16 GEMM rate this GPU sustains (prefill), as a share of the datasheet "
                   "peak; a T4 at its 70 W cap reaches well under half")],
-    "host": [_Spec(("shared", "memory_gbps"), 15.0, 140.0, 60.0, None,
+    "host": [Mechanism(("shared", "memory_gbps"), 15.0, 140.0, 60.0, None,
                    "host memory bandwidth the GPUs' DMA, the processes' copies into pinned "
                    "memory and CPU attention share (GB/s, read plus written)",
                    several_gpus=True)],
 }
-IMPLEMENTATION_PARAMS: dict[str, list[_Spec]] = {
+IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
     "flexgen": [
-        _Spec(("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3, 1.0,
+        Mechanism(("kinds", "CPUAttn", "bytes_eff"), 0.003, 1.0, 0.3, 1.0,
               "its CPU attention's share of host memory bandwidth (it computes in fp32 over "
               "fp16 KV)"),
     ],
     "moe-lightning": [
-        _Spec(("rank_threads",), 0.5, 16.0, 4.0, None,
+        Mechanism(("rank_threads",), 0.5, 16.0, 4.0, None,
               "threads each of its processes (one per GPU) runs its host work with: its share "
               "of the host's copy and CPU-attention rates", several_gpus=True),
     ],
     "deepspeed": [
-        _Spec(("kinds", "D3", "bytes_eff"), 0.02, 1.0, 0.3, 1.0,
+        Mechanism(("kinds", "D3", "bytes_eff"), 0.02, 1.0, 0.3, 1.0,
               "its layer-by-layer parameter gather's share of each GPU's link (ZeRO-3: fetched "
               "module by module, gathered through host memory)"),
     ],
@@ -117,13 +111,11 @@ def free_parameters(cells: list[Cell]) -> list[Param]:
             for c in cells:
                 if c.gpus > 1 or not spec.several_gpus:
                     groups.setdefault(part(c.machine, scope), []).append(c.machine)
-            out += [Param("hardware", tuple(sorted(set(ms))), spec.path, spec.lo, spec.hi,
-                          spec.start, spec.datasheet, spec.why)
+            out += [Param(section="hardware", targets=tuple(sorted(set(ms))), **asdict(spec))
                     for _, ms in sorted(groups.items())]
     for impl in sorted({c.implementation_name for c in cells}):
         mine = [c for c in cells if c.implementation_name == impl]
-        out += [Param("implementation", (impl,), spec.path, spec.lo, spec.hi, spec.start,
-                      spec.datasheet, spec.why)
+        out += [Param(section="implementation", targets=(impl,), **asdict(spec))
                 for spec in IMPLEMENTATION_PARAMS.get(impl, [])
                 if not spec.several_gpus or any(c.gpus > 1 for c in mine)]
     return out
