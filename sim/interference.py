@@ -91,8 +91,14 @@ def simulate_with_interference(program: Program, cost: CostModel,
     if not slowed:
         return simulate(program, cost, progress, base)
     warm = _steady_slowdowns(program, cost, tol, max_passes)
+    if warm is _INTERRUPTED:      # Ctrl-C while the short run was solved: nothing of this ran
+        nothing = np.full(program.total, np.nan)
+        return SimRun(program, base, nothing, nothing.copy(), True, 0.0)
     return _fixed_point(program, cost, base, base if warm is None else base * warm, progress,
                         tol, max_passes)
+
+
+_INTERRUPTED = object()      # what _steady_slowdowns says when Ctrl-C stopped it
 
 
 def _fixed_point(program: Program, cost: CostModel, base: np.ndarray, durations: np.ndarray,
@@ -135,11 +141,12 @@ def _fixed_point(program: Program, cost: CostModel, base: np.ndarray, durations:
 
 
 def _steady_slowdowns(program: Program, cost: CostModel, tol: float, max_passes: int
-                      ) -> np.ndarray | None:
+                      ) -> np.ndarray | object | None:
     """Per task of `program`, the factor its duration is slowed by in a run of the same plan
     cut to a few decode steps, solved to its fixed point: each task of a step takes the factor of
     the task at its place in a step of the same shape (:func:`compile_plan`'s templates). None
-    for a run short enough to solve whole, or one of real requests."""
+    for a run short enough to solve whole, or one of real requests; _INTERRUPTED if Ctrl-C
+    stopped it."""
     plan = program.plan
     horizon = lookahead_steps(plan)
     steps = horizon + 3             # prefill, the first step, a middle one, the last ones
@@ -157,6 +164,8 @@ def _steady_slowdowns(program: Program, cost: CostModel, tol: float, max_passes:
                     np.concatenate([[0], np.cumsum(sizes)[:-1]]), int(sizes.sum()))
     probe_base = probe.durations(cost)
     run = _fixed_point(probe, cost, probe_base, probe_base, None, tol, max_passes)
+    if run.interrupted:
+        return _INTERRUPTED
     slowdown = np.divide(run.durations, probe_base, out=np.ones_like(probe_base),
                          where=probe_base > 0)
     # each of the long run's segments takes the slowdowns of the probe's of the same shape

@@ -253,3 +253,21 @@ def test_data_parallel_in_one_process_computes_the_reference():
     tokens, logits, _ = rt.outputs()
     assert torch.equal(tokens, ref.tokens)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ctrl_c_while_the_short_run_is_solved_stops_the_whole_run(monkeypatch):
+    """The warm start's short run is part of the simulation: Ctrl-C there ends it, reported as
+    an interrupted run of nothing, not a long run the user must interrupt again."""
+    import taskgraph.sim.interference as solver
+
+    real = solver.simulate
+
+    def interrupted_probe(program, cost, progress=None, durations=None):
+        run = real(program, cost, progress, durations)
+        run.interrupted = program.plan.G < 24        # the short run, not the whole
+        return run
+
+    monkeypatch.setattr(solver, "simulate", interrupted_probe)
+    sim = simulate_scenario(_shared(memory_gbps=20.0, workload={"gen_len": 24}))
+    assert sim.run.interrupted and np.isnan(sim.run.end).all()
+    assert sim.summary["interrupted"] and sim.summary["tasks"] == 0
