@@ -35,7 +35,7 @@ def simulate_table(r: dict[str, Any]) -> Table:
         t.add_row("host shared", "  ".join(
             f"{POOL_NAMES[p]} {x['capacity_gbps']:g} GB/s: {x['prefill']:.0%} of prefill, "
             f"{x['decode']:.0%} of decode" for p, x in r["shared"].items()))
-    if "bound_by" in r:
+    if "bound_by" in r and not r.get("measured"):
         t.add_row("bound by", f"prefill {r['bound_by']['prefill']}, decode "
                               f"{r['bound_by']['decode']}")
     m = r["memory"]
