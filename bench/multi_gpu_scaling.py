@@ -5,9 +5,10 @@ Each system runs as it does on several GPUs (README, *Several GPUs*): MoE-Lightn
 parallel (S1) at the policy its own optimizer chose (the calibration file's); DeepSpeed
 ZeRO-Inference data parallel (DS), 32 sequences per GPU; FlexGen's pipeline (PP) at the best of a
 small simulated grid (mu in MUS, every weight streamed, the largest batch within the planning
-headroom, as the search plans); and S1 at `tg search`'s pick for each machine. Measured figures, where the paper has them, beside.
+headroom, as the search plans); and S1 at `tg search`'s pick for each machine. Measured figures,
+where the paper has them, beside.
 
-    python bench/multi_gpu_scaling.py            # about 4 minutes here
+    python bench/multi_gpu_scaling.py            # about 8 minutes here
 """
 
 from __future__ import annotations

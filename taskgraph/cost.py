@@ -29,7 +29,7 @@ import numpy as np
 
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, ImplementationSpec, Scenario
-from taskgraph.work import KINDS
+from taskgraph.work import KINDS, SENDS
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 #: What the GPUs of one host share (hardware.shared): host memory bandwidth, and the PCIe lanes
@@ -113,7 +113,7 @@ class CostModel:
             # A collective's bytes are what each GPU sends; every GPU sends and receives them
             # through host memory (written, read back). A send goes from one GPU to one.
             n = hw.gpu.count
-            senders = np.array([1.0 if kind in ("Send", "SendTokens") else n for kind in KINDS])
+            senders = np.array([1.0 if kind in SENDS else n for kind in KINDS])
             f[mem, r["peer"]] = 2 * senders
             f[up, r["peer"]] = senders
             f[down, r["peer"]] = senders

@@ -178,8 +178,8 @@ def _simulate_refill(scenario: Scenario, memory, progress, keep_runs: bool) -> Q
         program = dataclasses.replace(compiled[d1 - d0], plan=plan)
         cost = cost_model(sc, schedule.name)
         run = simulate_with_interference(program, cost)
-        batches.append(BatchRun(summarize(run, memory, cost), offset, program if keep_runs else None,
-                                run if keep_runs else None))
+        batches.append(BatchRun(summarize(run, memory, cost), offset,
+                                program if keep_runs else None, run if keep_runs else None))
         ends.update({(step + d0, j): offset + t
                      for (step, j), t in _lm_head_ends(program, run).items() if step > 0})
         offset += float(np.nanmax(run.end)) if run.finished.any() else 0.0
