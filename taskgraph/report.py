@@ -41,7 +41,7 @@ def simulate_table(r: dict[str, Any]) -> Table:
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
-    if "requests" in r:
+    if isinstance(r.get("requests"), dict):      # a queue of requests, simulated
         q = r["requests"]
         fin = q["finish_s"]
         t.add_row("requests", f"{q['finished']:,} of {q['count']:,} in {q['batches']} batches "

@@ -223,6 +223,17 @@ def test_cli_prompts_in_tokens_out_with_a_tokenizer(tmp_path, capsys):
                               max_new_tokens=line.get("max_new_tokens", 5))[0, len(ids):]
         assert row["output_ids"] == want.tolist()
         assert row["text"] == tok.decode(row["output_ids"], skip_special_tokens=True)
+    # What a person sees without --json: the table, the same tokens, no traceback (it used to
+    # die in the table after writing the right tokens).
+    out.unlink()
+    assert main(["execute", str(scen), "--weights", str(ckpt), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(out), "--schedule", "S2"]) == 0
+    shown = capsys.readouterr()
+    assert "Traceback" not in shown.err and shown.out == ""
+    for row in ("throughput", "vs reference", "tokens identical", "requests", f"3, tokens "
+                "written to"):
+        assert row in shown.err, row
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
 
 
 def test_config_fields_that_change_the_math_are_read_or_refused(tmp_path, capsys):
