@@ -167,6 +167,7 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         delays = np.random.default_rng(seed + rank).random(program.total) * delay_s
         run = execute(program, runtime, CudaDevice(torch) if cuda else None,
                       delay=(lambda gid: float(delays[gid])) if delay_s else None,
+                      progress=lambda d: _report(Path(out) / f"rank{rank}.segment", d),
                       streams=_rank_streams(plan, rank))
         if run.failure is not None:
             raise run.failure
@@ -187,6 +188,14 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             f"{time.time()!r}\n{type(err).__name__}: {err}")
         os._exit(1)
     dist.destroy_process_group()
+
+
+def _report(path: Path, segment: int) -> None:
+    """Where a rank is: the segment its first stream has entered (so segment 1 means every task
+    of its prefill on that stream has run), written whole for whoever watches the run."""
+    part = path.with_suffix(".part")
+    part.write_text(str(segment))
+    part.replace(path)
 
 
 def _save(result: dict[str, Any], path: Path) -> None:

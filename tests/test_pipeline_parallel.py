@@ -285,11 +285,21 @@ def test_ctrl_c_under_processes_leaves_a_valid_trace_of_what_ran(tmp_path):
          "--trace-steps", "all", "--json"],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env)
+    def segments() -> list[int]:
+        """The segment each rank's first stream has entered (1: its prefill tasks have run)."""
+        out = []
+        for f in tmp_path.glob("tg-dist-*/rank*.segment"):
+            try:
+                out.append(int(f.read_text()))
+            except (OSError, ValueError):      # the run's folder went away
+                pass
+        return out
+
     t0 = time.monotonic()
-    while not list(tmp_path.glob("tg-dist-*/rendezvous")) and time.monotonic() - t0 < 120:
-        time.sleep(0.1)
-    time.sleep(4)                                       # the ranks are running tasks
-    assert proc.poll() is None, "the run ended before the test could interrupt it"
+    while not (len(got := segments()) == 2 and min(got) >= 1) and time.monotonic() - t0 < 120:
+        assert proc.poll() is None, "the run ended before the test could interrupt it"
+        time.sleep(0.05)                                # polling for the event, not waiting on it
+    assert min(segments()) >= 1, "the ranks never got past their prefill"
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
