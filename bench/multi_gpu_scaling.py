@@ -21,7 +21,7 @@ from taskgraph.calibration.measurements import load_measurements
 from taskgraph.errors import TgError
 from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.scenario import for_schedule, scenario_from_dict
-from taskgraph.search import search
+from taskgraph.study.search import search
 from taskgraph.simulation import simulate_scenario
 
 CELLS = "scenarios/measurements/moe-lightning-multi-gpu.yaml"

@@ -11,7 +11,7 @@ import sys
 import time
 
 from taskgraph.scenario import load_scenario
-from taskgraph.search import search
+from taskgraph.study.search import search
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,7 @@ import sys
 import time
 
 from taskgraph.scenario import load_scenario
-from taskgraph.search import brute_force, search, verify
+from taskgraph.study.search import brute_force, search, verify
 
 
 def main(paths: list[str]) -> int:

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.text import Text
 
-from taskgraph import __version__
+from taskgraph import __version__, api
 from taskgraph.errors import CheckFailed, TgError
 from taskgraph.schedules import SCHEDULES
 
@@ -198,225 +197,71 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
 # --- commands --------------------------------------------------------------------------------
 
 def _simulate(args: argparse.Namespace) -> int:
-    from taskgraph.simulation import simulate_scenario
-
-    scenario = _load(args)
-    if scenario.requests is not None:
-        return _simulate_queue(args, scenario)
-    if args.csv:
+    scenario = _load(args, args.schedule)
+    if args.csv and scenario.requests is None:
         raise TgError("--csv writes each request's finish time; the scenario lists no requests "
                       "(give workload.requests or workload.lengths).")
-    with _progress(not args.json, "simulating") as tick:
-        sim = simulate_scenario(scenario, progress=tick)
-    if args.trace:
-        _write_trace(args, [sim.trace_run()], sim.summary)
-    _gantt(args, [sim.trace_run(f"{sim.summary['schedule']} simulated")])
-    def human() -> None:
-        _console().print(_tables().simulate_table(sim.summary))
-        _print_warnings(sim.summary)
-
-    _emit(args, sim.summary, human)
-    return _interrupted(sim.summary)
-
-
-def _simulate_queue(args: argparse.Namespace, scenario) -> int:
-    import csv
-
-    from taskgraph.files import atomic_path
-    from taskgraph.serving.queue import simulate_queue
-
-    with _progress(not args.json, "simulating batches") as tick:
-        q = simulate_queue(scenario, progress=tick, keep_runs=bool(args.trace or args.gantt))
+    label = "simulating batches" if scenario.requests is not None else "simulating"
+    with _progress(not args.json, label) as tick:
+        result = api.simulate(scenario, keep_runs=bool(args.trace or args.gantt), progress=tick)
     if args.csv:
-        with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
-            out = csv.writer(f)
-            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch",
-                          "prefill_step", "finish_s"])
-            out.writerows(q.rows())
-    if args.trace:
-        _write_trace(args, q.trace_runs(), q.summary)
-    _gantt(args, q.trace_runs()[:1])
-
-    def human() -> None:
-        _console().print(_tables().simulate_table(q.summary))
-        _print_warnings(q.summary)
-
-    _emit(args, q.summary, human)
-    return _interrupted(q.summary)
+        result.write_csv(args.csv)
+    _outputs(args, result)
+    _show(args, result)
+    return _interrupted(result.summary)
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from taskgraph.compare import compare_scenario, default_schedules, parse_entry
-    from taskgraph.expect import evaluate
-
-    names = [n.strip() for n in (args.schedules or ",".join(SCHEDULES)).split(",") if n.strip()]
-    if not names:
-        raise TgError(f"--schedules names no schedule; known schedules: {', '.join(SCHEDULES)}.")
-    entries = [parse_entry(n) for n in names]
-    # the command line chooses the schedules, not the file
-    args.schedule = entries[0][0]
-    scenario = _load(args)
-    if scenario.requests is not None:
-        return _compare_queues(args, scenario, names)
-    if any(batching for _, batching in entries):
-        raise TgError("NAME:padded and NAME:refill batch a request list; this scenario lists "
-                      "none (give workload.requests or workload.lengths).")
-    if args.check:
-        if scenario.expect is None:
-            raise TgError(f"--check needs an `expect` section in {args.scenario}; see the "
-                          "README for its fields (beats, min_efficiency, max_decode_layer_ms, "
-                          "min_throughput_tok_s).")
-        names += [n for n in scenario.expect.schedules() if n not in names]
-    expected = set(scenario.expect.schedules()) if args.check else set()
-    if args.schedules is None:
-        names = [n for n in names if n in default_schedules(scenario)]
-    # A schedule the user named (or expects) must fit; one chosen by default is left out.
-    required = set(names) if args.schedules is not None else expected
+    names = None
+    if args.schedules is not None:
+        names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+        if not names:
+            raise TgError(f"--schedules names no schedule; known schedules: "
+                          f"{', '.join(SCHEDULES)}.")
+    first = api.parse_entry(names[0])[0] if names else None
+    scenario = _load(args, first)
     with _progress(not args.json, "simulating") as tick:
-        comparison = compare_scenario(scenario, names, required, progress=tick)
-    sims, results = comparison.sims, comparison.results
-    if args.trace:
-        _write_trace(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()],
-                     {"scenario": scenario.name})
-    _gantt(args, [s.trace_run(f"{n} simulated") for n, s in sims.items()])
-    out: dict[str, Any] = {"results": results}
-    if comparison.left_out:
-        out["left_out"] = comparison.left_out
-    checks = evaluate(scenario.expect, {n: s.summary for n, s in sims.items()}) if args.check else []
-    if args.check:
-        out["checks"] = [c.__dict__ for c in checks]
-        out["checks_ok"] = all(c.ok for c in checks)
-
-    def human() -> None:
-        _print_compare(results, comparison.notes)
-        for name, why in comparison.left_out.items():
-            _console().print(f"[yellow]left out:[/yellow] {name}: {why}")
-        if args.check:
-            _console().print(_tables().check_table(checks))
-
-    _emit(args, out, human)
-    if comparison.interrupted:
-        return _interrupted(results[-1])
-    failed = [c for c in checks if not c.ok]
-    if failed:
+        result = api.compare(scenario, names, check=args.check,
+                             keep_runs=bool(args.trace or args.gantt), progress=tick)
+    _outputs(args, result)
+    _show(args, result)
+    if result.interrupted:
+        return _interrupted(result.results[-1])
+    if result.failed:
         raise CheckFailed(
-            f"{len(failed)} of {len(checks)} expectations in {args.scenario} failed: "
-            + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got {c.actual}"
-                        for c in failed) + "."
+            f"{len(result.failed)} of {len(result.checks)} expectations in {args.scenario} "
+            "failed: " + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got "
+                                   f"{c.actual}" for c in result.failed) + "."
         )
     return 0
 
 
-def _compare_queues(args: argparse.Namespace, scenario, names: list[str]) -> int:
-    from taskgraph.compare import compare_queues
-
-    if args.check:
-        raise TgError("tg compare --check gates a mean-length scenario's schedules; on a request "
-                      "list, compare the queues' figures (--json) instead.")
-    with _progress(not args.json, "simulating queues") as tick:
-        comparison, runs = compare_queues(scenario, names, bool(args.trace or args.gantt),
-                                          progress=tick)
-    results = comparison.results
-    if args.trace:
-        _write_trace(args, runs, {"scenario": scenario.name})
-    # the first batch of each queue: how the schedules' steps differ
-    _gantt(args, [r for r in runs if r.label.endswith((" batch 0", " window 0"))])
-    _emit(args, {"results": results}, lambda: _print_compare(results, comparison.notes))
-    return _interrupted(results[-1]) if comparison.interrupted else 0
-
-
-def _print_compare(results: list[dict[str, Any]], notes: dict[str, str]) -> None:
-    console = _console()
-    console.print(_tables().compare_table(results, notes))
-    for r in results:
-        for text in r.get("warnings", []):
-            console.print(f"[yellow]warning:[/yellow] {r['schedule']}: {text}")
-
-
 def _execute(args: argparse.Namespace) -> int:
-    from taskgraph.execution import execute_scenario
-
-    if args.steps is not None and args.steps < 1:
-        raise TgError(f"--steps must be at least 1, not {args.steps}.")
-
     if args.profile and not args.trace:
         raise TgError("--profile puts the PyTorch profiler's ops in the trace; give --trace "
                       "PATH.")
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"workload.gen_len={args.steps}")
-    args.overrides = overrides
-    scenario = _load(args)
-    if scenario.requests is not None and not args.prompts:
-        return _execute_queue(args, scenario)
-    if args.out and not args.prompts:
-        raise TgError("--out writes each request's generated tokens; give --prompts FILE or a "
-                      "scenario with a request list.")
-    with _progress(not args.json, "executing") as tick:
-        ex = execute_scenario(scenario, None, args.device, args.weights, progress=tick,
-                              prompts_path=args.prompts, zero_copy=args.zero_copy,
-                              profile=args.profile, processes=args.processes)
-    if args.trace:
-        _write_trace(args, [ex.trace_run()], ex.summary)
-    _gantt(args, [ex.trace_run(f"{ex.summary['schedule']} measured")])
-    failure = ex.run.failure
-    if failure is not None:
+    if args.steps is not None and args.steps < 1:
+        raise TgError(f"--steps must be at least 1, not {args.steps}.")
+    steps = [f"workload.gen_len={args.steps}"] if args.steps is not None else []
+    scenario = _load(args, args.schedule, steps)
+    batches = scenario.requests is not None and not args.prompts
+    with _progress(not args.json, "executing batches" if batches else "executing",
+                   "batches" if batches else "segments") as tick:
+        result = api.execute(scenario, device=args.device, weights=args.weights,
+                             prompts=args.prompts, out=args.out, zero_copy=args.zero_copy,
+                             profile=args.profile, processes=args.processes, progress=tick)
+    _outputs(args, result)
+    if result.failure is not None:
+        failure = result.failure
         raise TgError(f"A task failed during execution ({type(failure).__name__}: {failure}); "
                       + (f"the trace in {args.trace} shows what ran before it." if args.trace
                          else "rerun with --trace to see what ran before it."))
-    outputs = ex.summary.get("outputs")
-    if args.out and outputs is not None:       # in the file, not repeated in the JSON
-        from taskgraph.exec.prompts import write_outputs
-
-        write_outputs(args.out, ex.summary.pop("outputs"))
-        ex.summary["out"] = args.out
-
-    def human() -> None:
-        console = _console()
-        console.print(_tables().execute_table(ex.summary))
-        if outputs is not None and not args.out:
-            for row in outputs[:5]:
-                console.print(f"  {row['id']}: {row.get('text', row['output_ids'])}")
-        _print_warnings(ex.summary)
-
-    _emit(args, ex.summary, human)
-    return _interrupted(ex.summary)
-
-
-def _execute_queue(args: argparse.Namespace, scenario) -> int:
-    """A scenario's request list, executed in the simulator's batches; each request checked
-    against the reference run on it alone."""
-    from taskgraph.execution import execute_queue
-
-    if args.profile:
-        raise TgError("--profile traces one batch; run it without a request list (or with "
-                      "--prompts).")
-    if args.processes:
-        raise TgError("--processes does not combine with a request list; run one batch (or "
-                      "--prompts).")
-    with _progress(not args.json, "executing batches", "batches") as tick:
-        q = execute_queue(scenario, args.device, args.weights, progress=tick,
-                          zero_copy=args.zero_copy)
-    if args.trace:
-        runs, offset = [], 0.0
-        for b, ex in enumerate(q.batches):
-            run = ex.trace_run(f"batch {b} measured")
-            run.offset_s = offset
-            offset += ex.summary["makespan_s"]
-            runs.append(run)
-        _write_trace(args, runs, {"scenario": scenario.name})
-    _gantt(args, [q.batches[0].trace_run("batch 0 measured")])
-    if args.out:
-        from taskgraph.exec.prompts import write_outputs
-
-        write_outputs(args.out, q.summary.pop("outputs"))
-        q.summary["out"] = args.out
-    _emit(args, q.summary, lambda: (_console().print(_tables().execute_queue_table(q.summary)),
-                                    _print_warnings(q.summary)))
-    if q.summary["requests_match_alone"] is False:
-        raise CheckFailed(f"{len(q.summary['mismatched'])} requests generated other tokens in "
-                          f"their batch than alone: {', '.join(map(str, q.summary['mismatched'][:10]))}.")
-    return _interrupted(q.summary)
+    _show(args, result)
+    if result.summary.get("requests_match_alone") is False:
+        mismatched = result.summary["mismatched"]
+        raise CheckFailed(f"{len(mismatched)} requests generated other tokens in their batch "
+                          f"than alone: {', '.join(map(str, mismatched[:10]))}.")
+    return _interrupted(result.summary)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -449,31 +294,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    import datetime
-
-    from taskgraph.calibration.fit import run_fit, write_fit
-    from taskgraph.calibration.measurements import load_measurements
-
-    backend = _backend(args)
-    source, cells = load_measurements(args.measurements)
     with _progress(not args.json, "fitting", "steps") as tick:
-        report = run_fit(source, cells, loo=not args.no_loo, progress=tick, backend=backend)
-    files = write_fit(report, args.out, datetime.date.today().isoformat())
-    out = {**report.to_json(), "files": [str(f) for f in files]}
-
-    def human() -> None:
-        console = _console()
-        for table in _tables().fit_table(report):
-            console.print(table)
-        for r in report.cells:
-            if r.memory:
-                console.print(Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory "
-                                   f"model {r.memory}", style="yellow"))
-        if report.at_bound():
-            console.print("[yellow]at a bound:[/yellow] " + ", ".join(report.at_bound()))
-        console.print(f"wrote {', '.join(str(f) for f in files)}")
-
-    _emit(args, out, human)
+        report = api.fit(args.measurements, out=args.out, loo=not args.no_loo,
+                         backend=args.backend, ray_address=args.ray_address, progress=tick)
+    _show(args, report)
     return 0
 
 
@@ -522,42 +346,17 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from taskgraph.limits import hardware_limit_tok_s
-    from taskgraph.scenario import load_scenario
-    from taskgraph.search import brute_force, brute_force_summary, search, verify
-
-    if args.top < 1:
-        raise TgError(f"--top must be at least 1, not {args.top}.")
-    backend = _backend(args)
-    scenario = load_scenario(args.scenario, args.overrides)
-    result = search(scenario, top=args.top)
-    if args.verify or args.brute_force:
-        with _progress(not args.json, "verifying", "jobs") as tick:
-            verify(scenario, result, backend, progress=tick)
-    limit = hardware_limit_tok_s(scenario)
-    out = result.to_json()
-    grid = []
-    if args.brute_force:
-        with _progress(not args.json, "brute force", "jobs") as tick:
-            grid = brute_force(scenario, backend=backend, progress=tick)
-        out["brute_force"] = brute_force_summary(result, grid)
-    out["hardware_limit_tok_s"] = round(limit, 3)
-    best = result.best
-    out["best"]["throughput_tok_s"] = best.simulated_tok_s or best.predicted_tok_s
-    out["best"]["hardware_limit_fraction"] = round(out["best"]["throughput_tok_s"] / limit, 4)
-    def human() -> None:
-        console = _console()
-        console.print(_tables().search_table(result, scenario.name, limit))
-        if grid:
-            console.print(_tables().brute_force_table(grid[:args.top], out["brute_force"]))
-
-    _emit(args, out, human)
+    with _progress(not args.json, "simulating", "jobs") as tick:
+        result = api.search(args.scenario, overrides=args.overrides, top=args.top,
+                            verify=args.verify, brute_force=args.brute_force,
+                            backend=args.backend, ray_address=args.ray_address, progress=tick)
+    _show(args, result)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from taskgraph.scenario import load_scenario
-    from taskgraph.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
+    from taskgraph.study.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
 
     backend = _backend(args)
     vary = parse_vary(args.vary)
@@ -622,7 +421,7 @@ def _graph(args: argparse.Namespace) -> int:
     from taskgraph.builder import build_segment, make_plan
     from taskgraph.export import write_graph
 
-    plan = make_plan(_load(args))
+    plan = make_plan(_load(args, args.schedule))
     step = args.step if args.step is not None else min(2, plan.G)
     if not 0 <= step <= plan.G:
         raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
@@ -638,16 +437,10 @@ def _graph(args: argparse.Namespace) -> int:
 
 # --- helpers ---------------------------------------------------------------------------------
 
-def _load(args: argparse.Namespace):
-    """The scenario of the command line; `policy: auto` is replaced by the search's best."""
-    from taskgraph.scenario import load_scenario
-    from taskgraph.search import resolve_auto_policy
-
-    # A schedule chosen on the command line is an override like any other, so that its
-    # placement replaces the file's (scenario.for_schedule).
-    chosen = getattr(args, "schedule", None)
-    overrides = list(args.overrides) + ([f"schedule={chosen}"] if chosen else [])
-    scenario, found = resolve_auto_policy(load_scenario(args.scenario, overrides))
+def _load(args: argparse.Namespace, schedule: str | None = None, extra: list[str] = ()):
+    """The scenario of the command line, with `schedule` chosen; `policy: auto` is replaced by
+    the search's best, which is said."""
+    scenario, found = api.load(args.scenario, [*args.overrides, *extra], schedule)
     if found is not None and not getattr(args, "json", False):
         p = found.best.policy
         _console().print(f"policy: auto -> {found.best.schedule} N={p['N']} mu={p['mu']} "
@@ -674,6 +467,28 @@ def _tables():
 def _console():
     from taskgraph.report import stderr_console
     return stderr_console()
+
+
+def _show(args: argparse.Namespace, result) -> None:
+    """A result as JSON on stdout, or as its tables on stderr."""
+    _emit(args, result.to_dict(), lambda: _console().print(result))
+
+
+def _outputs(args: argparse.Namespace, result) -> None:
+    """The trace and Gantt chart a command line asks of a result."""
+    if args.trace:
+        try:
+            slices = result.write_trace(args.trace, _window(args.trace_steps).max_step)
+        except KeyboardInterrupt:
+            args.trace_interrupted = True     # the results are still reported; see main()
+        else:
+            if not args.json:
+                _console().print(f"wrote {args.trace}: {slices:,} task slices "
+                                 "(open it at https://ui.perfetto.dev)")
+    if args.gantt:
+        result.write_gantt(args.gantt)
+        if not args.json:
+            _console().print(f"wrote {args.gantt}")
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], None]) -> None:
@@ -756,21 +571,6 @@ def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> 
     if not getattr(args, "json", False):
         _console().print(f"wrote {args.trace}: {slices:,} task slices "
                          "(open it at https://ui.perfetto.dev)")
-
-
-def _gantt(args: argparse.Namespace, runs: list) -> None:
-    if not getattr(args, "gantt", None):
-        return
-    from taskgraph.plots import gantt
-
-    gantt(runs, args.gantt)
-    if not args.json:
-        _console().print(f"wrote {args.gantt}")
-
-
-def _print_warnings(summary: dict[str, Any]) -> None:
-    for text in summary.get("warnings", []):
-        _console().print(f"[yellow]warning:[/yellow] {text}")
 
 
 def _interrupted(summary: dict[str, Any]) -> int:

@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import ValidationError
+from rich.text import Text
 
 from taskgraph.builder import make_plan
 from taskgraph.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import Simulation
 from taskgraph.specs import ModelSpec, Scenario
-from taskgraph.tracing.writer import TraceRun
+from taskgraph.tracing.writer import Traced, TraceRun
 
 
 @dataclass
@@ -35,6 +37,31 @@ class Execution(Simulation):
         run = super().trace_run(label)
         run.ops = self.ops
         return run
+
+    def gantt_runs(self) -> list[TraceRun]:
+        return [self.trace_run(f"{self.summary['schedule']} measured")]
+
+    def views(self):
+        yield execute_table(self.summary)
+        for row in (self.summary.get("outputs") or [])[:5]:
+            yield Text(f"  {row['id']}: {row.get('text', row['output_ids'])}")
+        yield from warnings_of(self.summary)
+
+    def write_outputs(self, path: str) -> None:
+        _write_outputs(self.summary, path)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception a task raised, if one did (the run stopped there)."""
+        return self.run.failure
+
+
+def _write_outputs(summary: dict[str, Any], path: str) -> None:
+    """Each request's tokens go to `path` (JSON lines) instead of the summary, which names it."""
+    from taskgraph.exec.prompts import write_outputs
+
+    write_outputs(path, summary.pop("outputs"))
+    summary["out"] = path
 
 
 def _torch():
@@ -357,11 +384,39 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
 
 
 @dataclass
-class QueueExecution:
-    """A request list executed batch after batch, as the simulator batches it."""
+class QueueExecution(Shown, Traced):
+    """A request list executed batch after batch, as the simulator batches it; `summary` is
+    the JSON of `tg execute` on it."""
 
     batches: list[Execution]
     summary: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.summary
+
+    def views(self):
+        yield execute_queue_table(self.summary)
+        yield from warnings_of(self.summary)
+
+    def write_outputs(self, path: str) -> None:
+        _write_outputs(self.summary, path)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return next((ex.failure for ex in self.batches if ex.failure is not None), None)
+
+    def trace_runs(self) -> list[TraceRun]:
+        """Each batch on one time line, one after the other as they ran."""
+        runs, offset = [], 0.0
+        for b, ex in enumerate(self.batches):
+            run = ex.trace_run(f"batch {b} measured")
+            run.offset_s = offset
+            offset += ex.summary["makespan_s"]
+            runs.append(run)
+        return runs
+
+    def gantt_runs(self) -> list[TraceRun]:
+        return [self.batches[0].trace_run("batch 0 measured")]
 
 
 def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | None = None,

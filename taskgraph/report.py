@@ -1,11 +1,14 @@
-"""Human-readable views of results (rich tables on stderr; JSON goes to stdout)."""
+"""Human-readable views of results: rich tables, which the command line prints on stderr and
+a notebook shows as HTML (JSON goes to stdout)."""
 
 from __future__ import annotations
 
-from typing import Any
+import io
+from typing import Any, Iterator
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from taskgraph.cost import POOL_NAMES
 from taskgraph.expect import Check
@@ -15,7 +18,33 @@ def _policy(p: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items())
 
 
-def simulate_table(r: dict[str, Any]) -> Table:
+class Shown:
+    """A result that shows itself as its tables: `console.print(result)` in a terminal (what
+    the command line prints), the same tables as HTML in a notebook. Subclasses say what they
+    show in `views()`."""
+
+    def views(self) -> Iterator[RenderableType]:
+        raise NotImplementedError
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions
+                         ) -> Iterator[RenderableType]:
+        yield from self.views()
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        console = Console(file=io.StringIO(), record=True, width=110, highlight=False)
+        console.print(self)
+        return {"text/plain": console.export_text(clear=False),
+                "text/html": console.export_html(inline_styles=True)}
+
+
+def warnings_of(summary: dict[str, Any], prefix: str = "") -> Iterator[Text]:
+    """A result's warnings, as text (never markup: they quote user input)."""
+    for text in summary.get("warnings", []):
+        yield Text.assemble(("warning:", "yellow"), f" {prefix}{text}")
+
+
+def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table:
+    """One run's figures; `rows` are added before the task count (a queue's requests)."""
     t = Table(title=f"tg simulate {r['scenario']}: {r['schedule']} ({r['schedule_title']}), "
                     f"{r['model']} on {r['hardware']}", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -41,17 +70,22 @@ def simulate_table(r: dict[str, Any]) -> Table:
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
-    if isinstance(r.get("requests"), dict):      # a queue of requests, simulated
-        q = r["requests"]
-        fin = q["finish_s"]
-        t.add_row("requests", f"{q['finished']:,} of {q['count']:,} in {q['batches']} batches "
-                              f"({'padded' if q['padded'] else 'refill' if q.get('refill') else 'Algorithm 2'}), "
-                              f"{len(q['aborted'])} aborted")
-        t.add_row("finished", f"{fin['median']:.2f} s median, {fin['p99']:.2f} s p99")
+    for row in rows:
+        t.add_row(*row)
     verb = "executed" if r.get("measured") else "simulated"
     t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
     return t
+
+
+def queue_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """A simulated request queue's rows: how its requests were batched and when they finished."""
+    q = r["requests"]
+    fin = q["finish_s"]
+    how = "padded" if q["padded"] else "refill" if q.get("refill") else "Algorithm 2"
+    return [("requests", f"{q['finished']:,} of {q['count']:,} in {q['batches']} batches "
+                         f"({how}), {len(q['aborted'])} aborted"),
+            ("finished", f"{fin['median']:.2f} s median, {fin['p99']:.2f} s p99")]
 
 
 def execute_queue_table(r: dict[str, Any]) -> Table:

@@ -16,20 +16,37 @@ from taskgraph.compiled import Program, compile_plan
 from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.cost import POOL_NAMES, POOLS, cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
+from taskgraph.report import Shown, simulate_table, warnings_of
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
 from taskgraph.specs import Scenario
-from taskgraph.tracing.writer import TraceRun
+from taskgraph.tracing.writer import Traced, TraceRun
 
 
 @dataclass
-class Simulation:
+class Simulation(Shown, Traced):
+    """One schedule's run of a scenario: its plan, tasks, task times and figures (`summary`,
+    the JSON of `tg simulate`)."""
+
     plan: Plan
     program: Program
     memory: MemoryReport
     run: SimRun
     summary: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.summary
+
+    def views(self):
+        yield simulate_table(self.summary)
+        yield from warnings_of(self.summary)
+
+    def trace_runs(self) -> list[TraceRun]:
+        return [self.trace_run()]
+
+    def gantt_runs(self) -> list[TraceRun]:
+        return [self.trace_run(f"{self.summary['schedule']} simulated")]
 
     def trace_run(self, label: str = "simulated") -> TraceRun:
         cost = cost_model(self.plan.scenario, self.plan.schedule.name)

@@ -117,7 +117,7 @@ def test_a_ray_sweep_equals_the_pool_sweep(local_ray, tmp_path, capsys):
 
 def test_ray_search_verify_and_brute_force_equal_the_pool(local_ray, capsys):
     from taskgraph.scenario import load_scenario
-    from taskgraph.search import Grid, brute_force
+    from taskgraph.study.search import Grid, brute_force
 
     args = ["search", TINY, "--top", "4", "--verify", "--json"]
     assert main(args) == 0

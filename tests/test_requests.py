@@ -387,7 +387,7 @@ def test_search_verify_simulates_the_request_list(tmp_path, capsys):
     """The search ranks by the mean lengths; --verify simulates each candidate's whole queue,
     and what it reports is what simulating that queue gives."""
     from taskgraph.serving.queue import simulate_queue
-    from taskgraph.search import Candidate
+    from taskgraph.study.search import Candidate
 
     rows = [(30, 12), (30, 2), (20, 3), (40, 2), (25, 11), (35, 1)] * 3
     sc = _queue_scenario(tmp_path, rows, extra=", refill: true")

@@ -17,7 +17,7 @@ from taskgraph.memory import check_fits, memory_footprint
 from taskgraph.predict import predict
 from taskgraph.scenario import for_schedule, load_scenario
 from taskgraph.schedules import SCHEDULES
-from taskgraph.search import Grid, evaluate, resolve_auto_policy, search, verify
+from taskgraph.study.search import Grid, evaluate, resolve_auto_policy, search, verify
 from taskgraph.simulation import simulate_scenario
 from tests.helpers import tiny
 
@@ -189,7 +189,7 @@ def test_sweep_writes_csv_and_plot(tmp_path, capsys):
 def test_sweep_jobs_are_plain_serialisable_data():
     import pickle
 
-    from taskgraph.sweep import parse_vary, sweep_jobs
+    from taskgraph.study.sweep import parse_vary, sweep_jobs
 
     jobs = sweep_jobs("scenarios/tiny.yaml", ["workload.gen_len=2"],
                       parse_vary(["hardware.link.h2d_gbps=1,2", "policy.mu=1,2,4"]))
@@ -216,7 +216,7 @@ def test_roofline_plot(tmp_path, capsys):
 
 
 def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
-    from taskgraph.search import brute_force, brute_force_summary
+    from taskgraph.study.search import brute_force, brute_force_summary
 
     sc = tiny(workload={"gen_len": 2})
     grid = Grid(mu=(1, 2), r_w=(0.0, 0.5), r_c=(0.0,), max_micro_batches=4)

@@ -159,7 +159,7 @@ def test_the_search_predictor_prices_a_pipeline_as_the_simulator_does():
 
 
 def test_the_search_runs_the_pipeline_on_several_gpus_and_the_one_gpu_schedule_on_one():
-    from taskgraph.search import Grid, evaluate, grid_jobs
+    from taskgraph.study.search import Grid, evaluate, grid_jobs
 
     sc = load_scenario("scenarios/2xt4-8x22b.yaml")
     names = {c[0] for job in grid_jobs(sc, Grid(), 1) for c in job.combos}
@@ -172,7 +172,7 @@ def test_the_search_runs_the_pipeline_on_several_gpus_and_the_one_gpu_schedule_o
     pp = [c for c in found if c.schedule == "PP"]
     assert pp and all(c.policy["N"] // c.policy["mu"] % 2 == 0 for c in pp)
     # and they survive the check that a candidate can run (on a model cut to a layer a GPU)
-    from taskgraph.search import _runnable
+    from taskgraph.study.search import _runnable
 
     four = load_scenario("scenarios/4xt4-8x22b.yaml")
     pp = [c for c in evaluate(four, workers=1)[0] if c.schedule == "PP"][:5]

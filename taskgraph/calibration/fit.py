@@ -34,6 +34,7 @@ from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
 from taskgraph.jobs import LOCAL, Backend, run_jobs
+from taskgraph.report import Shown, fit_table
 from taskgraph.calibration.measurements import Cell
 
 
@@ -275,12 +276,32 @@ class CellReport:
 
 
 @dataclass
-class FitReport:
+class FitReport(Shown):
+    """Fitted values, each cell's error in and out of the fit. `to_json()` is the report file,
+    `to_dict()` `tg fit --json` (the report and the files written)."""
+
     source: str
     params: list[Param]
     values: np.ndarray
     cells: list[CellReport]
     loo_values: list[np.ndarray] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.to_json(), "files": [str(f) for f in self.files]}
+
+    def views(self):
+        from rich.text import Text
+
+        yield from fit_table(self)
+        for r in self.cells:
+            if r.memory:
+                yield Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory model "
+                           f"{r.memory}", style="yellow")
+        if self.at_bound():
+            yield Text.assemble(("at a bound:", "yellow"), " " + ", ".join(self.at_bound()))
+        if self.files:
+            yield Text(f"wrote {', '.join(str(f) for f in self.files)}")
 
     def at_bound(self) -> list[str]:
         return [p.name for p, v in zip(self.params, self.values)
@@ -440,6 +461,7 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
             tmp.write_text(text)
         written.append(out / name)
     written.append(parity_plot(report, out / "parity.png"))
+    report.files = written
     return written
 
 

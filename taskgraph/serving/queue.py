@@ -35,7 +35,9 @@ from taskgraph.builder import make_plan
 from taskgraph.compiled import KIND_NAMES, Program, compile_plan
 from taskgraph.cost import cost_model
 from taskgraph.limits import hardware_limit_tok_s
+from taskgraph.files import atomic_path
 from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.report import Shown, queue_rows, simulate_table, warnings_of
 from taskgraph.serving.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
 from taskgraph.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
@@ -43,7 +45,7 @@ from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
 from taskgraph.simulation import check_size
 from taskgraph.specs import Scenario
-from taskgraph.tracing.writer import TraceRun
+from taskgraph.tracing.writer import Traced, TraceRun
 
 
 @dataclass
@@ -55,11 +57,34 @@ class BatchRun:
 
 
 @dataclass
-class QueueRun:
+class QueueRun(Shown, Traced):
+    """A request list simulated batch after batch (or as one refilled batch); `summary` is the
+    JSON of `tg simulate` on it."""
+
     packing: Packing | Refill
     batches: list[BatchRun]
     finish_s: dict[str, float]       # request id -> when its last token was produced
     summary: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.summary
+
+    def views(self):
+        yield simulate_table(self.summary, queue_rows(self.summary))
+        yield from warnings_of(self.summary)
+
+    def write_csv(self, path: str) -> None:
+        """Each request's batch, micro-batch, prefill step and finish time, as CSV."""
+        import csv
+
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch",
+                          "prefill_step", "finish_s"])
+            out.writerows(self.rows())
+
+    def gantt_runs(self) -> list[TraceRun]:
+        return self.trace_runs()[:1]
 
     def rows(self) -> list[tuple]:
         """Per request: id, prompt_len, gen_len, batch, micro-batch, the step that prefilled it,

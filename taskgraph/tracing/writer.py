@@ -84,6 +84,31 @@ class Window:
         return program.step <= self.max_step
 
 
+class Traced:
+    """A result whose runs can be written as a trace and drawn as a Gantt chart. Subclasses
+    give `trace_runs()` (and `gantt_runs()` where the chart shows fewer, or other labels)."""
+
+    def trace_runs(self) -> list[TraceRun]:
+        raise NotImplementedError
+
+    def gantt_runs(self) -> list[TraceRun]:
+        return self.trace_runs()
+
+    def write_trace(self, path: str | Path, steps: int | None = 2) -> int:
+        """Prefill and `steps` decode steps (None: all) to `path` (.json, .json.gz or
+        .pftrace); returns the number of task slices. The result's scalar figures go in the
+        trace's metadata, but not its wall time, which would change the trace's bytes."""
+        meta = {k: v for k, v in self.to_dict().items()
+                if not isinstance(v, (dict, list)) and k != "wall_s"}
+        return write_trace(path, self.trace_runs(), Window(steps), metadata=meta)
+
+    def write_gantt(self, path: str | Path) -> Path:
+        """Two layers of decode step 2, one row per stream, to a PNG (needs matplotlib)."""
+        from taskgraph.plots import gantt
+
+        return gantt(self.gantt_runs(), path)
+
+
 def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(),
                 metadata: dict[str, Any] | None = None) -> int:
     """Write `runs` to `path`: Chrome JSON (``.json`` or ``.json.gz``) or Perfetto protobuf

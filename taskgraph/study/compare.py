@@ -11,19 +11,26 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from taskgraph.errors import MemoryFitError, TgError
+from taskgraph.expect import Check, evaluate
+from taskgraph.report import Shown, check_table, compare_table, warnings_of
 from taskgraph.schedules import SCHEDULES
 from taskgraph.specs import Scenario
+from taskgraph.tracing.writer import Traced
 
 Progress = Callable[[int, int], None] | None
 
 
 @dataclass
-class Comparison:
-    """Simulated schedules in the order asked, and what happened to the others."""
+class Comparison(Shown, Traced):
+    """Simulated schedules in the order asked, what happened to the others and, when asked,
+    the scenario's expectations checked against them. `to_dict()` is `tg compare --json`."""
 
+    scenario: str = ""
     sims: dict = field(default_factory=dict)          # name -> Simulation (or a queue's run)
     notes: dict[str, str] = field(default_factory=dict)     # how a schedule's policy was adapted
     left_out: dict[str, str] = field(default_factory=dict)  # name -> why its memory does not fit
+    checks: list[Check] | None = None                 # the `expect` section, when checked
+    queue_runs: list = field(default_factory=list)    # request lists: batches, by entry
 
     @property
     def results(self) -> list[dict]:
@@ -32,6 +39,38 @@ class Comparison:
     @property
     def interrupted(self) -> bool:
         return any(r["interrupted"] for r in self.results)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks or [] if not c.ok]
+
+    def to_dict(self) -> dict:
+        out: dict = {"scenario": self.scenario, "results": self.results}
+        if self.left_out:
+            out["left_out"] = self.left_out
+        if self.checks is not None:
+            out["checks"] = [c.__dict__ for c in self.checks]
+            out["checks_ok"] = not self.failed
+        return out
+
+    def views(self):
+        from rich.text import Text
+
+        yield compare_table(self.results, self.notes)
+        for r in self.results:
+            yield from warnings_of(r, f"{r['schedule']}: ")
+        for name, why in self.left_out.items():
+            yield Text.assemble(("left out:", "yellow"), f" {name}: {why}")
+        if self.checks is not None:
+            yield check_table(self.checks)
+
+    def trace_runs(self) -> list:
+        return self.queue_runs or [s.trace_run(f"{n} simulated") for n, s in self.sims.items()]
+
+    def gantt_runs(self) -> list:
+        # a request list: the first batch of each queue, where the schedules' steps differ
+        return ([r for r in self.queue_runs if r.label.endswith((" batch 0", " window 0"))]
+                or self.trace_runs())
 
 
 def parse_entry(entry: str) -> tuple[str, str | None]:
@@ -55,6 +94,43 @@ def default_schedules(scenario: Scenario) -> list[str]:
             if (s.parallel != "pipeline" or not one) and (one or s.ffn == "gpu")]
 
 
+def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool = False,
+            keep_runs: bool = False, progress: Progress = None) -> Comparison:
+    """Simulate `schedules` (entries as `parse_entry` reads them; default: every schedule that
+    runs on the machine) side by side, on the scenario's mean lengths or over its whole request
+    list. `check` evaluates the scenario's `expect` section (mean lengths only): its schedules
+    are added to the comparison and must fit. A schedule named here must fit; one chosen by
+    default is left out, with the reason, when it does not. `keep_runs`: keep a request list's
+    task times for traces."""
+    names = list(schedules) if schedules is not None else list(SCHEDULES)
+    if not names:
+        raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
+    entries = [parse_entry(n) for n in names]
+    if scenario.requests is not None:
+        if check:
+            raise TgError("tg compare --check gates a mean-length scenario's schedules; on a "
+                          "request list, compare the queues' figures (--json) instead.")
+        return compare_queues(scenario, names, keep_runs, progress)
+    if any(batching for _, batching in entries):
+        raise TgError("NAME:padded and NAME:refill batch a request list; this scenario lists "
+                      "none (give workload.requests or workload.lengths).")
+    expected: set[str] = set()
+    if check:
+        if scenario.expect is None:
+            raise TgError(f"--check needs an `expect` section in the scenario '{scenario.name}'"
+                          "; see the README for its fields (beats, min_efficiency, "
+                          "max_decode_layer_ms, min_throughput_tok_s).")
+        expected = set(scenario.expect.schedules())
+        names += [n for n in scenario.expect.schedules() if n not in names]
+    if schedules is None:
+        names = [n for n in names if n in default_schedules(scenario)]
+    out = compare_scenario(scenario, names, set(names) if schedules is not None else expected,
+                           progress)
+    if check:
+        out.checks = evaluate(scenario.expect, {n: s.summary for n, s in out.sims.items()})
+    return out
+
+
 def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
                      progress: Progress = None) -> Comparison:
     """Simulate `names` on a mean-length scenario. Every schedule's memory is checked before
@@ -65,7 +141,7 @@ def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
     from taskgraph.scenario import for_schedule
     from taskgraph.simulation import simulate_scenario
 
-    out, adapted = Comparison(), {}
+    out, adapted = Comparison(scenario.name), {}
     for name in names:
         adapted[name], note = for_schedule(scenario, name)
         try:
@@ -85,16 +161,16 @@ def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
 
 
 def compare_queues(scenario: Scenario, entries: list[str], keep_runs: bool,
-                   progress: Progress = None) -> tuple[Comparison, list]:
+                   progress: Progress = None) -> Comparison:
     """Each schedule over the whole request list; NAME:padded batches it as FlexGen does (the
     paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests),
-    NAME:refill as one continuous batch (MoE-Lens). Returns the comparison, keyed by entry, and
-    the runs to trace, labelled with their entry."""
+    NAME:refill as one continuous batch (MoE-Lens). Returns the comparison, keyed by entry,
+    with the runs to trace labelled with their entry."""
     from taskgraph.scenario import for_schedule
     from taskgraph.serving.queue import simulate_queue
     from taskgraph.serving.requests import with_padding
 
-    out, runs = Comparison(), []
+    out = Comparison(scenario.name)
     w = scenario.workload
     for entry in entries:
         name, batching = parse_entry(entry)
@@ -110,7 +186,7 @@ def compare_queues(scenario: Scenario, entries: list[str], keep_runs: bool,
         out.sims[entry] = q = simulate_queue(adapted, progress=progress, keep_runs=keep_runs)
         for run in q.trace_runs():
             run.label = f"{entry} {run.label}"
-            runs.append(run)
+            out.queue_runs.append(run)
         if q.summary["interrupted"]:
             break
-    return out, runs
+    return out

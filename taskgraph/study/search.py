@@ -26,8 +26,10 @@ from taskgraph.builder import build_segment, make_plan
 from taskgraph.cost import CostModel, cost_model
 from taskgraph.errors import ScheduleError, TgError
 from taskgraph.jobs import LOCAL, Backend, run_jobs
+from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import GB, memory_items
 from taskgraph.predict import ROWS, predict_micro_batches
+from taskgraph.report import Shown, brute_force_table, search_table
 from taskgraph.schedules import SCHEDULES, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 
@@ -72,7 +74,10 @@ class Candidate:
 
 
 @dataclass
-class SearchResult:
+class SearchResult(Shown):
+    """The search's ranking; with `search_scenario` also the machine's limit and, after a
+    brute-force run, the simulated grid. `to_dict()` is `tg search --json`."""
+
     best: Candidate
     top: list[Candidate]
     evaluated: int                      # feasible policies scored
@@ -81,12 +86,33 @@ class SearchResult:
     wall_s: float = 0.0
     verified: bool = False
     notes: list[str] = field(default_factory=list)
+    scenario: str = ""
+    hardware_limit_tok_s: float | None = None   # MoE-Lens's bound for the machine
+    grid: list[Candidate] = field(default_factory=list)     # brute force, best first
 
     def to_json(self) -> dict[str, Any]:
         return {"best": asdict(self.best), "top": [asdict(c) for c in self.top],
                 "binding": self.binding, "evaluated": self.evaluated,
                 "considered": self.considered, "verified": self.verified,
                 "notes": self.notes, "wall_s": round(self.wall_s, 3)}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.to_json()
+        if self.grid:
+            out["brute_force"] = brute_force_summary(self, self.grid)
+        limit = self.hardware_limit_tok_s
+        if limit is not None:
+            out["hardware_limit_tok_s"] = round(limit, 3)
+            tok_s = self.best.simulated_tok_s or self.best.predicted_tok_s
+            out["best"]["throughput_tok_s"] = tok_s
+            out["best"]["hardware_limit_fraction"] = round(tok_s / limit, 4)
+        return out
+
+    def views(self):
+        yield search_table(self, self.scenario, self.hardware_limit_tok_s)
+        if self.grid:
+            yield brute_force_table(self.grid[:len(self.top)],
+                                    brute_force_summary(self, self.grid))
 
 
 @dataclass(frozen=True)
@@ -137,6 +163,23 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(),
     result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
                           binding=_binding(scenario, best, grid.max_micro_batches))
     result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def search_scenario(scenario: Scenario, top: int = 10, verify_top: bool = False,
+                    brute: bool = False, backend: Backend = LOCAL,
+                    progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """`tg search`: the ranking, with the machine's limit; `verify_top` simulates the top
+    policies and re-ranks them; `brute` also simulates a coarse grid (which verifies too)."""
+    if top < 1:
+        raise TgError(f"--top must be at least 1, not {top}.")
+    result = search(scenario, top=top)
+    result.scenario = scenario.name
+    if verify_top or brute:
+        verify(scenario, result, backend, progress)
+    if brute:
+        result.grid = brute_force(scenario, backend=backend, progress=progress)
+    result.hardware_limit_tok_s = hardware_limit_tok_s(scenario)
     return result
 
 

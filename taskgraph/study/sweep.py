@@ -30,7 +30,7 @@ class SweepJob:
 
     def run(self) -> dict[str, Any]:
         from taskgraph.limits import hardware_limit_tok_s
-        from taskgraph.search import search
+        from taskgraph.study.search import search
 
         row: dict[str, Any] = {k: v for k, v in self.point}
         try:

@@ -1,0 +1,13 @@
+"""The README's examples are tests too: `tests/doc_examples.py` says how each kind of block is
+run and checked."""
+
+from sybil import Sybil
+from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
+
+from tests.doc_examples import CheckParser, run_console, setup, teardown
+
+pytest_collect_file = Sybil(
+    parsers=[SkipParser(), CheckParser(), CodeBlockParser("console", run_console),
+             PythonCodeBlockParser()],
+    patterns=["README.md", "docs/*.md"], setup=setup, teardown=teardown,
+).pytest()

@@ -1,0 +1,186 @@
+"""The Python API: what each `tg` verb does, as a function returning a typed result.
+
+    import taskgraph as tg
+
+    sim = tg.simulate("scenarios/t4.yaml", overrides={"policy.mu": 32})
+    sim.summary["throughput_tok_s"]       # the figures; sim.to_dict() is `tg simulate --json`
+    sim                                   # in a notebook: the tables `tg simulate` prints
+    sim.write_trace("t4.json.gz")         # open it at https://ui.perfetto.dev
+
+Every function takes a scenario as a file path, a mapping (the YAML document) or a
+:class:`~taskgraph.specs.Scenario`; `overrides` are `--set` fields, as a mapping
+(``{"policy.mu": 32}``) or ``"key=value"`` strings; the other options are the command line's.
+Each result has ``to_dict()`` (exactly what the verb's ``--json`` prints), shows itself as the
+verb's tables (``rich.print(result)``, or as HTML in a notebook), and, where the verb writes
+traces, ``write_trace(path)`` and ``write_gantt(png)``. Bad input raises
+:class:`~taskgraph.errors.TgError` with the message the command line prints. `progress(done,
+total)`, where given, is called as work completes.
+
+The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Union
+
+from taskgraph.errors import TgError
+from taskgraph.specs import Scenario
+
+ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
+Overrides = Union[Mapping[str, Any], Iterable[str], None]
+Progress = Union[Callable[[int, int], None], None]
+
+__all__ = ["load", "simulate", "compare", "search", "execute", "fit"]
+
+from taskgraph.study.compare import parse_entry  # noqa: E402  (re-exported: the CLI reads entries)
+
+
+def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | None = None,
+         auto: bool = True) -> tuple[Scenario, Any]:
+    """The scenario, overridden and validated, with `schedule` (an override like any other, so
+    that its placement replaces the file's) and, with `auto`, ``policy: auto`` replaced by the
+    search's best. Returns it with that search's result (None when the policy was given)."""
+    from taskgraph.scenario import _apply_override, load_scenario, scenario_from_dict
+    from taskgraph.study.search import resolve_auto_policy
+
+    items = _override_items(overrides) + ([f"schedule={schedule}"] if schedule else [])
+    if isinstance(scenario, Scenario):
+        if items:
+            raise TgError("Overrides apply to a scenario file or mapping; change a Scenario "
+                          "object with scenario.model_copy(update=...).")
+        loaded = scenario
+    elif isinstance(scenario, Mapping):
+        doc = json.loads(json.dumps(scenario))          # a deep copy; the caller's stays as given
+        for item in items:
+            _apply_override(doc, item)
+        loaded = scenario_from_dict(doc)
+    elif isinstance(scenario, (str, Path)):
+        loaded = load_scenario(scenario, items)
+    else:
+        raise TgError(f"A scenario is a file path, a mapping or a Scenario, not "
+                      f"{type(scenario).__name__}.")
+    return resolve_auto_policy(loaded) if auto else (loaded, None)
+
+
+def _override_items(overrides: Overrides) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        # JSON is YAML: each value reads back as the same number, string, list or mapping
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        return [overrides]
+    return list(overrides)
+
+
+def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
+             overrides: Overrides = None, keep_runs: bool = False, progress: Progress = None):
+    """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
+    whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`; `keep_runs`
+    keeps each batch's task times for traces). Returns a
+    :class:`~taskgraph.simulation.Simulation` otherwise."""
+    from taskgraph.serving.queue import simulate_queue
+    from taskgraph.simulation import simulate_scenario
+
+    s, _ = load(scenario, overrides, schedule)
+    if s.requests is not None:
+        return simulate_queue(s, progress=progress, keep_runs=keep_runs)
+    return simulate_scenario(s, progress=progress)
+
+
+def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
+            overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
+            progress: Progress = None):
+    """`tg compare`: several schedules side by side (default: every schedule that runs on the
+    machine); entries NAME:padded and NAME:refill batch a request list. `check` evaluates the
+    scenario's `expect` section (``result.failed`` lists what broke). Returns a
+    :class:`~taskgraph.study.compare.Comparison`."""
+    from taskgraph.study.compare import compare as run
+
+    names = None if schedules is None else [n.strip() for n in schedules if n.strip()]
+    # the first schedule named is the scenario's own: its placement replaces the file's
+    first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
+    s, _ = load(scenario, overrides, first)
+    return run(s, names, check=check, keep_runs=keep_runs, progress=progress)
+
+
+def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
+           verify: bool = False, brute_force: bool = False, backend: str = "pool",
+           ray_address: str | None = None, progress: Progress = None):
+    """`tg search`: the policies with the best predicted throughput; `verify` simulates the
+    top ones and re-ranks them, `brute_force` also simulates a coarse grid. Returns a
+    :class:`~taskgraph.study.search.SearchResult`."""
+    from taskgraph.study.search import search_scenario
+
+    jobs = _backend(backend, ray_address)
+    s, _ = load(scenario, overrides, auto=False)      # the search is what `auto` would run
+    return search_scenario(s, top, verify, brute_force, jobs, progress)
+
+
+def execute(scenario: ScenarioLike, *, schedule: str | None = None,
+            overrides: Overrides = None, device: str = "auto", steps: int | None = None,
+            weights: str | None = None, prompts: str | None = None, out: str | None = None,
+            zero_copy: bool = False, profile: bool = False, processes: bool = False,
+            progress: Progress = None):
+    """`tg execute`: run a schedule for real (PyTorch) and check its tokens against the
+    sequential reference. `weights`: a Mixtral safetensors folder (default: synthetic, seeded);
+    `prompts`: a JSON-lines file of requests, whose tokens go to `out` when given. A scenario
+    with a request list runs in the simulator's batches
+    (:class:`~taskgraph.execution.QueueExecution`); otherwise returns an
+    :class:`~taskgraph.execution.Execution`. A task that raised stops the run:
+    ``result.failure`` holds its exception."""
+    from taskgraph.execution import execute_queue, execute_scenario
+
+    if steps is not None and steps < 1:
+        raise TgError(f"--steps must be at least 1, not {steps}.")
+    items = _override_items(overrides) + ([f"workload.gen_len={steps}"] if steps else [])
+    s, _ = load(scenario, items, schedule)
+    if s.requests is not None and not prompts:
+        if profile:
+            raise TgError("--profile traces one batch; run it without a request list (or with "
+                          "--prompts).")
+        if processes:
+            raise TgError("--processes does not combine with a request list; run one batch "
+                          "(or --prompts).")
+        result = execute_queue(s, device, weights, progress=progress, zero_copy=zero_copy)
+    else:
+        if out and not prompts:
+            raise TgError("--out writes each request's generated tokens; give --prompts FILE "
+                          "or a scenario with a request list.")
+        result = execute_scenario(s, None, device, weights, progress=progress,
+                                  prompts_path=prompts, zero_copy=zero_copy, profile=profile,
+                                  processes=processes)
+    if out and result.summary.get("outputs") is not None:
+        result.write_outputs(out)       # in the file, not repeated in the JSON
+    return result
+
+
+def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
+        backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
+    """`tg fit`: fit machine and implementation profiles to measured throughputs, with each
+    cell's leave-one-out error unless `loo` is False; `out` (a folder) receives the fitted
+    profiles, report.json, cells.csv and parity.png. Returns a
+    :class:`~taskgraph.calibration.fit.FitReport`."""
+    import datetime
+
+    from taskgraph.calibration.fit import run_fit, write_fit
+    from taskgraph.calibration.measurements import load_measurements
+
+    jobs = _backend(backend, ray_address)
+    source, cells = load_measurements(measurements)
+    report = run_fit(source, cells, loo=loo, progress=progress, backend=jobs)
+    if out is not None:
+        write_fit(report, out, datetime.date.today().isoformat())
+    return report
+
+
+def _backend(kind: str, address: str | None):
+    """The backend asked for; Ray's absence is found before any work."""
+    from taskgraph.jobs import Backend, require_ray
+
+    backend = Backend(kind, address)
+    if backend.kind == "ray":
+        require_ray()
+    return backend

@@ -1,0 +1,148 @@
+"""The Python API: each function's result is what its verb prints, as JSON and as tables.
+
+The command line is wiring over :mod:`taskgraph.api`, so these tests hold the two to one
+contract from both sides: `to_dict()` equals the verb's ``--json`` output, and the tables a
+result shows (in a terminal or a notebook) are the verb's default output.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+import taskgraph as tg
+from taskgraph.cli import main
+from taskgraph.errors import TgError
+from tests.helpers import TINY
+
+SCENARIO = "scenarios/tiny.yaml"
+
+
+def _cli_json(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _without_wall_time(obj):
+    """Wall-clock seconds differ between two runs of the same thing; nothing else may."""
+    if isinstance(obj, dict):
+        return {k: _without_wall_time(v) for k, v in obj.items() if k != "wall_s"}
+    if isinstance(obj, list):
+        return [_without_wall_time(v) for v in obj]
+    return obj
+
+
+def _shown(result) -> str:
+    console = Console(file=io.StringIO(), width=110, highlight=False)
+    console.print(result)
+    return console.file.getvalue()
+
+
+def test_simulate_is_tg_simulate(capsys):
+    result = tg.simulate(SCENARIO, overrides={"policy.mu": 4}, schedule="S2")
+    cli = _cli_json(capsys, "simulate", SCENARIO, "--set", "policy.mu=4", "--schedule", "S2")
+    assert _without_wall_time(result.to_dict()) == _without_wall_time(cli)
+    assert result.summary["schedule"] == "S2" and result.summary["policy"]["mu"] == 4
+    # the default output is the result's tables
+    assert main(["simulate", SCENARIO, "--set", "policy.mu=4", "--schedule", "S2"]) == 0
+    err = capsys.readouterr().err
+    shown = _shown(result)
+    assert "tg simulate tiny: S2" in shown
+    for line in shown.splitlines():
+        if "simulated in" not in line:          # wall time
+            assert line.rstrip() in err
+
+
+def test_a_scenario_may_be_a_mapping_or_an_object(capsys):
+    by_path = tg.simulate(SCENARIO).to_dict()
+    doc = json.loads(json.dumps(TINY))
+    by_dict = tg.simulate(doc, overrides=["workload.gen_len=2"])
+    assert doc == TINY                                        # the caller's mapping is untouched
+    assert by_dict.summary["steps"] == 2
+    scenario, found = tg.load(SCENARIO)
+    assert found is None
+    assert _without_wall_time(tg.simulate(scenario).to_dict()) == _without_wall_time(by_path)
+    with pytest.raises(TgError, match="model_copy"):
+        tg.simulate(scenario, overrides={"policy.mu": 4})
+    with pytest.raises(TgError, match="policy.mu"):
+        tg.simulate(SCENARIO, overrides={"policy.mu": "many"})
+
+
+def test_compare_is_tg_compare(capsys):
+    result = tg.compare(SCENARIO, ["S1", "S4"])
+    cli = _cli_json(capsys, "compare", SCENARIO, "--schedules", "S1,S4")
+    assert _without_wall_time(result.to_dict()) == _without_wall_time(cli)
+    assert [r["schedule"] for r in result.results] == ["S1", "S4"]
+    assert result.checks is None and not result.failed
+
+
+def test_compare_check_reports_what_broke(tmp_path, capsys):
+    doc = {**TINY, "expect": {"beats": {"S4": ["S1"]}, "min_throughput_tok_s": {"S1": 1e9}}}
+    result = tg.compare(doc, ["S1", "S4"], check=True)
+    assert {c.what for c in result.failed} == {"beats S1", "throughput"}
+    assert result.to_dict()["checks_ok"] is False
+    assert "FAILED" in _shown(result)
+
+
+def test_search_is_tg_search(capsys):
+    result = tg.search(SCENARIO, top=3)
+    cli = _cli_json(capsys, "search", SCENARIO, "--top", "3")
+    assert _without_wall_time(result.to_dict()) == _without_wall_time(cli)
+    assert len(result.top) == 3 and result.hardware_limit_tok_s > 0
+
+
+def test_request_lists_give_queue_results(tmp_path, capsys):
+    overrides = {"workload.lengths": {"preset": "mtbench", "count": 12, "seed": 1}}
+    result = tg.simulate(SCENARIO, overrides=overrides)
+    assert result.summary["requests"]["count"] == 12
+    q = result.summary["requests"]
+    assert f"{q['finished']} of 12 in {q['batches']} batches" in _shown(result)
+    result.write_csv(tmp_path / "q.csv")
+    assert len((tmp_path / "q.csv").read_text().splitlines()) == 13
+    both = tg.compare(SCENARIO, ["S1", "S4:padded"], overrides=overrides)
+    assert [r["requests"]["padded"] for r in both.results] == [False, True]
+
+
+def test_traces_from_results(tmp_path):
+    result = tg.simulate(SCENARIO)
+    slices = result.write_trace(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert slices == sum(1 for e in events if e.get("ph") == "X" and e.get("cat") != "op")
+    assert tg.compare(SCENARIO, ["S1", "S2"]).write_trace(tmp_path / "c.json", steps=None) > slices
+
+
+def test_results_show_in_a_notebook():
+    bundle = tg.simulate(SCENARIO)._repr_mimebundle_()
+    assert "tg simulate tiny" in bundle["text/plain"]
+    assert "<pre" in bundle["text/html"] and "throughput" in bundle["text/html"]
+
+
+def test_fit_is_tg_fit(tmp_path, capsys):
+    import yaml
+
+    from tests.test_fit import _cell
+
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"cells": [_cell(id="a"), _cell(
+        id="b", policy={"mu": 4, "n_ub": 4, "r_w": 0.0, "r_c": 0.0}, measured_tok_s=6.0)]}))
+    report = tg.fit(path, loo=False, out=tmp_path / "api")
+    cli = _cli_json(capsys, "fit", str(path), "--no-loo", "--out", str(tmp_path / "cli"))
+    ours = report.to_dict()
+    assert [f.replace("/api/", "/") for f in ours.pop("files")] == \
+        [f.replace("/cli/", "/") for f in cli.pop("files")]
+    assert ours == cli
+
+
+def test_execute_is_tg_execute(capsys):
+    pytest.importorskip("torch")
+    result = tg.execute(SCENARIO, device="cpu", steps=2)
+    cli = _cli_json(capsys, "execute", SCENARIO, "--device", "cpu", "--steps", "2")
+    ours = result.to_dict()
+    assert ours.keys() == cli.keys()
+    same = ("scenario", "schedule", "policy", "tasks", "steps", "layers", "tokens_match", "dtype")
+    assert {k: ours[k] for k in same} == {k: cli[k] for k in same}
+    assert result.failure is None and ours["tokens_match"] is True
+    assert "tokens identical" in _shown(result)

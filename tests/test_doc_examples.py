@@ -1,0 +1,55 @@
+"""The README checker itself: what it lets through and what it stops (tests/doc_examples.py)."""
+
+from __future__ import annotations
+
+from tests.doc_examples import _session, compare
+
+PRINTED = """\
+tg simulate t4: S1 (CGOPipe), mixtral-8x7b on 1xT4
+┌──────────────────┬────────────────────────────────────────────────────┐
+│ throughput       │ 57.29 tok/s (27% of the hardware limit, 216 tok/s) │
+│ utilization      │ gpu 72%  cpu 1%  h2d 85%  d2h 0%  pin 53%          │
+│ tasks            │ 405,006 simulated in 0.79 s                        │
+└──────────────────┴────────────────────────────────────────────────────┘
+"""
+
+
+def test_the_same_output_passes_at_another_width_and_in_part():
+    assert compare(PRINTED, PRINTED) is None
+    narrower = "│ throughput │ 57.29 tok/s (27% of the\nhardware limit, 216 tok/s) │"
+    assert compare(narrower, PRINTED) is None
+    assert compare("...\n│ tasks │ 405,006 simulated in 0.79 s │", PRINTED) is None
+
+
+def test_a_figure_that_moved_fails_and_a_wall_time_does_not():
+    assert "57.29 -> 60.1" in compare(PRINTED, PRINTED.replace("57.29", "60.1"))
+    assert compare(PRINTED, PRINTED.replace("57.29", "57.9")) is None          # within 2%
+    assert compare(PRINTED, PRINTED.replace("cpu 1%", "cpu 2%")) is None       # last digit
+    assert "405,006" in compare(PRINTED, PRINTED.replace("405,006", "415,006"))
+    assert compare(PRINTED, PRINTED.replace("in 0.79 s", "in 9.31 s")) is None
+    assert compare(PRINTED, PRINTED.replace("57.29", "99.99"), figures=False) is None
+
+
+def test_missing_lines_and_changed_words_fail():
+    assert "is not in" in compare(PRINTED, PRINTED.replace("h2d 85%", "pcie 85%"))
+    assert "is not in" in compare(PRINTED + "│ bound by │ prefill gpu │", PRINTED)
+    # lines must come in the order shown
+    lines = PRINTED.splitlines()
+    assert compare("\n".join([lines[4], lines[2]]), PRINTED) is not None
+
+
+def test_json_is_compared_key_by_key():
+    shown = '{"throughput_tok_s": 57.29, "wall_s": 0.8,\n "warnings": []}'
+    assert compare(shown, '{\n  "throughput_tok_s": 57.3,\n  "wall_s": 3.1,\n  "warnings": []\n}') is None
+    assert "keys" in compare(shown, '{"throughput_tok_s": 57.29, "wall_s": 1, "warnings": [], '
+                                    '"bound_by": {}}')
+    assert "throughput_tok_s" in compare(shown, '{"throughput_tok_s": 70, "wall_s": 1, '
+                                                '"warnings": []}')
+
+
+def test_a_session_splits_into_commands_with_continuations_and_here_documents():
+    block = ("$ tg compare a.yaml \\\n    --schedules S1\nout 1\n"
+             "$ cat > f.csv <<'EOF'\nid,x\n$ not a prompt\nEOF\n$ tg simulate f.yaml\nout 2\n")
+    assert _session(block) == [("tg compare a.yaml  --schedules S1", "out 1"),
+                               ("cat > f.csv <<'EOF'\nid,x\n$ not a prompt\nEOF", ""),
+                               ("tg simulate f.yaml", "out 2")]
