@@ -320,7 +320,21 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
                 raise TgError(f"Invalid scenario {source}: {section}.{key} must be a file path, "
                               f"not {_short(where)}.")
             base = _section_file(section, _resolve_path(where, base_dir), seen)
-    return _merge(base, value)
+    merged = _merge(base, value)
+    return _name_machine(base, merged) if section == "hardware" and "name" not in value \
+        else merged
+
+
+def _name_machine(base: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """A machine named for its GPUs ("1xT4") keeps naming them when an override changes their
+    count: `--set hardware.gpu.count=2` runs on "2xT4", as every table and trace says."""
+    try:
+        gpu = merged["gpu"]
+        if base.get("name") == f"{base['gpu']['count']}x{base['gpu']['name']}":
+            return {**merged, "name": f"{gpu['count']}x{gpu['name']}"}
+    except (KeyError, TypeError):
+        pass                    # validation says what is missing
+    return merged
 
 
 def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

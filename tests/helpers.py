@@ -23,6 +23,25 @@ TINY: dict[str, Any] = {
 }
 
 
+def wait_for(condition, timeout_s: float = 120.0, what: str = "the event") -> None:
+    """Poll `condition()` until it holds; fail after `timeout_s`. For events a test cannot be
+    told of directly (another process's state), instead of sleeping a guessed time."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    try:
+        text = open(f"/proc/{pid}/task/{pid}/children").read()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
 def tiny(**sections: Any) -> Scenario:
     """The tiny scenario with sections (or fields of them) replaced."""
     doc = copy.deepcopy(TINY)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from taskgraph.cli import main
 from taskgraph.errors import TgError
 from taskgraph.scenario import load_scenario, scenario_from_dict
+from tests.helpers import children, wait_for
 
 TINY = "scenarios/tiny.yaml"
 
@@ -204,7 +205,9 @@ def test_ctrl_c_stops_a_parallel_brute_force_at_once():
     proc = subprocess.Popen([sys.executable, "-m", "taskgraph.cli", "search",
                              "scenarios/t4.yaml", "--brute-force"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(6)
+    # the simulations are under way once the search's process pool has its workers
+    wait_for(lambda: proc.poll() is not None or len(children(proc.pid)) >= 2,
+             what="the brute force's worker processes")
     assert proc.poll() is None, "the brute force ended before the test could interrupt it"
     proc.send_signal(signal.SIGINT)
     t0 = time.perf_counter()

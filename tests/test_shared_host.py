@@ -8,6 +8,8 @@ while it ran), and the machine against what it must reduce to when nothing is sh
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -271,3 +273,17 @@ def test_ctrl_c_while_the_short_run_is_solved_stops_the_whole_run(monkeypatch):
     sim = simulate_scenario(_shared(memory_gbps=20.0, workload={"gen_len": 24}))
     assert sim.run.interrupted and np.isnan(sim.run.end).all()
     assert sim.summary["interrupted"] and sim.summary["tasks"] == 0
+
+
+def test_a_pool_nothing_drew_on_leaves_no_track(tmp_path):
+    """DS keeps the KV cache on the GPU: nothing crosses the shared lanes towards the CPU, and
+    the trace has no track for them (it once failed to write: found by hypothesis)."""
+    from taskgraph.cli import main
+
+    path = tmp_path / "ds.json"
+    assert main(["simulate", "scenarios/tiny.yaml", "--schedule", "DS", "--set",
+                 "hardware.shared.pcie_gbps=10", "--trace", str(path)]) == 0
+    names = {e["name"] for e in json.loads(path.read_text())["traceEvents"]
+             if e.get("ph") == "C"}
+    assert "shared PCIe CPU->GPU (GB/s)" in names
+    assert "shared PCIe GPU->CPU (GB/s)" not in names

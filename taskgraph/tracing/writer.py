@@ -434,6 +434,8 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
     # What the tasks drew from each of the host's shared pools, all GPUs' together.
     for name, drawn in run.pools.items():
         mine = ids[(drawn[ids] > 0) & (end_ns[ids] > start_ns[ids])]
+        if not len(mine):            # nothing drew on it in this window
+            continue
         rate = drawn[mine] / (end_ns[mine] - start_ns[mine])          # bytes/ns = GB/s
         times = np.concatenate([start_ns[mine], end_ns[mine]])
         order = np.argsort(times, kind="stable")

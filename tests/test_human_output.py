@@ -1,0 +1,104 @@
+"""What a person sees: every verb's default output (no --json), in each mode it has, ends with
+exit 0, no traceback, and the rows a reader needs. The JSON of the same runs is tested elsewhere;
+this is the output that used to go untested (a table that died after the right tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from taskgraph.cli import main
+
+TINY = "scenarios/tiny.yaml"
+QUEUE = ["--set", "workload.lengths.preset=mtbench", "--set", "workload.lengths.count=12"]
+TWO_GPUS = ["--set", "hardware.gpu.count=2"]
+
+def _needs_torch():
+    pytest.importorskip("torch")
+
+
+# (argv, words the reader needs, whether it runs the executor)
+CASES = {
+    "simulate": (["simulate", TINY], ["tg simulate tiny: S1 (CGOPipe)", "throughput", "tok/s",
+                                      "decode layer", "HRM bound", "bound by", "memory peak",
+                                      "simulated in"], False),
+    "simulate a request list": (["simulate", TINY, *QUEUE],
+                                ["requests", "of 12 in", "batches (Algorithm 2)", "finished",
+                                 "median", "p99"], False),
+    "simulate refill": (["simulate", TINY, *QUEUE, "--set", "workload.refill=true"],
+                        ["requests", "(refill)"], False),
+    "simulate two GPUs": (["simulate", TINY, *TWO_GPUS], ["tiny on 2xT4", "peer"], False),
+    "simulate a pipeline": (["simulate", TINY, *TWO_GPUS, "--schedule", "PP"],
+                            ["PP (FlexGen pipeline parallelism)", "tiny on 2xT4"], False),
+    "simulate the 2xT4 host": (["simulate", TINY, "--set", "hardware=2xt4"],
+                               ["host shared", "host memory", "of decode"], False),
+    "compare": (["compare", TINY], ["tg compare tiny", "tok/s", "vs best", "S1", "S4", "DS",
+                                    "S5: FFN on the CPU"], False),
+    "compare a request list": (["compare", TINY, *QUEUE, "--schedules", "S1,S4:padded"],
+                               ["S1 Alg. 2", "S4 padded"], False),
+    "search": (["search", TINY, "--top", "3"], ["tg search tiny", "feasible of", "pred. tok/s",
+                                                "best:", "hardware limit"], False),
+    "search --verify": (["search", TINY, "--top", "2", "--verify"], ["sim tok/s"], False),
+    "batch": (["batch", TINY, *QUEUE], ["tg batch tiny: 12 requests", "micro-batches",
+                                        "cache limit", "aborted"], False),
+    "execute": (["execute", TINY, "--device", "cpu", "--steps", "2"],
+                ["tg execute tiny: S1 (CGOPipe) on cpu", "(measured)", "executed in",
+                 "tokens identical", "weights"], True),
+    "execute a request list": (["execute", TINY, *QUEUE, "--set", "workload.lengths.count=4",
+                                "--device", "cpu"],
+                               ["a request list (measured)", "batches identical",
+                                "each request alone: identical"], True),
+    "execute two GPUs": (["execute", TINY, *TWO_GPUS, "--device", "cpu", "--steps", "2"],
+                         ["tiny dimensions (measured)", "peer", "tokens identical"], True),
+    "execute --processes": (["execute", TINY, *TWO_GPUS, "--device", "cpu", "--steps", "2",
+                             "--processes"], ["tokens identical"], True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_output_shows_what_a_reader_needs(case, capsys):
+    argv, words, executes = CASES[case]
+    if executes:
+        _needs_torch()
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == ""                                  # tables go to stderr, stdout stays clean
+    assert "Traceback" not in err and "error:" not in err
+    text = " ".join(err.split())                      # a title may wrap at the table's width
+    missing = [w for w in words if w not in text]
+    assert not missing, f"{missing} not in:\n{err}"
+
+
+def test_outputs_and_profiles_are_named(tmp_path, capsys):
+    """The files a verb wrote are named, each once, with how to open a trace."""
+    _needs_torch()
+    trace, png = tmp_path / "t.json.gz", tmp_path / "g.png"
+    assert main(["simulate", TINY, "--trace", str(trace), "--gantt", str(png)]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote {trace}" in err and "ui.perfetto.dev" in err and f"wrote {png}" in err
+    assert main(["execute", TINY, "--device", "cpu", "--steps", "2", "--profile", "--trace",
+                 str(trace)]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote {trace}" in err and "tokens identical" in err
+    csv = tmp_path / "q.csv"
+    assert main(["simulate", TINY, *QUEUE, "--csv", str(csv)]) == 0
+    assert "requests" in capsys.readouterr().err and csv.exists()
+
+
+def test_a_failed_check_shows_the_table_then_the_error(tmp_path, capsys):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(open(TINY).read() + "expect: {min_throughput_tok_s: {S1: 1.0e9}}\n")
+    assert main(["compare", str(scenario), "--schedules", "S1", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "expect: 0 of 1 checks hold" in err and "FAILED" in err
+    assert "1 of 1 expectations" in err and "Traceback" not in err
+
+
+def test_sweep_graph_and_roofline_say_what_they_wrote(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--vary", "hardware.link.h2d_gbps=8,16", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "tg sweep: 2 points" in err and "sweep.csv" in err and "tok/s" in err
+    assert main(["graph", TINY, "--out", str(tmp_path / "g.dot")]) == 0
+    assert "segment 2 of S1" in capsys.readouterr().err
+    assert main(["roofline", TINY, "--out", str(tmp_path / "r.png")]) == 0
+    assert "belongs on the" in capsys.readouterr().err
