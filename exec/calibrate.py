@@ -15,6 +15,7 @@ import numpy as np
 
 from taskgraph.cost import CostModel
 from taskgraph.exec.microbench import base_profile, measure
+from taskgraph.report import Shown, calibrate_table
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, Scenario
 
@@ -232,6 +233,43 @@ def _handoff_gaps(prog, run) -> list[float]:
             if dep > prev:                     # the other stream, not this one, held it back
                 gaps.append(run.start[gid] - dep)
     return gaps
+
+
+@dataclass
+class Calibration(Shown):
+    """A hardware profile measured on this machine and where it was written; `to_dict()` is
+    `tg calibrate --json`."""
+
+    profile: dict[str, Any]
+    measured: dict[str, Any]
+    out: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile, "measured": self.measured, "out": self.out}
+
+    def views(self):
+        yield calibrate_table(self.measured, self.out)
+
+
+def calibrate_to(scenario: Scenario, out: str, device: str = "cpu",
+                 progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """`tg calibrate`: measure this machine and write the profile to `out` (YAML, whole or not
+    at all). `progress(done, total)` after each microbenchmark and the executor's runs."""
+    import yaml
+
+    from taskgraph.exec.microbench import STEPS
+    from taskgraph.files import atomic_path
+
+    steps = [*STEPS[device], "executor tasks"]
+    profile, measured = calibrate(scenario, device, progress=lambda what: progress and progress(
+        steps.index(what) + 1, len(steps)))
+    what = "CPU backend" if device == "cpu" else "GPU and its host"
+    with atomic_path(out) as tmp:
+        tmp.write_text(
+            f"# Written by `tg calibrate`: this machine's {what}. Use it with\n"
+            f"# `hardware: {out}` in a scenario or `--set hardware={out}`.\n"
+            + yaml.safe_dump(profile, sort_keys=False))
+    return Calibration(profile, measured, str(out))
 
 
 def calibrate(scenario: Scenario, device: str = "cpu",

@@ -32,7 +32,8 @@ ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
 Overrides = Union[Mapping[str, Any], Iterable[str], None]
 Progress = Union[Callable[[int, int], None], None]
 
-__all__ = ["load", "simulate", "compare", "search", "execute", "fit"]
+__all__ = ["load", "simulate", "compare", "search", "execute", "fit", "sweep", "batch",
+           "validate", "calibrate", "roofline", "graph"]
 
 from taskgraph.study.compare import parse_entry  # noqa: E402  (re-exported: the CLI reads entries)
 
@@ -174,6 +175,90 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
     if out is not None:
         write_fit(report, out, datetime.date.today().isoformat())
     return report
+
+
+def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
+          out: str | Path, overrides: Overrides = None, backend: str = "pool",
+          ray_address: str | None = None, progress: Progress = None):
+    """`tg sweep`: the policy search at every combination of the varied fields (a mapping
+    ``{"hardware.link.h2d_gbps": [8, 16, 32]}`` or ``"KEY=V1,V2"`` strings; the first is the x
+    axis, a second one line each); writes sweep.csv and sweep.png into `out`. The scenario is
+    a file (each point is a job that reads it). Returns a
+    :class:`~taskgraph.study.sweep.Sweep`."""
+    from taskgraph.study.sweep import parse_vary, sweep as run
+
+    items = ([f"{k}={','.join(str(v) for v in values)}" for k, values in vary.items()]
+             if isinstance(vary, Mapping) else list(vary))
+    jobs = _backend(backend, ray_address)
+    return run(str(scenario), _override_items(overrides), parse_vary(items), out, jobs, progress)
+
+
+def batch(scenario: ScenarioLike, *, overrides: Overrides = None):
+    """`tg batch`: how the scenario's request list is packed into batches of micro-batches.
+    Returns a :class:`~taskgraph.serving.requests.Batching` (``write_csv(path)`` lists each
+    request's place)."""
+    from taskgraph.serving.requests import batching
+
+    s, _ = load(scenario, overrides)
+    return batching(s)
+
+
+def validate(scenario: ScenarioLike, schedules: Iterable[str], *, overrides: Overrides = None,
+             mu: Iterable[int] | None = None, repeats: int = 3, device: str = "cpu",
+             backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
+    """`tg validate`: execute and simulate each schedule at each micro-batch size in `mu`
+    (default: the scenario's and half of it). Returns a
+    :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``)."""
+    from taskgraph.execution import pick_device
+    from taskgraph.study.validate import validate_scenario
+
+    dev = pick_device(device)
+    jobs = _backend(backend, ray_address)
+    s, _ = load(scenario, overrides)
+    return validate_scenario(s, list(schedules), list(mu) if mu else None, repeats, dev, jobs,
+                             progress)
+
+
+def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
+              device: str = "cpu", progress: Progress = None):
+    """`tg calibrate`: measure this machine and write a hardware profile to `out` (YAML) that
+    any scenario can use. Returns a :class:`~taskgraph.exec.calibrate.Calibration`."""
+    from taskgraph.exec.calibrate import calibrate_to
+    from taskgraph.execution import pick_device
+
+    dev = pick_device(device)
+    s, _ = load(scenario, overrides, auto=False)
+    return calibrate_to(s, str(out), dev, progress)
+
+
+def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None
+             ) -> dict[str, Any]:
+    """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG); returns its turning
+    points, the intensity of each task kind, and where each belongs."""
+    from taskgraph.plots import roofline as draw, roofline_points
+
+    s, _ = load(scenario, overrides)
+    draw(s, out)
+    return roofline_points(s)
+
+
+def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
+          out: str | Path | None = None, overrides: Overrides = None):
+    """`tg graph`: one segment's task graph (0: prefill, d >= 1: decode step d; default a
+    middle decode step), written to `out` (.json or .dot) when given. Returns a
+    :class:`~taskgraph.export.SegmentGraph` (its networkx DiGraph is ``.graph``)."""
+    from taskgraph.builder import build_segment, make_plan
+    from taskgraph.export import SegmentGraph, write_graph
+
+    plan = make_plan(load(scenario, overrides, schedule)[0])
+    step = step if step is not None else min(2, plan.G)
+    if not 0 <= step <= plan.G:
+        raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
+                      "(workload.gen_len decode steps).")
+    segment = SegmentGraph(build_segment(plan, step), plan.schedule.name, step)
+    if out is not None:
+        write_graph(segment.graph, out)
+    return segment
 
 
 def _backend(kind: str, address: str | None):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from taskgraph import __version__, api
 from taskgraph.errors import CheckFailed, TgError
@@ -265,31 +266,10 @@ def _execute(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import yaml
-
-    from taskgraph.execution import pick_device
-    from taskgraph.scenario import load_scenario
-
-    device = pick_device(args.device)
-    from taskgraph.exec.calibrate import calibrate
-    from taskgraph.exec.microbench import STEPS
-
-    scenario = load_scenario(args.scenario, args.overrides)
-    steps = [*STEPS[device], "executor tasks"]
     with _progress(not args.json, "calibrating") as tick:
-        profile, measured = calibrate(scenario, device, progress=lambda what: tick and tick(
-            steps.index(what) + 1, len(steps)))
-    from taskgraph.files import atomic_path
-
-    what = "CPU backend" if device == "cpu" else "GPU and its host"
-    with atomic_path(args.out) as tmp:
-        tmp.write_text(
-            f"# Written by `tg calibrate`: this machine's {what}. Use it with\n"
-            f"# `hardware: {args.out}` in a scenario or `--set hardware={args.out}`.\n"
-            + yaml.safe_dump(profile, sort_keys=False))
-
-    _emit(args, {"profile": profile, "measured": measured, "out": args.out},
-          lambda: _console().print(_tables().calibrate_table(measured, args.out)))
+        result = api.calibrate(args.scenario, out=args.out, overrides=args.overrides,
+                               device=args.device, progress=tick)
+    _show(args, result)
     return 0
 
 
@@ -302,46 +282,25 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from taskgraph.execution import pick_device
-    from taskgraph.validate import pairs_for, parity_plot, summary, validate
-
-    device = pick_device(args.device)
-    scenario = _load(args)
-    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCHEDULES]
-    if unknown:
-        raise TgError(f"--schedules names unknown schedule '{unknown[0]}'.")
     try:
-        mus = ([int(x) for x in args.mu.split(",")] if args.mu else
-               sorted({scenario.policy.mu, max(1, scenario.policy.mu // 2)}))
+        mus = [int(x) for x in args.mu.split(",")] if args.mu else None
     except ValueError:
         raise TgError(f"--mu must be comma-separated integers, not '{args.mu}'.") from None
-    if args.repeats < 1:
-        raise TgError(f"--repeats must be at least 1, not {args.repeats}.")
+    scenario = _load(args)
     if scenario.hardware.calibrated is None and not args.json:
-        _console().print(
-            f"[yellow]warning:[/yellow] hardware '{scenario.hardware.name}' holds datasheet "
+        _console().print(Text.assemble(
+            ("warning:", "yellow"), f" hardware '{scenario.hardware.name}' holds datasheet "
             "figures, not this machine's: the errors below compare two different machines. Run "
-            "`tg calibrate --out P.yaml` and pass `--set hardware=P.yaml`.")
-    pairs = pairs_for(scenario, names, mus)
-    if not pairs:
-        raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")
+            "`tg calibrate --out P.yaml` and pass `--set hardware=P.yaml`."))
     with _progress(not args.json, "validating") as tick:
-        results = validate(pairs, args.repeats, device=device, progress=tick,
-                           backend=_backend(args))
-    accuracy = summary(results)
-    if args.trace:
-        _write_trace(args, [run for r in results for run in r.traces],
-                     {"scenario": scenario.name})
+        result = api.validate(scenario, [n.strip() for n in args.schedules.split(",")
+                                         if n.strip()], mu=mus, repeats=args.repeats,
+                              device=args.device, backend=args.backend,
+                              ray_address=args.ray_address, progress=tick)
+    _outputs(args, result)
     if args.plot:
-        parity_plot(results, args.plot)
-    first = results[0].to_json()
-    out = {"scenario": scenario.name, "hardware": scenario.hardware.name,
-           "simulated": first["simulated"], "measured": first["measured"],
-           "error": first["error"], "accuracy": accuracy,
-           "pairs": [r.to_json() for r in results]}
-    _emit(args, out, lambda: _console().print(_tables().validate_table(results, accuracy,
-                                                                        scenario)))
+        result.parity_plot(args.plot)
+    _show(args, result)
     return 0
 
 
@@ -355,83 +314,35 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from taskgraph.scenario import load_scenario
-    from taskgraph.study.sweep import parse_vary, run_sweep, sweep_jobs, write_sweep
-
-    backend = _backend(args)
-    vary = parse_vary(args.vary)
-    if len(vary) > 2:
-        raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
-    load_scenario(args.scenario, args.overrides)          # fail fast on a bad scenario
-    jobs = sweep_jobs(args.scenario, args.overrides, vary)
     with _progress(not args.json, "sweeping", "jobs") as tick:
-        rows = run_sweep(jobs, backend, progress=tick)
-    failed = [r for r in rows if r["error"]]
-    if len(failed) == len(rows):
-        raise TgError(f"Every point of the sweep failed; the first: {failed[0]['error']}")
-    paths = write_sweep(rows, vary, args.out)
-
-    _emit(args, {"rows": rows, "files": [str(p) for p in paths]},
-          lambda: _console().print(_tables().sweep_table(rows, vary, paths)))
+        result = api.sweep(args.scenario, args.vary, out=args.out, overrides=args.overrides,
+                           backend=args.backend, ray_address=args.ray_address, progress=tick)
+    _show(args, result)
     return 0
 
 
 def _batch(args: argparse.Namespace) -> int:
-    import csv
-
-    from taskgraph.files import atomic_path
-    from taskgraph.serving.requests import pack_scenario
-
-    scenario = _load(args)
-    if scenario.workload.refill:
-        raise TgError("tg batch shows consecutive batches; with workload.refill the list runs "
-                      "as one continuous batch: tg simulate --csv FILE lists each request's "
-                      "micro-batch and the step that prefilled it.")
-    packing = pack_scenario(scenario)
+    result = api.batch(_load(args))
     if args.csv:
-        with atomic_path(args.csv) as tmp, open(tmp, "w", newline="") as f:
-            out = csv.writer(f)
-            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch"])
-            for b, batch in enumerate(packing.batches):
-                for j, mb in enumerate(batch):
-                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j] for r in mb.requests)
-            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", ""]
-                          for r in packing.aborted)
-    _emit(args, packing.to_json(), lambda: _console().print(_tables().batch_table(
-        scenario, packing)))
+        result.write_csv(args.csv)
+    _show(args, result)
     return 0
 
 
 def _roofline(args: argparse.Namespace) -> int:
-    from taskgraph.plots import roofline, roofline_points
-
-    scenario = _load(args)
-    roofline(scenario, args.out)
-    pts = roofline_points(scenario)
+    pts = api.roofline(_load(args), out=args.out)
     lines = [f"wrote {args.out}"]
     lines += [f"  {k}: I = {v:.1f} FLOP/byte" for k, v in pts["turning_points"].items()]
     lines += [f"  {k}: I = {v:.1f}" for k, v in pts["intensities"].items()]
     lines += [f"  {k} belongs on the {v} (its intensity against P1)"
               for k, v in pts["verdicts"].items()]
-    _console().print("\n".join(lines))
+    _console().print(Text("\n".join(lines)))
     return 0
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from taskgraph.builder import build_segment, make_plan
-    from taskgraph.export import write_graph
-
-    plan = make_plan(_load(args, args.schedule))
-    step = args.step if args.step is not None else min(2, plan.G)
-    if not 0 <= step <= plan.G:
-        raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
-                      "(workload.gen_len decode steps).")
-    g = build_segment(plan, step)
-    write_graph(g, args.out)
-    own = sum(1 for _, a in g.nodes(data=True) if not a["external"])
-    _console().print(f"wrote {args.out}: segment {step} of {plan.schedule.name}, {own} tasks, "
-                     f"{g.number_of_edges()} dependencies "
-                     f"({g.number_of_nodes() - own} tasks of the previous segment)")
+    segment = api.graph(_load(args, args.schedule), step=args.step, out=args.out)
+    _console().print(Text(f"wrote {args.out}: {segment}"))
     return 0
 
 
@@ -447,21 +358,6 @@ def _load(args: argparse.Namespace, schedule: str | None = None, extra: list[str
                          f"A_g={p['A_g']} r_w={p['r_w']:g} r_c={p['r_c']:g} (best of "
                          f"{found.evaluated:,} by HRM, {found.wall_s:.1f} s)")
     return scenario
-
-
-def _backend(args: argparse.Namespace):
-    """The --backend the command line asks for; Ray's absence is found before any work."""
-    from taskgraph.jobs import Backend, require_ray
-
-    backend = Backend(args.backend, args.ray_address)
-    if backend.kind == "ray":
-        require_ray()
-    return backend
-
-
-def _tables():
-    from taskgraph import report
-    return report
 
 
 def _console():
@@ -556,21 +452,6 @@ def _window(text: str):
     if steps < 0:
         raise TgError("--trace-steps must not be negative.")
     return Window(steps)
-
-
-def _write_trace(args: argparse.Namespace, runs: list, meta: dict[str, Any]) -> None:
-    from taskgraph.tracing.writer import write_trace
-
-    # Wall time changes from run to run; it belongs in the JSON, not in the trace's bytes.
-    meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list)) and k != "wall_s"}
-    try:
-        slices = write_trace(args.trace, runs, _window(args.trace_steps), metadata=meta)
-    except KeyboardInterrupt:
-        args.trace_interrupted = True     # the results are still reported; see main()
-        return
-    if not getattr(args, "json", False):
-        _console().print(f"wrote {args.trace}: {slices:,} task slices "
-                         "(open it at https://ui.perfetto.dev)")
 
 
 def _interrupted(summary: dict[str, Any]) -> int:

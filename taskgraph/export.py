@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
@@ -12,6 +13,26 @@ from taskgraph.files import atomic_path
 
 _COLORS = {"gpu": "#9ecae1", "cpu": "#fdae6b", "h2d": "#a1d99b", "h2d_kv": "#c7e9c0",
            "d2h": "#bcbddc", "pin": "#fdd0a2"}
+
+
+@dataclass
+class SegmentGraph:
+    """One segment's task graph: its own tasks and the previous segment's it depends on
+    (``external``), for schedule `schedule`; step 0 is prefill, d >= 1 decode step d."""
+
+    graph: nx.DiGraph
+    schedule: str
+    step: int
+
+    @property
+    def tasks(self) -> int:
+        return sum(1 for _, a in self.graph.nodes(data=True) if not a["external"])
+
+    def __str__(self) -> str:
+        g = self.graph
+        return (f"segment {self.step} of {self.schedule}, {self.tasks} tasks, "
+                f"{g.number_of_edges()} dependencies ({g.number_of_nodes() - self.tasks} tasks "
+                "of the previous segment)")
 
 
 def write_graph(g: nx.DiGraph, path: str | Path) -> None:

@@ -16,6 +16,9 @@ settings.load_profile(os.environ.get("TG_HYPOTHESIS_PROFILE", "default"))
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="run long property runs too")
+    parser.addoption("--heavy", action="store_true",
+                     help="run the heavy tests too (minutes each; .ci/run runs them apart: "
+                          "python -m pytest -m heavy --heavy)")
 
 
 def pytest_configure(config):
@@ -24,9 +27,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="long run: use --runslow")
+    heavy = pytest.mark.skip(reason="heavy: use --heavy (.ci/run runs these apart)")
+    slow = pytest.mark.skip(reason="long run: use --runslow")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "heavy" in item.keywords and not config.getoption("--heavy"):
+            item.add_marker(heavy)
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(slow)

@@ -146,3 +146,24 @@ def test_execute_is_tg_execute(capsys):
     assert {k: ours[k] for k in same} == {k: cli[k] for k in same}
     assert result.failure is None and ours["tokens_match"] is True
     assert "tokens identical" in _shown(result)
+
+
+def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
+    queue = {"workload.lengths": {"preset": "mtbench", "count": 20, "seed": 3}}
+    batching = tg.batch(SCENARIO, overrides=queue)
+    cli = _cli_json(capsys, "batch", SCENARIO, "--set",
+                    "workload.lengths={preset: mtbench, count: 20, seed: 3}")
+    assert batching.to_dict() == cli and "tg batch tiny: 20 requests" in _shown(batching)
+
+    swept = tg.sweep(SCENARIO, {"hardware.link.h2d_gbps": [8, 16]}, out=tmp_path / "api")
+    cli = _cli_json(capsys, "sweep", SCENARIO, "--vary", "hardware.link.h2d_gbps=8,16",
+                    "--out", str(tmp_path / "cli"))
+    assert swept.to_dict()["rows"] == cli["rows"] and len(cli["rows"]) == 2
+
+    segment = tg.graph(SCENARIO, schedule="S2", step=0)
+    assert segment.schedule == "S2" and segment.step == 0 and segment.tasks > 0
+    assert main(["graph", SCENARIO, "--schedule", "S2", "--step", "0", "--out",
+                 str(tmp_path / "g.json")]) == 0
+    assert f"wrote {tmp_path / 'g.json'}: {segment}" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(TgError, match="--step 99"):
+        tg.graph(SCENARIO, step=99)

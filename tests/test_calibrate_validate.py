@@ -122,7 +122,7 @@ def test_validate_and_calibrate_bad_input(capsys, tmp_path):
 
 
 def _pair(schedule, measured, simulated, spread):
-    from taskgraph.validate import PairResult
+    from taskgraph.study.validate import PairResult
 
     return PairResult(schedule, {"mu": 1}, {"decode_layer_ms": simulated},
                       {"decode_layer_ms": measured}, {},
@@ -130,7 +130,7 @@ def _pair(schedule, measured, simulated, spread):
 
 
 def test_ranking_counts_only_orders_the_measurement_resolves():
-    from taskgraph.validate import ranking
+    from taskgraph.study.validate import ranking
 
     # S1 and S2 overlap in their repeats; S3 is clearly slower than both.
     group = [_pair("S1", 10.0, 12.0, 1.0), _pair("S2", 10.5, 11.0, 1.0),
@@ -145,7 +145,7 @@ def test_ranking_counts_only_orders_the_measurement_resolves():
 
 
 def test_a_machine_speed_shift_is_told_from_model_error():
-    from taskgraph.validate import _speed_shift
+    from taskgraph.study.validate import _speed_shift
 
     # every kind 20-50% slow: the machine changed speed
     assert _speed_shift([0.2, 0.3, 0.5, 0.25, 0.4]) == pytest.approx(0.3)

@@ -135,6 +135,7 @@ def test_the_search_keeps_the_planning_headroom():
         check_fits(memory_footprint(make_plan(sc)), "S3")
 
 
+@pytest.mark.heavy
 def test_fitted_presets_predict_table4(tmp_path, capsys):
     """The shipped presets against the published cells: leave-one-out median within 15%, every
     within-setting ranking right; and the datasheet-only model was 1.4-3.5x off."""

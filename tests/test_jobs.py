@@ -102,6 +102,7 @@ def test_ctrl_c_cancels_the_jobs_not_finished(backend, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]
 
 
+@pytest.mark.heavy
 def test_a_ray_sweep_equals_the_pool_sweep(local_ray, tmp_path, capsys):
     """The issue's check: a small sweep on a local two-CPU Ray and on the process pool."""
     args = ["sweep", TINY, "--vary", "hardware.link.h2d_gbps=1,4,16", "--vary",
@@ -115,6 +116,7 @@ def test_a_ray_sweep_equals_the_pool_sweep(local_ray, tmp_path, capsys):
         (tmp_path / "pool" / "sweep.csv").read_text()
 
 
+@pytest.mark.heavy
 def test_ray_search_verify_and_brute_force_equal_the_pool(local_ray, capsys):
     from taskgraph.scenario import load_scenario
     from taskgraph.study.search import Grid, brute_force

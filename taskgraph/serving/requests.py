@@ -24,6 +24,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
+from taskgraph.report import Shown, batch_table
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
 _MAX_LEN = 10_000_000
@@ -202,6 +204,31 @@ class Packing:
                             for r in self.aborted]}
 
 
+@dataclass
+class Batching(Shown):
+    """How a scenario's request list is packed (`tg batch`); `to_dict()` is its --json."""
+
+    scenario: Any
+    packing: Packing
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.packing.to_json()
+
+    def views(self):
+        yield batch_table(self.scenario, self.packing)
+
+    def write_csv(self, path: str | Path) -> None:
+        """Each request's batch and micro-batch ('aborted' for those none can hold)."""
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch"])
+            for b, batch in enumerate(self.packing.batches):
+                for j, mb in enumerate(batch):
+                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j] for r in mb.requests)
+            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", ""]
+                          for r in self.packing.aborted)
+
+
 def algorithm2(queue: list[Request], ubs: int, n_ub: int, cache_tokens: int
                ) -> tuple[list[MicroBatch], list[Request]]:
     """One batch by MoE-Lightning's Algorithm 2: requests longest prompt first, each into the
@@ -256,6 +283,15 @@ def pack(requests: list[Request], ubs: int, n_ub: int, cache_tokens: int,
         batch, queue = algorithm2(queue, ubs, n_ub, cache_tokens)
         batches.append(batch)
     return Packing(batches, aborted, cache_tokens, False)
+
+
+def batching(scenario) -> Batching:
+    """`tg batch`: the scenario's request list packed into consecutive batches."""
+    if scenario.workload.refill:
+        raise TgError("tg batch shows consecutive batches; with workload.refill the list runs "
+                      "as one continuous batch: tg simulate --csv FILE lists each request's "
+                      "micro-batch and the step that prefilled it.")
+    return Batching(scenario, pack_scenario(scenario))
 
 
 def pack_scenario(scenario) -> Packing:

@@ -1,7 +1,9 @@
-"""Studies over many simulations: schedules side by side (`compare`), the policy search
-(`search`) and sweeps of it across hardware or workload values (`sweep`).
+"""Studies over many runs: schedules side by side (`compare`), the policy search (`search`),
+sweeps of it across hardware or workload values (`sweep`), and executions against simulations
+(`validate`).
 
-These sit above the simulator (`taskgraph.simulation`, `taskgraph.serving`) and below the
-Python API (`taskgraph.api`) and the command line; they import downward only. (They are named
-so that `taskgraph.study.compare` and `taskgraph.study.search` stay the API's functions.)
+These sit above the simulator (`taskgraph.simulation`, `taskgraph.serving`) and the executor,
+and below the Python API (`taskgraph.api`) and the command line; they import downward only.
+(They live here so that `taskgraph.compare`, `.search`, `.sweep` and `.validate` are the
+API's functions.)
 """

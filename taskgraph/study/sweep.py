@@ -17,6 +17,7 @@ from typing import Any, Callable
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
 from taskgraph.jobs import LOCAL, Backend, run_jobs
+from taskgraph.report import Shown, sweep_table
 from taskgraph.specs import Scenario
 
 COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c", "binding",
@@ -43,6 +44,39 @@ class SweepJob:
                 "schedule": best.schedule, **best.policy, "binding": result.binding,
                 "hardware_limit_tok_s": round(hardware_limit_tok_s(self.scenario), 3),
                 "error": ""}
+
+
+@dataclass
+class Sweep(Shown):
+    """The search's pick at every point of a sweep, and the files written (CSV, plot).
+    `to_dict()` is `tg sweep --json`."""
+
+    rows: list[dict[str, Any]]
+    vary: list[tuple[str, list[str]]]
+    files: list[Path]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "files": [str(p) for p in self.files]}
+
+    def views(self):
+        yield sweep_table(self.rows, self.vary, self.files)
+
+
+def sweep(scenario: str, overrides: list[str], vary: list[tuple[str, list[str]]],
+          out: str | Path, backend: Backend = LOCAL,
+          progress: Callable[[int, int], None] | None = None) -> Sweep:
+    """Search the best policy at every combination of the `vary` values (at most two settings:
+    the x axis and one line each) and write sweep.csv and sweep.png into `out`."""
+    from taskgraph.scenario import load_scenario
+
+    if len(vary) > 2:
+        raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
+    load_scenario(scenario, overrides)          # fail fast on a bad scenario
+    rows = run_sweep(sweep_jobs(scenario, overrides, vary), backend, progress)
+    failed = [r for r in rows if r["error"]]
+    if len(failed) == len(rows):
+        raise TgError(f"Every point of the sweep failed; the first: {failed[0]['error']}")
+    return Sweep(rows, vary, write_sweep(rows, vary, out))
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:

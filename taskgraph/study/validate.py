@@ -19,9 +19,12 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.compiled import KIND_NAMES
+from taskgraph.errors import TgError
 from taskgraph.jobs import LOCAL, Backend, run_jobs
+from taskgraph.report import Shown, validate_table
+from taskgraph.schedules import SCHEDULES
 from taskgraph.specs import Scenario
-from taskgraph.tracing.writer import TraceRun
+from taskgraph.tracing.writer import Traced, TraceRun
 
 
 @dataclass
@@ -57,6 +60,48 @@ class PairResult:
                                        "measured": round(v["measured_s"] * 1e3, 6)}
                                    for k, v in self.per_kind.items()},
         }
+
+
+@dataclass
+class Validation(Shown, Traced):
+    """Every pair executed and simulated, and how far apart they are; `to_dict()` is
+    `tg validate --json`. Its trace holds both runs of each pair as aligned processes."""
+
+    scenario: Scenario
+    results: list[PairResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.results[0].to_json()
+        return {"scenario": self.scenario.name, "hardware": self.scenario.hardware.name,
+                "simulated": first["simulated"], "measured": first["measured"],
+                "error": first["error"], "accuracy": summary(self.results),
+                "pairs": [r.to_json() for r in self.results]}
+
+    def views(self):
+        yield validate_table(self.results, summary(self.results), self.scenario)
+
+    def trace_runs(self) -> list[TraceRun]:
+        return [run for r in self.results for run in r.traces]
+
+    def parity_plot(self, out: str | Path) -> Path:
+        return parity_plot(self.results, out)
+
+
+def validate_scenario(scenario: Scenario, schedules: list[str], mus: list[int] | None = None,
+                      repeats: int = 3, device: str = "cpu", backend: Backend = LOCAL,
+                      progress: Callable[[int, int], None] | None = None) -> Validation:
+    """`tg validate`: each schedule at each micro-batch size in `mus` (default: the scenario's
+    and half of it), executed `repeats` times on `device` and simulated."""
+    unknown = [n for n in schedules if n not in SCHEDULES]
+    if unknown:
+        raise TgError(f"--schedules names unknown schedule '{unknown[0]}'.")
+    if repeats < 1:
+        raise TgError(f"--repeats must be at least 1, not {repeats}.")
+    mus = mus or sorted({scenario.policy.mu, max(1, scenario.policy.mu // 2)})
+    pairs = pairs_for(scenario, schedules, mus)
+    if not pairs:
+        raise TgError(f"No --mu value divides policy.N = {scenario.policy.N}.")
+    return Validation(scenario, validate(pairs, repeats, device, progress, backend))
 
 
 def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[Scenario]:
