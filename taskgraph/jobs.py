@@ -102,7 +102,9 @@ def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None
         try:
             # Workers' log lines would interleave with tg's tables; their errors still arrive
             # as exceptions from ray.get.
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+            # "local": a Ray of its own for this run, even where a cluster is already running
+            # on this machine (ray.init() would join that one)
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise TgError(f"--ray-address {address or '(local)'}: could not start or join a "

@@ -60,6 +60,8 @@ def setup(namespace: dict) -> None:
 
 
 def teardown(namespace: dict) -> None:
+    if namespace.get("RAY_STARTED"):      # the block's own `ray stop` did not run if it failed
+        subprocess.run(["ray", "stop"], capture_output=True, timeout=TIMEOUT_S)
     os.chdir(namespace["HOME_DIR"])
     shutil.rmtree(namespace["WORK"], ignore_errors=True)
 
@@ -97,6 +99,7 @@ def run_console(example: Example) -> None:
     namespace = example.namespace
     how = _check_for(example)
     for command, shown in _session(str(example.parsed)):
+        namespace["RAY_STARTED"] = namespace.get("RAY_STARTED") or command.startswith("ray start")
         proc = subprocess.run(["bash", "-c", command], cwd=namespace["WORK"],
                               capture_output=True, text=True, timeout=TIMEOUT_S,
                               env={**os.environ, "COLUMNS": "110", "TERM": "dumb"})
@@ -173,7 +176,9 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
 
 
 def _pattern(line: str) -> tuple[str, list[tuple[str, bool]]]:
-    """A regex for `line` with each figure a group, and each figure with whether it is free."""
+    """A regex for `line` with each figure a group, and each figure with whether it is free.
+    An ellipsis stands for anything, the spaces around it included."""
+    line = re.sub(r"\s*(?:\.\.\.|…)\s*", "...", line)
     parts, numbers, last = [], [], 0
     for m in _NUMBER.finditer(line):
         if line[last:m.start()]:

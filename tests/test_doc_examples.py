@@ -53,3 +53,8 @@ def test_a_session_splits_into_commands_with_continuations_and_here_documents():
     assert _session(block) == [("tg compare a.yaml  --schedules S1", "out 1"),
                                ("cat > f.csv <<'EOF'\nid,x\n$ not a prompt\nEOF", ""),
                                ("tg simulate f.yaml", "out 2")]
+
+
+def test_an_ellipsis_inside_a_line_stands_for_anything_there():
+    assert compare("│ utilization │ gpu 72% ... pin 53% │", PRINTED) is None
+    assert compare("│ utilization │ gpu 72% ... pcie 53% │", PRINTED) is not None

@@ -53,7 +53,8 @@ def _backends() -> list:
 def local_ray():
     """A local Ray with two CPUs for the module; `run_jobs` uses it rather than start its own."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # its own Ray, even beside a cluster someone started on this machine (`ray start`)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
