@@ -379,12 +379,12 @@ def _outputs(args: argparse.Namespace, result) -> None:
             args.trace_interrupted = True     # the results are still reported; see main()
         else:
             if not args.json:
-                _console().print(f"wrote {args.trace}: {slices:,} task slices "
-                                 "(open it at https://ui.perfetto.dev)")
+                _console().print(Text(f"wrote {args.trace}: {slices:,} task slices "
+                                      "(open it at https://ui.perfetto.dev)"))
     if args.gantt:
         result.write_gantt(args.gantt)
         if not args.json:
-            _console().print(f"wrote {args.gantt}")
+            _console().print(Text(f"wrote {args.gantt}"))
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], human: Callable[[], None]) -> None:

@@ -102,3 +102,9 @@ def test_sweep_graph_and_roofline_say_what_they_wrote(tmp_path, capsys):
     assert "segment 2 of S1" in capsys.readouterr().err
     assert main(["roofline", TINY, "--out", str(tmp_path / "r.png")]) == 0
     assert "belongs on the" in capsys.readouterr().err
+
+
+def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):
+    trace = tmp_path / "run[bold]1.json"
+    assert main(["simulate", TINY, "--trace", str(trace)]) == 0
+    assert f"wrote {trace}" in " ".join(capsys.readouterr().err.split()) and trace.exists()
