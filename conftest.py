@@ -4,10 +4,9 @@ run and checked."""
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
-from tests.doc_examples import CheckParser, run_console, setup, teardown
+from tests.doc_examples import run_console, setup, teardown
 
 pytest_collect_file = Sybil(
-    parsers=[SkipParser(), CheckParser(), CodeBlockParser("console", run_console),
-             PythonCodeBlockParser()],
+    parsers=[SkipParser(), CodeBlockParser("console", run_console), PythonCodeBlockParser()],
     patterns=["README.md", "docs/*.md"], setup=setup, teardown=teardown,
 ).pytest()

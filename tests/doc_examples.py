@@ -30,8 +30,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from sybil import Example, Region
-from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
+from sybil import Example
 
 ROOT = Path(__file__).resolve().parent.parent
 RELATIVE = 0.02
@@ -54,7 +53,7 @@ def setup(namespace: dict) -> None:
         (work / name).symlink_to(ROOT / name)
     for name in ("traces", "profiles"):
         (work / name).mkdir()
-    namespace.update(WORK=work, SLOW=os.environ.get("TG_DOCS_SLOW") == "1", CHECKS={},
+    namespace.update(WORK=work, SLOW=os.environ.get("TG_DOCS_SLOW") == "1",
                      HOME_DIR=os.getcwd())
     os.chdir(work)          # Python blocks open the same relative paths as console blocks
 
@@ -66,32 +65,20 @@ def teardown(namespace: dict) -> None:
     shutil.rmtree(namespace["WORK"], ignore_errors=True)
 
 
-class CheckParser:
-    """``<!-- check: text -->``: how the next console block's output is compared."""
-
-    def __init__(self) -> None:
-        self.lexer = DirectiveInHTMLCommentLexer(directive="check")
-
-    def __call__(self, document):
-        for lexed in self.lexer(document):
-            yield Region(lexed.start, lexed.end, lexed.lexemes["arguments"].strip(), _set_check)
-
-
-def _set_check(example: Example) -> None:
-    if example.parsed not in ("text",):
-        raise ValueError(f"<!-- check: {example.parsed} -->: the only check is 'text'")
-    example.namespace["CHECKS"][example.end] = example.parsed
-
-
 def _check_for(example: Example) -> str | None:
-    """The check comment just before this block (other comments may lie between them)."""
-    for end, how in example.namespace["CHECKS"].items():
-        between = example.document.text[end:example.start]
-        # (the comment's region may end before its closing "-->")
-        if end <= example.start and not re.sub(r"^\s*-->|<!--.*?-->", "", between,
-                                                flags=re.S).strip():
-            return how
-    return None
+    """The ``<!-- check: ... -->`` among the comments just above this block, if any (read from
+    the text, so that a block run on its own is checked as in the whole document)."""
+    text = example.document.text[:example.start].rstrip()
+    how = None
+    while text.endswith("-->") and "<!--" in text:
+        start = text.rfind("<!--")
+        body = text[start + 4:-3].strip()
+        if body.startswith("check:"):
+            how = body.removeprefix("check:").strip()
+            if how != "text":
+                raise ValueError(f"<!-- {body} -->: the only check is 'text'")
+        text = text[:start].rstrip()
+    return how
 
 
 def run_console(example: Example) -> None:
