@@ -31,7 +31,8 @@ class Shown:
         yield from self.views()
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        console = Console(file=io.StringIO(), record=True, width=110, highlight=False)
+        console = Console(file=io.StringIO(), record=True, width=110, highlight=False,
+                          markup=False)
         console.print(self)
         return {"text/plain": console.export_text(clear=False),
                 "text/html": console.export_html(inline_styles=True)}
@@ -290,15 +291,18 @@ def check_table(checks: list[Check]) -> Table:
         t.add_column(col)
     for c in checks:
         t.add_row(c.schedule, c.what, c.expected, c.actual,
-                  "[green]ok[/green]" if c.ok else "[bold red]FAILED[/bold red]")
+                  Text("ok", style="green") if c.ok else Text("FAILED", style="bold red"))
     return t
 
 
 def stderr_console() -> Console:
     import sys
 
-    # CI logs are not terminals; give tables room rather than rich's 80-column default.
-    return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 110)
+    # CI logs are not terminals; give tables room rather than rich's 80-column default. No
+    # string is markup: names, paths and ids are the user's text ("x[/b]" is a fine name);
+    # styles come from Text objects.
+    return Console(stderr=True, highlight=False, markup=False,
+                   width=None if sys.stderr.isatty() else 110)
 
 
 def fit_table(report) -> tuple[Table, Table, Table]:

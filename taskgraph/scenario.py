@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.errors import TgError
+from taskgraph.files import plain_text
 from taskgraph.specs import Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
@@ -77,6 +78,8 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     for section in _PRESETS:
         if section in raw:
             raw[section] = _resolve_section(section, raw[section], source, base_dir)
+    # after the sections are resolved: a preset's or profile's text is printed as well
+    plain_text(raw, f"Invalid scenario {source}")
     requests = _resolve_requests(raw, source, base_dir)
     try:
         scenario = Scenario.model_validate(raw)

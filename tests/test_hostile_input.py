@@ -214,3 +214,41 @@ def test_ctrl_c_stops_a_parallel_brute_force_at_once():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err
     assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("verb", [["simulate"], ["compare", "--schedules", "S1,S4"],
+                                  ["search", "--top", "2"], ["batch"]])
+def test_names_are_printed_as_written_never_as_markup(tmp_path, capsys, verb):
+    """A `[` in a scenario's name, its file's name or a request id is text: rich markup would
+    crash (MarkupError) or swallow it."""
+    (tmp_path / "r.csv").write_text("id,prompt_len,gen_len\nq[/b]1,12,3\nq2,20,4\n")
+    path = tmp_path / "exp[bold]1.yaml"
+    path.write_text('name: "x[/oops] [red]y"\nmodel: tiny\nhardware: t4\n'
+                    "workload: {requests: r.csv}\npolicy: {N: 4, mu: 2}\n")
+    assert main([verb[0], str(path), *verb[1:]]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "x[/oops] [red]y" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where, text", [
+    ("name", 'name: "bad\\e[31mred"\n'),
+    ("model.name", 'model: {preset: tiny, name: "a\\x07b"}\n'),
+])
+def test_control_characters_in_names_are_refused(tmp_path, capsys, where, text):
+    path = tmp_path / "s.yaml"
+    base = "model: tiny\n" if where != "model.name" else ""
+    path.write_text(text + base + "hardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
+                    "policy: {N: 4, mu: 2}\n")
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{where} holds a control character" in err
+    assert "\x1b" not in err and "\x07" not in err
+
+
+def test_a_control_character_in_a_request_id_is_refused(tmp_path, capsys):
+    (tmp_path / "r.csv").write_text('id,prompt_len,gen_len\n"a\x1b[2Jb",4,2\n')
+    (tmp_path / "s.yaml").write_text("model: tiny\nhardware: t4\nworkload: {requests: r.csv}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    assert main(["batch", str(tmp_path / "s.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: id holds a control character" in err and "\x1b" not in err

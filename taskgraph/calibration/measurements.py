@@ -23,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from taskgraph import presets
 from taskgraph.errors import TgError
+from taskgraph.files import plain_text
 from taskgraph.schedules import SCHEDULES
 
 
@@ -149,6 +150,7 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:
         raise TgError(f"The measurements file '{path}' must be a mapping with a non-empty list "
                       "'cells' (see shared/measurements/ for the format).")
+    plain_text(doc, f"The measurements file '{path}'")
     cells, seen = [], set()
     for number, raw in enumerate(doc["cells"], 1):
         label = (f"cell '{raw['id']}'" if isinstance(raw, dict) and isinstance(raw.get("id"), str)

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path
+from taskgraph.files import atomic_path, plain_text
 from taskgraph.report import Shown, batch_table
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
@@ -103,6 +103,7 @@ def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
                           f"from 1 to {_MAX_LEN:,}, not {shown}.")
         lengths.append(number)
     rid = row.get("id")
+    plain_text(rid, f"Request file '{path}', line {line}: id")
     return Request(str(rid) if rid not in (None, "") else str(line), *lengths)
 
 
