@@ -61,6 +61,21 @@ def test_algorithm2_stays_balanced(requests, ubs, n_ub):
                                                       for r in mb.requests)
 
 
+@settings(max_examples=150, deadline=None)
+@given(requests_st, st.integers(1, 8), st.integers(1, 6), st.integers(20, 400))
+def test_packing_the_queue_is_algorithm2_batch_after_batch(requests, ubs, n_ub, cache):
+    """`pack` finds the batches in one sort; they must be exactly what Algorithm 2 gives run
+    on the queue batch after batch, carrying over what each batch rejects (the paper's loop),
+    caches tight enough that requests are skipped included."""
+    queue = [r for r in requests if r.tokens <= cache]
+    expected = []
+    while queue:
+        batch, queue = algorithm2(queue, ubs, n_ub, cache)
+        expected.append([[r.id for r in mb.requests] for mb in batch])
+    got = pack(requests, ubs, n_ub, cache).batches
+    assert [[[r.id for r in mb.requests] for mb in b] for b in got] == expected
+
+
 def test_rejected_requests_carry_over_in_order():
     reqs = [Request("e", 3, 3), Request("a", 90, 10), Request("b", 80, 10), Request("c", 5, 5),
             Request("d", 4, 5)]

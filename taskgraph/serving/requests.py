@@ -14,6 +14,7 @@ This module is plain data in, plain data out; nothing here simulates.
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 import math
 import statistics
@@ -61,10 +62,12 @@ def read_requests(path: str | Path) -> list[Request]:
     if not requests:
         raise TgError(f"Request file '{path}' holds no requests; give one per line with "
                       "prompt_len and gen_len.")
-    ids = [r.id for r in requests]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise TgError(f"Request file '{path}': id '{dup}' is given twice.")
+    seen: set[str] = set()
+    for line, r in enumerate(requests, 1):
+        if r.id in seen:
+            raise TgError(f"Request file '{path}': id '{_short_id(r.id)}' is given twice (the "
+                          f"second time on data line {line}).")
+        seen.add(r.id)
     return requests
 
 
@@ -105,6 +108,10 @@ def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
     rid = row.get("id")
     plain_text(rid, f"Request file '{path}', line {line}: id")
     return Request(str(rid) if rid not in (None, "") else str(line), *lengths)
+
+
+def _short_id(rid: str, limit: int = 60) -> str:
+    return rid if len(rid) <= limit else rid[:limit] + f"... ({len(rid):,} characters)"
 
 
 def _whole(value: Any) -> int | None:
@@ -279,11 +286,55 @@ def pack(requests: list[Request], ubs: int, n_ub: int, cache_tokens: int,
                        cache_tokens, True)
     aborted = [r for r in requests if r.tokens > cache_tokens]
     queue = [r for r in requests if r.tokens <= cache_tokens]
-    batches = []
-    while queue:
-        batch, queue = algorithm2(queue, ubs, n_ub, cache_tokens)
-        batches.append(batch)
-    return Packing(batches, aborted, cache_tokens, False)
+    return Packing(_algorithm2_batches(queue, ubs, n_ub, cache_tokens), aborted, cache_tokens,
+                   False)
+
+
+def _algorithm2_batches(queue: list[Request], ubs: int, n_ub: int, cache_tokens: int
+                        ) -> list[list[MicroBatch]]:
+    """:func:`algorithm2` batch after batch until the queue is empty, the same batches in
+    O(n log n) rather than a sort and a walk of the whole queue per batch. What a batch carries
+    over keeps its order, so the queue is sorted once (longest prompt first, stable); placed
+    requests are skipped through a "next unplaced" forest; and where a request does not fit the
+    target micro-batch (which stays the target until something is placed), the next that does is
+    found with one vectorised scan."""
+    reqs = sorted(queue, key=lambda r: -r.prompt_len)                     # stable
+    n = len(reqs)
+    tokens = np.array([r.tokens for r in reqs], dtype=np.float64)       # placed: inf
+    nxt = list(range(n + 1))
+
+    def unplaced(i: int) -> int:            # the first unplaced index >= i (n: none)
+        while nxt[i] != i:
+            nxt[i] = nxt[nxt[i]]
+            i = nxt[i]
+        return i
+
+    batches, left = [], n
+    while left:
+        mbs = [MicroBatch() for _ in range(n_ub)]
+        heap = [(0, k) for k in range(n_ub)]       # open micro-batches: (prompt tokens, order)
+        full: list[MicroBatch] = []
+        i = unplaced(0)
+        while heap and i < n:
+            target = mbs[heap[0][1]]
+            room = cache_tokens - target.tokens
+            if tokens[i] > room:
+                fits = np.flatnonzero(tokens[i:] <= room)
+                if not fits.size:
+                    break
+                i += int(fits[0])
+            target.add(reqs[i])
+            tokens[i] = np.inf
+            nxt[i] = i + 1
+            left -= 1
+            if len(target.requests) == ubs:
+                full.append(mbs[heapq.heappop(heap)[1]])
+            else:
+                heapq.heapreplace(heap, (target.prompt_tokens, heap[0][1]))
+            i = unplaced(i + 1)
+        batches.append([mb for mb in full + [mbs[k] for k in sorted(k for _, k in heap)]
+                        if mb.requests])
+    return batches
 
 
 def batching(scenario) -> Batching:
