@@ -252,3 +252,16 @@ def test_a_control_character_in_a_request_id_is_refused(tmp_path, capsys):
     assert main(["batch", str(tmp_path / "s.yaml")]) == 2
     err = capsys.readouterr().err
     assert "line 2: id holds a control character" in err and "\x1b" not in err
+
+
+def test_a_huge_length_in_a_request_file_is_refused_like_one_given_by_set(tmp_path, capsys):
+    """Every way a length arrives meets the same size check: a request file's 10^7 generated
+    tokens are refused up front with the estimate, as `--set workload.gen_len=10000000` is."""
+    (tmp_path / "r.csv").write_text("id,prompt_len,gen_len\na,4,10000000\n")
+    (tmp_path / "s.yaml").write_text("model: tiny\nhardware: t4\nworkload: {requests: r.csv}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    t0 = time.perf_counter()
+    assert main(["simulate", str(tmp_path / "s.yaml")]) == 2
+    assert time.perf_counter() - t0 < 60
+    err = capsys.readouterr().err
+    assert "tasks" in err and "GB" in err and "Traceback" not in err

@@ -148,6 +148,7 @@ def _simulate_batches(scenario: Scenario, memory, progress, keep_runs: bool) -> 
         key = (n, steps)
         if key not in compiled:       # the task graph depends on the shape, not the lengths
             compiled[key] = compile_plan(plan)
+            check_size(compiled[key].total)     # as a mean-length run of this size would be
         program = dataclasses.replace(compiled[key], plan=plan)
         cost = cost_model(sc, schedule.name)
         run = simulate_with_interference(program, cost)
