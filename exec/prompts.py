@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path
+from taskgraph.files import atomic_path, note_input
 
 
 class _Line(BaseModel):
@@ -68,6 +68,7 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
     path = Path(path)
     if not path.is_file():
         raise TgError(f"The prompts file '{path}' does not exist (or is not a file).")
+    note_input(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

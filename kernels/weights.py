@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from taskgraph.errors import TgError
+from taskgraph.files import note_input
 from taskgraph.specs import ModelSpec
 
 
@@ -98,6 +99,8 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
     from safetensors import safe_open
 
     index_file = folder / "model.safetensors.index.json"
+    for f in folder.iterdir() if folder.is_dir() else [folder]:
+        note_input(f)                   # no output of this run may replace the checkpoint
     if folder.is_dir() and index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]

@@ -226,8 +226,11 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     from taskgraph.exec.calibrate import calibrate_to
     from taskgraph.execution import pick_device
 
+    from taskgraph.files import refuse_input
+
     dev = pick_device(device)
     s, _ = load(scenario, overrides, auto=False)
+    refuse_input(out, "--out")            # before minutes of measuring, not after
     return calibrate_to(s, str(out), dev, progress)
 
 

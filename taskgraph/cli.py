@@ -15,6 +15,7 @@ from rich.text import Text
 
 from taskgraph import __version__, api
 from taskgraph.errors import CheckFailed, TgError
+from taskgraph.files import forget_inputs, refuse_input
 from taskgraph.schedules import SCHEDULES
 
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        forget_inputs()                 # what this run reads, no output of it may replace
         _check_outputs(args)
         rc = args.func(args) or 0
         if getattr(args, "trace_interrupted", False):
@@ -352,6 +354,9 @@ def _load(args: argparse.Namespace, schedule: str | None = None, extra: list[str
     """The scenario of the command line, with `schedule` chosen; `policy: auto` is replaced by
     the search's best, which is said."""
     scenario, found = api.load(args.scenario, [*args.overrides, *extra], schedule)
+    for flag in ("trace", "gantt", "csv", "out", "plot"):   # now that its files have been read
+        if getattr(args, flag, None):
+            refuse_input(getattr(args, flag), f"--{flag}")
     if found is not None and not getattr(args, "json", False):
         p = found.best.policy
         _console().print(f"policy: auto -> {found.best.schedule} N={p['N']} mu={p['mu']} "

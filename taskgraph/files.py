@@ -18,20 +18,76 @@ from typing import Any, Iterator
 from taskgraph.errors import TgError
 
 
+# Every file this run has read (resolved): no output may replace one of them.
+_INPUTS: set[Path] = set()
+
+
+def note_input(path: str | Path) -> None:
+    """Remember that this run read `path` (a scenario, profile, request list, prompts file,
+    checkpoint file...): :func:`atomic_path` refuses to replace it."""
+    try:
+        _INPUTS.add(Path(path).resolve())
+    except (OSError, RuntimeError):      # an unresolvable path was not read either
+        pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def forget_inputs() -> None:
+    """A new run (one command line) starts with no inputs read."""
+    _INPUTS.clear()
+
+
+def refuse_input(path: str | Path, flag: str = "") -> None:
+    """A clear error if writing `path` would replace a file this run read."""
+    try:
+        target = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return
+    if target in _INPUTS:
+        raise TgError(f"{flag + ' ' if flag else ''}'{path}' is an input of this run; writing "
+                      "it would replace it. Choose another path.")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path to write `path`'s content to; it replaces `path` when the block ends
     without an exception (Ctrl-C included) and is removed otherwise. The temporary name keeps
-    the target's suffixes, so writers that pick a format by suffix (matplotlib) still do."""
+    the target's suffixes, so writers that pick a format by suffix (matplotlib) still do.
+
+    A symbolic link keeps pointing where it did (the file it points to is replaced); a device
+    or a pipe (``/dev/null``) is written in place, never replaced by a file; a file this run
+    read is never replaced (:func:`note_input`); and a failed write (no permission, a full disk,
+    ``/dev/full``) is a clear error, the previous file left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".partial{''.join(path.suffixes)}",
-                                dir=path.parent)
-    os.close(fd)
+    refuse_input(path)
+    target = path.resolve()
+    try:
+        if target.exists() and not target.is_file():
+            if target.is_dir():
+                raise TgError(f"'{path}' is a folder; give a file path.")
+            yield target                          # a device or a pipe: written in place
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{target.stem}.",
+                                    suffix=f".partial{''.join(target.suffixes)}",
+                                    dir=target.parent)
+        os.close(fd)
+    except OSError as err:
+        raise TgError(f"Cannot write '{path}': {err.strerror or err}.") from None
     tmp = Path(name)
     try:
         yield tmp
-        os.replace(tmp, path)
+        # mkstemp makes the file private; the result gets the mode the file had, or the umask's
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except OSError as err:
+        raise TgError(f"Cannot write '{path}': {err.strerror or err}; the previous file, if "
+                      "any, is as it was.") from None
     finally:
         tmp.unlink(missing_ok=True)
 

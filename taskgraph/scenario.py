@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.errors import TgError
-from taskgraph.files import plain_text
+from taskgraph.files import note_input, plain_text
 from taskgraph.specs import Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
@@ -413,6 +413,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise TgError(f"The {what} '{path}' does not exist (or is not a file).")
+    note_input(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

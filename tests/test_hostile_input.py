@@ -265,3 +265,48 @@ def test_a_huge_length_in_a_request_file_is_refused_like_one_given_by_set(tmp_pa
     assert time.perf_counter() - t0 < 60
     err = capsys.readouterr().err
     assert "tasks" in err and "GB" in err and "Traceback" not in err
+
+
+def test_no_output_replaces_a_file_the_run_read(tmp_path, capsys):
+    """Inputs found through the scenario (a request list, a hardware profile) are inputs too:
+    writing over one is refused, before the work where it can be, and the file is untouched."""
+    (tmp_path / "r.csv").write_text("id,prompt_len,gen_len\na,4,2\nb,5,3\n")
+    (tmp_path / "s.yaml").write_text("model: tiny\nhardware: t4\nworkload: {requests: r.csv}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    before = (tmp_path / "r.csv").read_text()
+    assert main(["simulate", str(tmp_path / "s.yaml"), "--csv", str(tmp_path / "r.csv")]) == 2
+    assert "is an input of this run" in capsys.readouterr().err
+    assert (tmp_path / "r.csv").read_text() == before
+    profile = tmp_path / "p.yaml"
+    profile.write_text("preset: t4\n")
+    t0 = time.perf_counter()
+    assert main(["calibrate", "scenarios/tiny.yaml", "--set", f"hardware={profile}",
+                 "--out", str(profile)]) == 2
+    assert time.perf_counter() - t0 < 10                   # refused before measuring anything
+    assert "is an input of this run" in capsys.readouterr().err
+    assert profile.read_text() == "preset: t4\n"
+
+
+def test_a_link_stays_a_link_and_a_failed_write_is_one_clean_error(tmp_path, capsys):
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    assert main(["simulate", TINY, "--trace", str(tmp_path / "link.json")]) == 0
+    assert (tmp_path / "link.json").is_symlink()
+    assert json.loads((tmp_path / "real.json").read_text())["traceEvents"]
+    assert (tmp_path / "real.json").stat().st_mode & 0o044    # not private to its writer
+    capsys.readouterr()
+    if Path("/proc").is_dir():
+        assert main(["simulate", TINY, "--trace", "/proc/tg-trace.json"]) == 2
+        err = capsys.readouterr().err
+        assert "Cannot write '/proc/tg-trace.json'" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_is_an_error_and_dev_null_stays_a_device(tmp_path, capsys):
+    pytest.importorskip("torch")
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt_ids": [1, 2, 3]}\n')
+    run = ["execute", TINY, "--device", "cpu", "--steps", "1", "--prompts",
+           str(tmp_path / "p.jsonl"), "--out"]
+    assert main(run + ["/dev/full"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert main(run + ["/dev/null"]) == 0
+    assert Path("/dev/null").is_char_device()

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, plain_text
+from taskgraph.files import atomic_path, note_input, plain_text
 from taskgraph.report import Shown, batch_table
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
@@ -51,6 +51,7 @@ def read_requests(path: str | Path) -> list[Request]:
     object a line with the same fields). Ids default to the line number; every bad line is an
     error naming the file, the line and the field."""
     path = Path(path)
+    note_input(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
