@@ -104,10 +104,25 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
     if folder.is_dir() and index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             raise TgError(f"'{index_file}' is not a safetensors index (a JSON object with a "
                           "weight_map).") from None
-        return {name: folder / file for name, file in weight_map.items()}
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TgError(f"'{index_file}': weight_map must map tensor names to shard file "
+                          "names (strings).")
+        inside, index = folder.resolve(), {}
+        for name, file in weight_map.items():
+            shard = (folder / file).resolve()
+            if shard.parent != inside:        # "../x", an absolute path, a link out of it
+                raise TgError(f"'{index_file}': tensor '{name[:80]}' is said to lie in "
+                              f"'{file[:80]}', outside the checkpoint folder; a shard must be a "
+                              "file of the folder itself.")
+            if not shard.is_file():
+                raise TgError(f"'{index_file}' lists the shard '{file[:80]}', which is not in "
+                              f"'{folder}' (a missing or partial download?).")
+            index[name] = shard
+        return index
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
     if not files or not all(f.is_file() for f in files):
         raise TgError(f"No .safetensors files in '{folder}'.")
@@ -146,9 +161,13 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
             raise TgError(f"Checkpoint '{folder}' has no tensor '{name}'; tg reads Mixtral "
                           "tensor names (model.layers.N.block_sparse_moe.experts.E.w1.weight "
                           "...).")
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        t = handles[file].get_tensor(name)
+        try:
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            t = handles[file].get_tensor(name)
+        except Exception as err:      # noqa: BLE001 - safetensors raises several kinds
+            raise TgError(f"Checkpoint tensor '{name}' cannot be read from '{file}' (a "
+                          f"truncated or corrupt shard?): {str(err)[:200]}") from None
         if tuple(t.shape) != shape:
             raise TgError(f"Checkpoint tensor '{name}' has shape {tuple(t.shape)}, but the "
                           f"scenario's model needs {shape}.")

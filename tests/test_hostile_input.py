@@ -310,3 +310,52 @@ def test_a_full_disk_is_an_error_and_dev_null_stays_a_device(tmp_path, capsys):
     assert "No space left on device" in capsys.readouterr().err
     assert main(run + ["/dev/null"]) == 0
     assert Path("/dev/null").is_char_device()
+
+
+def _damaged_checkpoints():
+    def outside(folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        doc = json.loads(index.read_text())
+        doc["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+        index.write_text(json.dumps(doc))
+
+    def wrong_type(folder: Path) -> None:
+        (folder / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+
+    def missing(folder: Path) -> None:
+        next(folder.glob("model-00005-*.safetensors")).unlink()
+
+    def truncated(folder: Path) -> None:
+        shard = next(folder.glob("model-00003-*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:1000])
+
+    return {"index points outside": (outside, "outside the checkpoint folder"),
+            "weight_map a list": (wrong_type, "weight_map must map"),
+            "missing shard": (missing, "a missing or partial download"),
+            "truncated shard": (truncated, "truncated or corrupt shard")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("ckpt") / "ckpt"
+    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(folder)], check=True,
+                   capture_output=True)
+    return folder
+
+
+@pytest.mark.parametrize("damage", list(_damaged_checkpoints()))
+def test_a_damaged_checkpoint_is_one_clean_error(checkpoint, tmp_path, capsys, damage):
+    import shutil
+
+    how, words = _damaged_checkpoints()[damage]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    how(folder)
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"model: {{hf_config: {folder}/config.json}}\nhardware: t4\n"
+                        "workload: {prompt_len: 8, gen_len: 2}\npolicy: {N: 4, mu: 2}\n")
+    assert main(["execute", str(scenario), "--weights", str(folder), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err) < 2000
