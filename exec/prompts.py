@@ -74,6 +74,7 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
     except UnicodeDecodeError:
         raise TgError(f"The prompts file '{path}' is not UTF-8 text.") from None
     requests: list[Request] = []
+    first_line: dict[str, int] = {}         # id -> the line that gave it
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -102,8 +103,12 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
         if bad:
             raise TgError(f"{where}: prompt_ids holds {bad[0]}, outside the model's vocabulary "
                           f"(0 to {vocab - 1}).")
-        requests.append(Request(line.id if line.id is not None else len(requests), ids,
-                                line.max_new_tokens or default_new_tokens))
+        rid = line.id if line.id is not None else len(requests)
+        if str(rid) in first_line:           # the output file is keyed by id
+            raise TgError(f"{where}: id {str(rid)[:60]!r} was already given on line "
+                          f"{first_line[str(rid)]}; each request needs its own id.")
+        first_line[str(rid)] = number
+        requests.append(Request(rid, ids, line.max_new_tokens or default_new_tokens))
     if not requests:
         raise TgError(f"The prompts file '{path}' holds no requests.")
     return requests
@@ -130,7 +135,11 @@ def eos_ids(folder: str | Path | None) -> set[int]:
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 continue
             if value is not None:
-                return {int(v) for v in (value if isinstance(value, list) else [value])}
+                values = value if isinstance(value, list) else [value]
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                    raise TgError(f"'{path}': eos_token_id must be a token id or a list of "
+                                  f"them, not {str(value)[:60]!r}.")
+                return set(values)
     return set()
 
 

@@ -359,3 +359,29 @@ def test_a_damaged_checkpoint_is_one_clean_error(checkpoint, tmp_path, capsys, d
     assert main(["execute", str(scenario), "--weights", str(folder), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err) < 2000
+
+
+def test_two_prompts_with_one_id_are_refused(tmp_path, capsys):
+    pytest.importorskip("torch")
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_ids": [1, 2, 3]}\n{"id": 0, "prompt_ids": [4, 5]}\n')
+    assert main(["execute", TINY, "--device", "cpu", "--steps", "1", "--prompts",
+                 str(path)]) == 2
+    assert "id '0' was already given on line 1" in capsys.readouterr().err
+
+
+def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    config = folder / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": "two"}))
+    (tmp_path / "p.jsonl").write_text('{"id": "q", "prompt_ids": [1, 2, 3]}\n')
+    (tmp_path / "s.yaml").write_text(f"model: {{hf_config: {folder}/config.json}}\n"
+                                     "hardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    assert main(["execute", str(tmp_path / "s.yaml"), "--weights", str(folder), "--device",
+                 "cpu", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "eos_token_id must be a token id" in err and "Traceback" not in err
