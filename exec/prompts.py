@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, note_input
+from taskgraph.files import atomic_path, read_text
 
 
 class _Line(BaseModel):
@@ -66,13 +66,7 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
                  tokenizer: Any | None = None) -> list[Request]:
     """Requests from a JSONL file; every error names the line and the field."""
     path = Path(path)
-    if not path.is_file():
-        raise TgError(f"The prompts file '{path}' does not exist (or is not a file).")
-    note_input(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TgError(f"The prompts file '{path}' is not UTF-8 text.") from None
+    text = read_text(path, "prompts file")
     requests: list[Request] = []
     first_line: dict[str, int] = {}         # id -> the line that gave it
     for number, raw in enumerate(text.splitlines(), 1):
@@ -83,6 +77,9 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
             line = _Line.model_validate(json.loads(raw))
         except json.JSONDecodeError as err:
             raise TgError(f"{where} is not a JSON object: {err.msg}.") from None
+        except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
+            raise TgError(f"{where} is not a request (a number of more than 4,300 digits, or "
+                          "nesting deeper than JSON can be read).") from None
         except ValidationError as err:
             e = err.errors()[0]
             field = ".".join(str(p) for p in e["loc"]) or "the line"

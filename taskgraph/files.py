@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,38 @@ def note_input(path: str | Path) -> None:
         _INPUTS.add(Path(path).resolve())
     except (OSError, RuntimeError):      # an unresolvable path was not read either
         pass
+
+
+#: The largest input file tg reads (a 1,000,000-request list is ~20 MB).
+MAX_INPUT_BYTES = 512 * 2**20
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The one way tg reads a text input (scenario, profile, config, measurements, request list,
+    prompts): a regular file (a pipe or a device would hang or never end), at most
+    MAX_INPUT_BYTES, UTF-8 with or without a byte-order mark; noted as an input of this run."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is None or stat.S_ISDIR(st.st_mode):
+        raise TgError(f"The {what} '{path}' does not exist (or is not a file).")
+    if not stat.S_ISREG(st.st_mode):
+        raise TgError(f"The {what} '{path}' is not a regular file (a pipe or a device); give a "
+                      "file.")
+    if st.st_size > MAX_INPUT_BYTES:
+        raise TgError(f"The {what} '{path}' is {st.st_size / 2**20:,.0f} MiB; tg reads input "
+                      f"files of at most {MAX_INPUT_BYTES // 2**20} MiB.")
+    note_input(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise TgError(f"The {what} '{path}' cannot be read: {err.strerror or err}.") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise TgError(f"The {what} '{path}' is not UTF-8 text (byte {err.start}).") from None
 
 
 def _umask() -> int:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.errors import TgError
-from taskgraph.files import note_input, plain_text
+from taskgraph.files import plain_text, read_text
 from taskgraph.specs import Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
@@ -411,21 +411,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_text(path: Path, what: str) -> str:
-    if not path.is_file():
-        raise TgError(f"The {what} '{path}' does not exist (or is not a file).")
-    note_input(path)
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise TgError(f"The {what} '{path}' is not UTF-8 text (byte {err.start}).") from None
-    except OSError as err:
-        raise TgError(f"The {what} '{path}' cannot be read: {err.strerror}.") from None
+    return read_text(path, what)
 
 
 def _read_yaml(path: Path, *, what: str) -> Any:
     text = _read_text(path, what)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise TgError(f"The {what} '{path}' nests deeper than a {what} can.") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -439,6 +433,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise TgError(f"The model config '{path}' is not valid JSON: {err}.") from None
+    except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
+        raise TgError(f"The model config '{path}' holds a number of more than 4,300 digits or "
+                      "nests deeper than JSON can be read.") from None
     if not isinstance(data, dict):
         raise TgError(f"The model config '{path}' must hold a JSON object.")
     return data

@@ -385,3 +385,39 @@ def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, caps
                  "cpu", "--prompts", str(tmp_path / "p.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "eos_token_id must be a token id" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("bom.csv", "\ufeffid,prompt_len,gen_len\na,4,2\n", None),
+    ("digits.jsonl", '{"prompt_len": ' + "9" * 5000 + ', "gen_len": 2}\n', "4,300 digits"),
+    ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", "nesting deeper"),
+    ("passwd.csv", "root:x:0:0:root:/root:/bin/bash\n", "not a list of column names"),
+    ("wide.csv", ",".join(f"c{i}" for i in range(300_000)) + "\n", "not a list of column"),
+    ("typo.csv", "id,promt_len,gen_len\na,4,2\n", "(it has id, promt_len, gen_len)"),
+])
+def test_a_request_list_is_read_by_one_careful_reader(tmp_path, capsys, name, content, words):
+    """A byte-order mark is read; a huge number, deep nesting or another kind of file is one
+    short error that never repeats what the file holds."""
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    (tmp_path / "s.yaml").write_text(f"model: tiny\nhardware: t4\nworkload: {{requests: {name}}}"
+                                     "\npolicy: {N: 4, mu: 2}\n")
+    rc = main(["batch", str(tmp_path / "s.yaml")])
+    err = capsys.readouterr().err
+    if words is None:
+        assert rc == 0 and "1 requests" in " ".join(err.split())
+        return
+    assert rc == 2 and words in err and "Traceback" not in err and len(err) < 1000
+    assert "root:x" not in err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes and devices")
+def test_a_pipe_or_a_device_is_refused_not_read(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "r.csv")                       # reading it would wait for ever
+    (tmp_path / "s.yaml").write_text("model: tiny\nhardware: t4\nworkload: {requests: r.csv}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    assert main(["batch", str(tmp_path / "s.yaml")]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert main(["simulate", "/dev/zero"]) == 2                 # never ends
+    assert "is not a regular file" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import csv
 import heapq
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, note_input, plain_text
+from taskgraph.files import atomic_path, plain_text, read_text
 from taskgraph.report import Shown, batch_table
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
@@ -51,13 +52,7 @@ def read_requests(path: str | Path) -> list[Request]:
     object a line with the same fields). Ids default to the line number; every bad line is an
     error naming the file, the line and the field."""
     path = Path(path)
-    note_input(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TgError(f"Request file '{path}' is not UTF-8 text.") from None
-    except OSError as err:
-        raise TgError(f"Cannot read request file '{path}': {err.strerror or err}.") from None
+    text = read_text(path, "request file")
     rows = _jsonl_rows(path, text) if path.suffix == ".jsonl" else _csv_rows(path, text)
     requests = [_request(path, line, row) for line, row in rows]
     if not requests:
@@ -76,8 +71,15 @@ def _csv_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
     reader = csv.DictReader(text.splitlines())
     missing = {"prompt_len", "gen_len"} - set(reader.fieldnames or ())
     if reader.fieldnames and missing:
-        raise TgError(f"Request file '{path}': the header row lacks {', '.join(sorted(missing))}"
-                      f" (it has {', '.join(reader.fieldnames)}).")
+        names = reader.fieldnames
+        # Echo the columns only when they look like column names: whatever file was named
+        # (a password file, a 300,000-column row) is not repeated on the terminal.
+        has = (f" (it has {', '.join(names)})" if len(names) <= 20 and all(
+            re.fullmatch(r"[\w .-]{1,40}", n or "") for n in names)
+            else " (its first row is not a list of column names)")
+        raise TgError(f"Request file '{path}': the header row lacks "
+                      f"{', '.join(sorted(missing))}{has}; a request list starts with a row "
+                      "like id,prompt_len,gen_len.")
     for i, row in enumerate(reader, start=2):
         yield i, row
 
@@ -90,6 +92,9 @@ def _jsonl_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise TgError(f"Request file '{path}', line {i}: not JSON ({err.msg}).") from None
+        except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
+            raise TgError(f"Request file '{path}', line {i}: not a request (a number of more "
+                          "than 4,300 digits, or nesting deeper than JSON can be read).") from None
         if not isinstance(row, dict):
             raise TgError(f"Request file '{path}', line {i}: expected an object with "
                           "prompt_len and gen_len.")
