@@ -151,8 +151,8 @@ def test_bad_request_files_get_one_clear_error(tmp_path, capsys, name, text, wor
 def test_unreadable_request_files(tmp_path):
     (tmp_path / "latin1.csv").write_bytes(b"prompt_len,gen_len\n1,2 \xe9\n")
     (tmp_path / "folder.csv").mkdir()
-    for name, words in (("latin1.csv", "not UTF-8"), ("folder.csv", "Cannot read"),
-                        ("missing.csv", "Cannot read")):
+    for name, words in (("latin1.csv", "not UTF-8"), ("folder.csv", "does not exist"),
+                        ("missing.csv", "does not exist")):
         with pytest.raises(TgError, match=words):
             read_requests(tmp_path / name)
 
