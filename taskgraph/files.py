@@ -8,10 +8,12 @@ and two runs writing the same path each leave a valid file: the last to finish w
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import stat
 import tempfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,8 +40,18 @@ MAX_INPUT_BYTES = 512 * 2**20
 
 def read_text(path: str | Path, what: str) -> str:
     """The one way tg reads a text input (scenario, profile, config, measurements, request list,
-    prompts): a regular file (a pipe or a device would hang or never end), at most
-    MAX_INPUT_BYTES, UTF-8 with or without a byte-order mark; noted as an input of this run."""
+    prompts): :func:`read_bytes`, as UTF-8 with or without a byte-order mark."""
+    data = read_bytes(path, what)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise TgError(f"The {what} '{path}' is not UTF-8 text (byte {err.start}).") from None
+
+
+def read_bytes(path: str | Path, what: str, gunzip: bool = False) -> bytes:
+    """The bytes of an input file: a regular file (a pipe or a device would hang or never end),
+    at most MAX_INPUT_BYTES, and, `gunzip`, at most that once inflated (a few MB of gzip can
+    inflate to many GB); noted as an input of this run."""
     path = Path(path)
     try:
         st = path.stat()
@@ -55,13 +67,18 @@ def read_text(path: str | Path, what: str) -> str:
                       f"files of at most {MAX_INPUT_BYTES // 2**20} MiB.")
     note_input(path)
     try:
-        data = path.read_bytes()
+        if not gunzip:
+            return path.read_bytes()
+        with gzip.open(path, "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)       # never more, whatever the header claims
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise TgError(f"The {what} '{path}' is not gzip data, or is truncated.") from None
     except OSError as err:
         raise TgError(f"The {what} '{path}' cannot be read: {err.strerror or err}.") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise TgError(f"The {what} '{path}' is not UTF-8 text (byte {err.start}).") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise TgError(f"The {what} '{path}' inflates to more than "
+                      f"{MAX_INPUT_BYTES // 2**20} MiB; tg reads input files of at most that.")
+    return data
 
 
 def _umask() -> int:

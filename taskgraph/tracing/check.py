@@ -10,28 +10,45 @@ meet the same checks.
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
+import math
+import reprlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from taskgraph.errors import TgError
+from taskgraph.files import read_bytes
 
 _METADATA = {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
-    """A ``.json``, ``.json.gz`` or ``.pftrace`` trace in the Chrome JSON form."""
+    """A ``.json``, ``.json.gz`` or ``.pftrace`` trace in the Chrome JSON form. Read as every
+    input is (:func:`taskgraph.files.read_bytes`): a regular file of bounded size, bounded once
+    inflated too; a file that is not a trace is a :class:`TgError` naming it."""
     path = Path(path)
+    raw = read_bytes(path, "trace", gunzip=path.suffix == ".gz")
     if path.suffix == ".pftrace":
         from taskgraph.tracing.protobuf import decode
 
-        return decode(path.read_bytes())
-    raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
-    return json.loads(raw)
+        try:
+            return decode(raw)
+        except ValueError as err:
+            raise TgError(f"'{path}' cannot be read as a trace ({err}).") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise TgError(f"The trace '{path}' is not JSON ({err.msg} at line {err.lineno}, "
+                      f"column {err.colno}).") from None
+    except (ValueError, RecursionError):       # not UTF-8, a 5,000-digit number, deep nesting
+        raise TgError(f"The trace '{path}' is not a JSON trace (not UTF-8, a number of more "
+                      "than 4,300 digits, or nesting deeper than JSON can be read).") from None
 
 
-def check_trace(trace: dict[str, Any]) -> list[str]:
-    """Problems that would make Perfetto drop, move or misread events."""
+def check_trace(trace: Any) -> list[str]:
+    """Problems that would make Perfetto drop, move or misread events. Whatever JSON `trace`
+    is, the answer is a list of problems, never an exception: the file is anyone's."""
     problems: list[str] = []
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         return ["the trace must be an object with a traceEvents list"]
@@ -39,40 +56,50 @@ def check_trace(trace: dict[str, Any]) -> list[str]:
     named_pids, named_tracks = set(), set()
     flows: dict[int, dict[str, dict]] = defaultdict(dict)
     for i, e in enumerate(trace["traceEvents"]):
-        ph = e.get("ph")
-        where = f"event {i} ({e.get('name')!r}, ph={ph!r})"
+        if not isinstance(e, dict):
+            problems.append(f"event {i}: not an object")
+            continue
+        ph, name = e.get("ph"), e.get("name")
+        where = f"event {i} ({_short(name)}, ph={_short(ph)})"
         pid, tid = e.get("pid"), e.get("tid")
-        if not (isinstance(pid, int) and pid >= 0):
+        if not _whole(pid):
             problems.append(f"{where}: pid must be a non-negative integer")
+            continue
         if ph == "M":
-            if e.get("name") not in _METADATA:
+            if name not in _METADATA:
                 problems.append(f"{where}: Perfetto ignores this metadata name")
-            if "sort_index" in e.get("name", "") and not isinstance(
-                    e.get("args", {}).get("sort_index"), (int, float)):
+                continue
+            args = e.get("args")
+            if "sort_index" in name and not (isinstance(args, dict) and _number(
+                    args.get("sort_index"))):
                 problems.append(f"{where}: sort_index must be a number")
-            if e.get("name") == "process_name":
+            if name == "process_name":
                 named_pids.add(pid)
-            if e.get("name") == "thread_name":
+            if name == "thread_name":
+                if not _whole(tid):
+                    problems.append(f"{where}: tid must be a non-negative integer")
+                    continue
                 named_tracks.add((pid, tid))
             continue
         ts = e.get("ts")
-        if not isinstance(ts, (int, float)) or ts < 0 or not _three_decimals(ts):
+        if not (_number(ts) and ts >= 0 and _three_decimals(ts)):
             problems.append(f"{where}: ts must be a non-negative number of µs, <= 3 decimals")
             continue
         if ph == "X":
             dur = e.get("dur")
-            if not isinstance(dur, (int, float)) or dur < 0 or not _three_decimals(dur):
+            if not (_number(dur) and dur >= 0 and _three_decimals(dur)):
                 problems.append(f"{where}: dur must be a non-negative number, <= 3 decimals")
                 continue
-            if not (isinstance(tid, int) and tid >= 0):
+            if not _whole(tid):
                 problems.append(f"{where}: tid must be a non-negative integer")
+                continue
             if not isinstance(e.get("args"), dict):
                 problems.append(f"{where}: slice without args")
             start = round(ts * 1000)
-            slices[(pid, tid)].append((start, start + round(dur * 1000), e.get("name")))
+            slices[(pid, tid)].append((start, start + round(dur * 1000), _short(name)))
         elif ph in ("s", "f"):
             fid = e.get("id")
-            if not isinstance(fid, int):
+            if not _whole(fid, signed=True):
                 problems.append(f"{where}: flow id must be an integer")
                 continue
             if ph in flows[fid]:
@@ -83,7 +110,7 @@ def check_trace(trace: dict[str, Any]) -> list[str]:
         elif ph == "C":
             args = e.get("args")
             if not isinstance(args, dict) or not args or not all(
-                    isinstance(v, (int, float)) for v in args.values()):
+                    _number(v) for v in args.values()):
                 problems.append(f"{where}: counter args must be numbers")
         else:
             problems.append(f"{where}: unexpected phase")
@@ -93,10 +120,10 @@ def check_trace(trace: dict[str, Any]) -> list[str]:
             problems.append(f"track {track} has no thread_name")
         if track[0] not in named_pids:
             problems.append(f"process {track[0]} has no process_name")
-        items.sort()
+        items.sort(key=lambda item: item[:2])
         for (a0, a1, an), (b0, b1, bn) in zip(items, items[1:]):
             if b0 < a1 and b1 > a1:   # overlaps without nesting
-                problems.append(f"track {track}: {an!r} [{a0}, {a1}] ns and {bn!r} "
+                problems.append(f"track {track}: {an} [{a0}, {a1}] ns and {bn} "
                                 f"[{b0}, {b1}] ns overlap without nesting")
     starts = {track: [a for a, _, _ in items] for track, items in slices.items()}
     for fid, ends in flows.items():
@@ -105,12 +132,32 @@ def check_trace(trace: dict[str, Any]) -> list[str]:
             continue
         for ph, e in ends.items():
             t = round(e["ts"] * 1000)
-            track = (e["pid"], e["tid"])
+            track = (e["pid"], e["tid"] if _whole(e.get("tid")) else None)
             k = bisect.bisect_left(starts.get(track, []), t) - 1   # last slice starting before t
             if k < 0 or not t < slices[track][k][1]:
                 problems.append(f"flow {fid}: its {ph} point at {t} ns is not strictly inside a "
-                                f"slice of track {(e['pid'], e['tid'])}")
+                                f"slice of {_short(track)}")
     return problems
+
+
+# Names and values from the file, as a problem may quote them: bounded, however long or deep.
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlevel = 60, 60, 2
+
+
+def _short(value: Any) -> str:
+    return _REPR.repr(value)
+
+
+def _whole(x: Any, signed: bool = False) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and (signed or x >= 0) \
+        and abs(x) < 2**63
+
+
+def _number(x: Any) -> bool:
+    """A finite JSON number that a time in ns can be made of (JSON reads 1e400 as infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) < 1e15 \
+        and not math.isnan(x)
 
 
 def _three_decimals(x: float) -> bool:
@@ -138,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         try:
             problems = check_trace(load_trace(path))
-        except (OSError, ValueError, EOFError) as err:     # missing, not gzip, not JSON
-            print(f"{path}: cannot be read as a trace ({err})", file=sys.stderr)
+        except TgError as err:
+            print(f"error: {err}", file=sys.stderr)
             worst = 2
             continue
         for problem in problems[:50]:

@@ -148,7 +148,11 @@ def decode(data: bytes) -> dict[str, Any]:
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": t.pid,
                                "tid": t.tid, "args": {"sort_index": d.sibling_order_rank}})
             elif d.HasField("counter"):
-                tracks[d.uuid] = ("counter", tracks[d.parent_uuid][1], d.name)
+                parent = tracks.get(d.parent_uuid)
+                if parent is None or parent[0] != "process":
+                    raise ValueError(f"counter track {d.uuid} belongs to no process declared "
+                                     "before it")
+                tracks[d.uuid] = ("counter", parent[1], d.name)
             continue
         if not packet.HasField("track_event"):
             continue
@@ -158,6 +162,9 @@ def decode(data: bytes) -> dict[str, Any]:
             raise ValueError(f"an event at {ts} ns names track {e.track_uuid}, which no "
                              "descriptor declares")
         if e.type == TrackEvent.TYPE_COUNTER:
+            if track[0] != "counter":
+                raise ValueError(f"a counter value at {ts} ns lies on {track[0]} track "
+                                 f"{e.track_uuid}, not a counter's")
             events.append({"ph": "C", "name": track[2], "pid": track[1], "ts": ts / 1000,
                            "args": {track[2]: e.double_counter_value}})
         elif e.type == TrackEvent.TYPE_SLICE_BEGIN:
@@ -166,6 +173,9 @@ def decode(data: bytes) -> dict[str, Any]:
             if not open_slices.get(e.track_uuid):
                 raise ValueError(f"a slice ends at {ts} ns on {track} with none begun there")
             t0, begin = open_slices[e.track_uuid].pop()
+            if track[0] != "thread":
+                raise ValueError(f"a slice at {ts} ns lies on {track[0]} track "
+                                 f"{e.track_uuid}, not a thread's")
             _, pid, tid = track
             events.append({"ph": "X", "name": begin.name, "cat": ",".join(begin.categories),
                            "pid": pid, "tid": tid, "ts": t0 / 1000, "dur": (ts - t0) / 1000,

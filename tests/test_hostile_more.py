@@ -1,0 +1,103 @@
+"""Hostile input, round two, continued: the trace checker's inputs, sizes given on the command
+line, signals and a Ray address that never answers. Each ends in one clear error (exit 2) or the
+right result, in bounded time and memory, with no traceback and no process left behind."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskgraph.tracing.check import check_trace
+
+CHECK = [sys.executable, "-m", "taskgraph.tracing.check"]
+
+
+def _limit_memory() -> None:
+    import resource
+
+    # the unfixed checker inflated a bomb whole (6 GB); 2 GiB is several times what it needs
+    resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+
+def _gzip_bomb(path: Path) -> None:
+    """640 MiB of spaces in 640 KB: gzip members concatenate, so one compressed block of 16 MiB
+    written 40 times is a valid file."""
+    block = gzip.compress(b" " * 16 * 2**20, compresslevel=9)
+    with open(path, "wb") as f:
+        f.write(gzip.compress(b'{"traceEvents": ['))
+        for _ in range(40):
+            f.write(block)
+        f.write(gzip.compress(b"]}"))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes, devices and rlimits")
+@pytest.mark.parametrize("kind, words", [
+    ("gzip bomb", "inflates to more than 512 MiB"),
+    ("/dev/zero", "is not a regular file"),
+    ("fifo", "is not a regular file"),
+    ("deep nesting", "nesting deeper than JSON can be read"),
+    ("not gzip", "is not gzip data"),
+    ("not JSON", "is not JSON"),
+    ("missing", "does not exist"),
+])
+def test_the_trace_checker_reads_only_what_is_a_trace(tmp_path, kind, words):
+    path = {"gzip bomb": tmp_path / "bomb.json.gz", "/dev/zero": Path("/dev/zero"),
+            "fifo": tmp_path / "fifo.json", "deep nesting": tmp_path / "deep.json",
+            "not gzip": tmp_path / "t.json.gz", "not JSON": tmp_path / "t.json",
+            "missing": tmp_path / "none.json"}[kind]
+    if kind == "gzip bomb":
+        _gzip_bomb(path)
+    elif kind == "fifo":
+        os.mkfifo(path)                     # reading it would wait for a writer for ever
+    elif kind == "deep nesting":
+        path.write_text('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif kind == "not gzip":
+        path.write_bytes(b"\x1f\x8b not really gzip")
+    elif kind == "not JSON":
+        path.write_text('{"traceEvents": [')
+    run = subprocess.run(CHECK + [str(path)], capture_output=True, text=True, timeout=60,
+                         preexec_fn=_limit_memory)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert words in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and run.stdout == ""
+
+
+def test_events_that_are_not_objects_are_problems_not_a_crash(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [1, "x", null, [], {"ph": "X", "pid": [1], "ts": 1e400, '
+                    '"dur": "1", "name": {"a": 1}}]}')
+    run = subprocess.run(CHECK + [str(path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "event 0: not an object" in run.stdout and "5 problems" in run.stderr
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                max_size=3), max_leaves=8)
+_EVENT = st.fixed_dictionaries({}, optional={
+    "ph": st.sampled_from(["M", "X", "s", "f", "C", "B"]) | _JSON,
+    "name": st.sampled_from(["process_name", "thread_name", "process_sort_index",
+                             "thread_sort_index", "x"]) | _JSON,
+    "pid": st.integers(-2, 3) | _JSON, "tid": st.integers(-2, 3) | _JSON,
+    "ts": st.floats(-1, 10) | st.integers(-1, 10**30) | _JSON,
+    "dur": st.floats(-1, 10) | st.integers(-1, 10**30) | _JSON,
+    "id": st.integers(-2, 3) | _JSON, "bp": st.just("e") | _JSON,
+    "args": st.dictionaries(st.sampled_from(["sort_index", "name", "v"]), _JSON) | _JSON})
+
+
+@settings(max_examples=300, deadline=None)
+@given(trace=_JSON | st.fixed_dictionaries({"traceEvents": st.lists(_EVENT | _JSON,
+                                                                    max_size=8)}))
+def test_the_trace_checker_answers_problems_for_any_json(trace):
+    """A trace is anyone's file: whatever JSON it holds, the checker lists problems."""
+    problems = check_trace(json.loads(json.dumps(trace)))
+    assert isinstance(problems, list) and all(len(p) < 1000 for p in problems)
