@@ -101,3 +101,45 @@ def test_the_trace_checker_answers_problems_for_any_json(trace):
     """A trace is anyone's file: whatever JSON it holds, the checker lists problems."""
     problems = check_trace(json.loads(json.dumps(trace)))
     assert isinstance(problems, list) and all(len(p) < 1000 for p in problems)
+
+
+@pytest.mark.parametrize("schedules", ["", " , "])
+def test_compare_with_an_empty_schedule_list_says_so(capsys, schedules):
+    from taskgraph.cli import main
+
+    assert main(["compare", "scenarios/tiny.yaml", "--schedules", schedules]) == 2
+    err = capsys.readouterr().err
+    assert "--schedules names no schedule" in err and "Traceback" not in err
+
+
+def _cells(tmp_path: Path, **changes) -> Path:
+    import yaml
+
+    doc = yaml.safe_load(Path("scenarios/measurements/moe-lightning-multi-gpu.yaml").read_text())
+    cell = doc["cells"][0]
+    for key, value in changes.items():
+        if key == "preset":
+            cell["workload"] = {**cell["workload"], "preset": value}
+        else:
+            cell[key] = value
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"source": "test", "cells": [cell]}))
+    return path
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"preset": "no-such-workload"}, "workload: preset 'no-such-workload' is not a workload "
+                                     "preset (mtbench"),
+    ({"preset": ["a"]}, "workload: preset ['a'] is not a workload preset"),
+    ({"id": "x" * 2**20}, "id: String should have at most 200 characters"),
+    ({"machine": "z" * 2**20}, "(1,048,576 characters) is not a preset"),
+])
+def test_fit_names_a_bad_cell_field_briefly(tmp_path, capsys, changes, words):
+    """An unknown workload preset was a KeyError; a 1 MB id was echoed whole in the error."""
+    from taskgraph.cli import main
+
+    path = _cells(tmp_path, **changes)
+    assert main(["fit", str(path), "--out", str(tmp_path / "out"), "--no-loo"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err) < 600, err[:2000]
+    assert not (tmp_path / "out").exists()

@@ -68,8 +68,9 @@ class Cell(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str
-    system: str = ""
+    # An id names the cell in every table and error: a line's worth of text, not a document.
+    id: str = Field(min_length=1, max_length=200)
+    system: str = Field(default="", max_length=200)
     schedule: str
     machine: str
     model: str
@@ -82,7 +83,8 @@ class Cell(BaseModel):
     @classmethod
     def _schedule(cls, name: str) -> str:
         if name not in SCHEDULES:
-            raise ValueError(f"'{name}' is not a schedule tg knows ({', '.join(SCHEDULES)})")
+            raise ValueError(f"{_quote(name)} is not a schedule tg knows "
+                             f"({', '.join(SCHEDULES)})")
         return name
 
     @field_validator("machine", "model", "implementation")
@@ -91,8 +93,17 @@ class Cell(BaseModel):
         table = {"machine": presets.HARDWARE, "model": presets.MODELS,
                  "implementation": presets.IMPLEMENTATIONS}[info.field_name]
         if name is not None and name not in table:
-            raise ValueError(f"'{name}' is not a preset ({', '.join(table)})")
+            raise ValueError(f"{_quote(name)} is not a preset ({', '.join(table)})")
         return name
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_preset(cls, workload: dict[str, Any]) -> dict[str, Any]:
+        name = workload.get("preset")
+        if name is not None and (not isinstance(name, str) or name not in presets.WORKLOADS):
+            raise ValueError(f"preset {_quote(name)} is not a workload preset "
+                             f"({', '.join(presets.WORKLOADS)})")
+        return workload
 
     @property
     def gpus(self) -> int:
@@ -140,6 +151,14 @@ class Cell(BaseModel):
                     policy=policy, schedule=self.schedule, implementation=implementation)
 
 
+def _quote(value: Any, limit: int = 60) -> str:
+    """A value from the file as an error quotes it: at most `limit` characters of it."""
+    text, mark = (value, "'") if isinstance(value, str) else (repr(value), "")
+    if len(text) > limit:
+        return f"{mark}{text[:limit]}...{mark} ({len(text):,} characters)"
+    return f"{mark}{text}{mark}"
+
+
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
     from taskgraph.builder import make_plan
@@ -153,8 +172,8 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     plain_text(doc, f"The measurements file '{path}'")
     cells, seen = [], set()
     for number, raw in enumerate(doc["cells"], 1):
-        label = (f"cell '{raw['id']}'" if isinstance(raw, dict) and isinstance(raw.get("id"), str)
-                 else f"cell #{number}")
+        label = (f"cell {_quote(raw['id'])}" if isinstance(raw, dict)
+                 and isinstance(raw.get("id"), str) else f"cell #{number}")
         try:
             cell = Cell.model_validate(raw)
         except ValidationError as err:
