@@ -29,7 +29,7 @@ from taskgraph.compiled import Program
 from taskgraph.cost import CostModel
 from taskgraph.schedules import RESOURCES
 from taskgraph.sim.contention import pool_speed
-from taskgraph.sim.engine import SimRun, simulate
+from taskgraph.sim.engine import Recorder, SimRun, simulate
 
 
 def covered_fraction(start: np.ndarray, end: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -81,21 +81,29 @@ def slowdown_matrix(hardware) -> np.ndarray:
 
 def simulate_with_interference(program: Program, cost: CostModel,
                                progress: Callable[[int], None] | None = None,
-                               tol: float = 1e-3, max_passes: int = 30) -> SimRun:
+                               tol: float = 1e-3, max_passes: int = 30,
+                               recorder: Callable[[Program], Recorder] | None = None) -> SimRun:
     """Simulate `program` with the hardware profile's interference and shared pools (see
     module docstring). A long run starts from the slowdowns of a short one: every decode step
     has the same shape, so a few steps solved to their fixed point say how much each task of a
-    step is slowed, and the whole run then needs a pass or two, not a dozen."""
-    base = program.durations(cost)
+    step is slowed, and the whole run then needs a pass or two, not a dozen.
+
+    With a `recorder` (a run too long to hold whole: :class:`taskgraph.sim.metrics.Summarizing`)
+    the run is one pass at the short run's slowdowns, decided and recorded block by block."""
     slowed = slowdown_matrix(cost.hardware).any() or cost.pools_shared
     if not slowed:
-        return simulate(program, cost, progress, base)
+        return simulate(program, cost, progress, recorder=recorder or Recorder)
     warm = _steady_slowdowns(program, cost, tol, max_passes)
     if warm is _INTERRUPTED:      # Ctrl-C while the short run was solved: nothing of this ran
-        nothing = np.full(program.total, np.nan)
-        return SimRun(program, base, nothing, nothing.copy(), True, 0.0)
-    return _fixed_point(program, cost, base, base if warm is None else base * warm, progress,
-                        tol, max_passes)
+        return (recorder or Recorder)(program).result(True, 0.0)
+    if recorder is not None:
+        def durations(part: Program) -> np.ndarray:
+            base = part.durations(cost)
+            return base if warm is None else base * warm(part)
+        return simulate(program, cost, progress, durations, recorder)
+    base = program.durations(cost)
+    return _fixed_point(program, cost, base, base if warm is None else base * warm(program),
+                        progress, tol, max_passes)
 
 
 _INTERRUPTED = object()      # what _steady_slowdowns says when Ctrl-C stopped it
@@ -141,12 +149,12 @@ def _fixed_point(program: Program, cost: CostModel, base: np.ndarray, durations:
 
 
 def _steady_slowdowns(program: Program, cost: CostModel, tol: float, max_passes: int
-                      ) -> np.ndarray | object | None:
-    """Per task of `program`, the factor its duration is slowed by in a run of the same plan
-    cut to a few decode steps, solved to its fixed point: each task of a step takes the factor of
-    the task at its place in a step of the same shape (:func:`compile_plan`'s templates). None
-    for a run short enough to solve whole, or one of real requests; _INTERRUPTED if Ctrl-C
-    stopped it."""
+                      ) -> Callable[[Program], np.ndarray] | object | None:
+    """The factor each task's duration is slowed by in a run of the same plan cut to a few
+    decode steps, solved to its fixed point, as a function of a part of `program` (or the whole)
+    giving its tasks' factors: each task of a step takes the factor of the task at its place in
+    a step of the same shape (:func:`compile_plan`'s templates). None for a run short enough to
+    solve whole, or one of real requests; _INTERRUPTED if Ctrl-C stopped it."""
     plan = program.plan
     horizon = lookahead_steps(plan)
     steps = horizon + 3             # prefill, the first step, a middle one, the last ones
@@ -168,8 +176,13 @@ def _steady_slowdowns(program: Program, cost: CostModel, tol: float, max_passes:
         return _INTERRUPTED
     slowdown = np.divide(run.durations, probe_base, out=np.ones_like(probe_base),
                          where=probe_base > 0)
-    # each of the long run's segments takes the slowdowns of the probe's of the same shape
-    like = [d if d <= 1 else steps - min(plan.G - d, horizon + 1) for d in range(plan.G + 1)]
-    full = np.diff(np.append(program.seg_base, program.total))
-    index = np.concatenate([probe.seg_base[d] + np.arange(n) for d, n in zip(like, full)])
-    return slowdown[index]
+
+    def of(part: Program) -> np.ndarray:
+        """The factors of `part`'s tasks: each segment takes those of the probe's segment of
+        the same shape."""
+        segments = range(part.first_segment, part.first_segment + len(part.seg_template))
+        like = [d if d <= 1 else steps - min(plan.G - d, horizon + 1) for d in segments]
+        sizes = np.diff(np.append(part.seg_base, part.total))
+        return slowdown[np.concatenate([probe.seg_base[d] + np.arange(n)
+                                        for d, n in zip(like, sizes)])]
+    return of

@@ -35,7 +35,130 @@ from taskgraph.cost import POOLS, CostModel, hrm_bound
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.memory import MemoryReport
 from taskgraph.schedules import RESOURCES
-from taskgraph.sim.engine import SimRun
+from taskgraph.compiled import Program
+from taskgraph.sim.engine import Recorder, SimRun
+
+
+class Totals:
+    """A run's figures accumulated block by block (the engine's :class:`Recorder` order), so that
+    a run's memory does not grow with its length: per resource instance its busy time and the
+    work done in each phase's window, per shared pool the bytes drawn in each, and the phase
+    boundaries. The prefill's end splits the windows; every prefill task is in the run's first
+    segment, so it is known after the first block, or, if no prefill compute task finished (Ctrl-C
+    during prefill), at the end (the makespan), the few tasks done by then waiting till then."""
+
+    def __init__(self, program: Program, cost: CostModel | None):
+        self.program, self.cost = program, cost
+        self.devices = len(dict.fromkeys(program.stream_device))
+        self.pools = ([p for p, c in enumerate(cost.pool_capacity) if np.isfinite(c)]
+                      if cost is not None and cost.pools_shared else [])
+        self.tasks = self.post_done = 0
+        self.makespan, self.first_decode = 0.0, np.inf
+        self.prefill_end: float | None = None
+        self.busy = np.zeros(self.devices)
+        self.work = np.zeros((2, self.devices))          # (prefill, decode) x device
+        self.drawn = np.zeros((2, len(POOLS)))           # (prefill, decode) x pool
+        self.waiting: list[tuple] = []                   # done tasks before the prefill's end
+        # A measured run (no cost model) counts busy time as the union of its tasks' intervals
+        # (two streams of a resource may overlap on a device): its tasks, kept to the end.
+        self.intervals: list[tuple] = []
+
+    @classmethod
+    def of(cls, run: SimRun, cost: CostModel | None) -> Totals:
+        """The totals of a run held whole."""
+        totals = cls(run.program, cost)
+        totals.add(run.program, run.start, run.end, run.durations)
+        return totals.finish()
+
+    def add(self, part: Program, start: np.ndarray, end: np.ndarray,
+            durations: np.ndarray) -> None:
+        """The next block of the run: `part` of the program and its tasks' times (NaN: did not
+        run)."""
+        done = ~np.isnan(end)
+        step, device = part.step, part.device
+        if self.prefill_end is None and part.first_segment == 0:
+            resource = part.column("resource")
+            compute = np.isin(resource, [RESOURCES.index("gpu"), RESOURCES.index("cpu")])
+            prefill = done & (step == 0) & compute
+            if prefill.any():
+                self.prefill_end = float(end[prefill].max())
+        decode = done & (step >= 1)
+        if decode.any():
+            self.first_decode = min(self.first_decode, float(start[decode].min()))
+        plan = part.plan
+        last = KIND_NAMES.index("MoE" if plan.tp > 1 else "PostAttn")
+        self.post_done += int((decode & (part.column("kind") == last)).sum())
+        self.tasks += int(done.sum())
+        if done.any():
+            self.makespan = max(self.makespan, float(end[done].max()))
+        self.busy += np.bincount(device[done], durations[done], minlength=self.devices)
+        if self.cost is None:
+            self.intervals.append((device[done], start[done], end[done]))
+            return
+        # The bound takes each task at its own cost, before what it overlapped slowed it
+        # (interference, shared pools): the HRM's time of each resource alone.
+        alone = part.durations(self.cost)[done]
+        drawn = part.pool_bytes(self.cost)[:, done] if self.pools else None
+        self.waiting.append((device[done], start[done], end[done], alone, drawn))
+        if self.prefill_end is not None:
+            self._spread()
+
+    def _spread(self) -> None:
+        """Split the work of the tasks waiting between the two windows."""
+        for device, start, end, alone, drawn in self.waiting:
+            length = end - start
+            after = np.clip(end - np.maximum(start, self.prefill_end), 0.0, None)
+            share = np.divide(after, length, out=np.zeros_like(after), where=length > 0)
+            before = np.where(length > 0, 1.0 - share, 0.0)
+            for w, part in enumerate((before, share)):
+                self.work[w] += np.bincount(device, alone * part, minlength=self.devices)
+                if drawn is not None:
+                    self.drawn[w] += drawn @ part
+        self.waiting = []
+
+    def finish(self) -> Totals:
+        if self.prefill_end is None:
+            self.prefill_end = self.makespan
+        self._spread()
+        if self.intervals:
+            device, start, end = (np.concatenate(c) for c in zip(*self.intervals))
+            for d in range(self.devices):
+                mine = device == d
+                for w, (lo, hi) in enumerate(((0.0, self.prefill_end),
+                                              (self.prefill_end, self.makespan))):
+                    self.work[w, d] = _busy_between(start[mine], end[mine], lo, hi)
+            self.intervals = []
+        return self
+
+
+class Summarizing(Recorder):
+    """A recorder for a run too long to hold whole: it accumulates the run's :class:`Totals`
+    and keeps the task times of its first `keep` segments only (what a trace or a chart of the
+    first steps draws)."""
+
+    def __init__(self, program: Program, cost: CostModel, keep: int):
+        self.whole, self.keep = program, keep
+        self.totals = Totals(program, cost)
+        self.kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def block(self, part: Program, start: np.ndarray, end: np.ndarray,
+              durations: np.ndarray) -> None:
+        self.totals.add(part, start, end, durations)
+        if part.first_segment < self.keep:
+            n = part.part(0, min(self.keep - part.first_segment, len(part.seg_template))).total
+            self.kept.append((start[:n], end[:n], durations[:n]))
+
+    def result(self, interrupted: bool, wall_s: float) -> SimRun:
+        kept = self.whole.part(0, min(self.keep, len(self.whole.seg_template)))
+        start, end = np.full(kept.total, np.nan), np.full(kept.total, np.nan)
+        durations = np.zeros(kept.total)
+        lo = 0
+        for times in self.kept:                # none if Ctrl-C came before the run began
+            hi = lo + len(times[0])
+            start[lo:hi], end[lo:hi], durations[lo:hi] = times
+            lo = hi
+        return SimRun(kept, durations, start, end, interrupted, wall_s,
+                      totals=self.totals.finish())
 
 
 def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
@@ -46,40 +169,32 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
     plan, sc = prog.plan, prog.plan.scenario
     p = sc.policy
     G, L = plan.G, plan.L
-    done = run.finished
-    makespan = float(np.nanmax(run.end)) if done.any() else 0.0
-    step = prog.step
-    decode = step >= 1
-    prefill_end, overlap = _phases(run, prog, done, makespan)
+    t = run.totals if run.totals is not None else Totals.of(run, cost)
+    makespan, prefill_end = t.makespan, t.prefill_end
+    overlap = max(0.0, prefill_end - t.first_decode) if np.isfinite(t.first_decode) else 0.0
     decode_s = makespan - prefill_end
     # A run stopped early (Ctrl-C) is measured on what it finished: whole decode layers (every
     # micro-batch's PostAttn done) and whole steps.
     layers_done, steps_done = G * L, G
     if run.interrupted:
         # (under tensor parallelism PostAttn runs as parts, the last of them the experts)
-        last = "MoE" if plan.tp > 1 else "PostAttn"
-        post = done & decode & (prog.column("kind") == KIND_NAMES.index(last))
-        layers_done = int(post.sum()) // (plan.n * plan.tp)     # every GPU's shard
+        layers_done = t.post_done // (plan.n * plan.tp)     # every GPU's shard
         steps_done = layers_done // L
     # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;
     # utilization is their mean and the HRM bound the busiest of them.
     busy = {r: 0.0 for r in _reported(prog)}
     window_busy, prefill_busy = dict(busy), dict(busy)
-    device = prog.device
-    # A simulated run's bound takes each task at its own cost, before what it overlapped
-    # slowed it (interference, shared pools): the HRM's time of each resource alone.
-    alone = prog.durations(cost) if cost is not None else None
     for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
-        mine = (device == d) & done
-        busy[r] += float(run.durations[mine].sum()) / _instances(prog, r)
-        for window, lo, hi in ((window_busy, prefill_end, makespan),
-                               (prefill_busy, 0.0, prefill_end)):
-            if alone is None:
-                seconds = _busy_between(run.start[mine], run.end[mine], lo, hi)
-            else:
-                seconds = _work_between(run.start[mine], run.end[mine], alone[mine], lo, hi)
-            window[r] = max(window[r], seconds)
-    shared = _pools(run, cost, prefill_end, makespan) if cost is not None else {}
+        busy[r] += float(t.busy[d]) / _instances(prog, r)
+        prefill_busy[r] = max(prefill_busy[r], float(t.work[0, d]))
+        window_busy[r] = max(window_busy[r], float(t.work[1, d]))
+    # Per shared pool: seconds of its capacity the tasks drew on in each window (bytes drawn
+    # inside it, spread evenly over each task's run, over the capacity), at most the window.
+    shared = {}
+    for i in t.pools:
+        capacity = cost.pool_capacity[i]
+        shared[POOLS[i]] = (min(t.drawn[0, i] / capacity, prefill_end),
+                            min(t.drawn[1, i] / capacity, decode_s))
     for pool, (pre, dec) in shared.items():
         prefill_busy[pool], window_busy[pool] = pre, dec
     bound_s, binding = hrm_bound(window_busy, max(layers_done, 1))
@@ -116,30 +231,10 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
         "steps": steps_done,
         "layers": L,
-        "tasks": int(done.sum()),
+        "tasks": t.tasks,
         "interrupted": run.interrupted,
         "wall_s": round(run.wall_s, 3),
     }
-
-
-def _pools(run: SimRun, cost: CostModel, prefill_end: float, makespan: float
-           ) -> dict[str, tuple[float, float]]:
-    """Per shared pool: seconds of its capacity the tasks drew on in the prefill window and in
-    the decode window (bytes drawn inside each, spread evenly over each task's run, over the
-    capacity), at most the window itself."""
-    if not cost.pools_shared:
-        return {}
-    drawn = run.program.pool_bytes(cost)
-    ran = ~np.isnan(run.end)
-    out = {}
-    for p, pool in enumerate(POOLS):
-        capacity = cost.pool_capacity[p]
-        if np.isfinite(capacity):
-            out[pool] = tuple(
-                min(_work_between(run.start[ran], run.end[ran], drawn[p][ran], lo, hi)
-                    / capacity, hi - lo)
-                for lo, hi in ((0.0, prefill_end), (prefill_end, makespan)))
-    return out
 
 
 def _reported(prog) -> tuple[str, ...]:
@@ -150,26 +245,6 @@ def _reported(prog) -> tuple[str, ...]:
 
 def _instances(prog, resource: str) -> int:
     return sum(1 for r, _ in dict.fromkeys(prog.stream_device) if r == resource) or 1
-
-
-def _phases(run: SimRun, prog, done: np.ndarray, makespan: float) -> tuple[float, float]:
-    """(end of prefill, how long decode ran before it) as the module docstring defines them."""
-    resource = prog.column("resource")
-    compute = np.isin(resource, [RESOURCES.index("gpu"), RESOURCES.index("cpu")])
-    prefill = done & (prog.step == 0) & compute
-    end = float(np.nanmax(run.end[prefill])) if prefill.any() else makespan
-    decode = done & (prog.step >= 1)
-    first = float(np.nanmin(run.start[decode])) if decode.any() else end
-    return end, max(0.0, end - first)
-
-
-def _work_between(start: np.ndarray, end: np.ndarray, work: np.ndarray, lo: float,
-                  hi: float) -> float:
-    """Seconds of `work` done inside [lo, hi], each task's spread evenly over its run."""
-    length = end - start
-    inside = np.clip(np.minimum(end, hi) - np.maximum(start, lo), 0.0, None)
-    share = np.divide(inside, length, out=np.zeros_like(inside), where=length > 0)
-    return float((work * share).sum())
 
 
 def _busy_between(start: np.ndarray, end: np.ndarray, lo: float, hi: float) -> float:

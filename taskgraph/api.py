@@ -77,23 +77,25 @@ def _override_items(overrides: Overrides) -> list[str]:
 
 
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
-             overrides: Overrides = None, keep_runs: bool = False, progress: Progress = None):
+             overrides: Overrides = None, keep_runs: bool = False, progress: Progress = None,
+             keep_steps: int | None = 2):
     """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
     whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`; `keep_runs`
     keeps each batch's task times for traces). Returns a
-    :class:`~taskgraph.simulation.Simulation` otherwise."""
+    :class:`~taskgraph.simulation.Simulation` otherwise; a run of millions of tasks keeps the
+    task times of prefill and `keep_steps` decode steps (None: all) for its trace and chart."""
     from taskgraph.serving.queue import simulate_queue
     from taskgraph.simulation import simulate_scenario
 
     s, _ = load(scenario, overrides, schedule)
     if s.requests is not None:
         return simulate_queue(s, progress=progress, keep_runs=keep_runs)
-    return simulate_scenario(s, progress=progress)
+    return simulate_scenario(s, progress=progress, keep_steps=keep_steps)
 
 
 def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
             overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
-            progress: Progress = None):
+            progress: Progress = None, keep_steps: int | None = 2):
     """`tg compare`: several schedules side by side (default: every schedule that runs on the
     machine); entries NAME:padded and NAME:refill batch a request list. `check` evaluates the
     scenario's `expect` section (``result.failed`` lists what broke). Returns a
@@ -104,7 +106,8 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     # the first schedule named is the scenario's own: its placement replaces the file's
     first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
     s, _ = load(scenario, overrides, first)
-    return run(s, names, check=check, keep_runs=keep_runs, progress=progress)
+    return run(s, names, check=check, keep_runs=keep_runs, progress=progress,
+               keep_steps=keep_steps)
 
 
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,

@@ -206,7 +206,8 @@ def _simulate(args: argparse.Namespace) -> int:
                       "(give workload.requests or workload.lengths).")
     label = "simulating batches" if scenario.requests is not None else "simulating"
     with _progress(not args.json, label) as tick:
-        result = api.simulate(scenario, keep_runs=bool(args.trace or args.gantt), progress=tick)
+        result = api.simulate(scenario, keep_runs=bool(args.trace or args.gantt), progress=tick,
+                              keep_steps=_kept(args))
     if args.csv:
         result.write_csv(args.csv)
     _outputs(args, result)
@@ -225,7 +226,8 @@ def _compare(args: argparse.Namespace) -> int:
     scenario = _load(args, first)
     with _progress(not args.json, "simulating") as tick:
         result = api.compare(scenario, names, check=args.check,
-                             keep_runs=bool(args.trace or args.gantt), progress=tick)
+                             keep_runs=bool(args.trace or args.gantt), progress=tick,
+                             keep_steps=_kept(args))
     _outputs(args, result)
     _show(args, result)
     if result.interrupted:
@@ -465,6 +467,13 @@ def _interrupted(summary: dict[str, Any]) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def _kept(args: argparse.Namespace) -> int | None:
+    """The decode steps whose task times a long run keeps: those the trace draws, and the
+    Gantt chart's step 2."""
+    steps = _window(args.trace_steps).max_step if args.trace else 2
+    return None if steps is None else max(steps, 2)
 
 
 @contextmanager

@@ -58,6 +58,9 @@ class Program:
     seg_template: np.ndarray   # per segment: template index
     seg_base: np.ndarray       # per segment: global id of its first task
     total: int
+    # A part of a longer run (:meth:`part`): the run's number of its first segment, so that
+    # steps, and what depends on them (context lengths), are the run's.
+    first_segment: int = 0
 
     @cached_property
     def stream_device(self) -> list[tuple[str, int]]:
@@ -86,11 +89,19 @@ class Program:
 
     def column(self, name: str) -> np.ndarray:
         """A per-task attribute over the whole run, in global id order."""
-        parts = []
-        for d, t in enumerate(self.seg_template):
-            arr = getattr(self.templates[t], name)
-            parts.append(arr + d if name == "step_rel" else arr)
-        return np.concatenate(parts)
+        if name == "step_rel":
+            return np.concatenate([self.templates[t].step_rel + d for d, t in
+                                   enumerate(self.seg_template, self.first_segment)])
+        return np.concatenate([getattr(self.templates[t], name) for t in self.seg_template])
+
+    def part(self, lo: int, hi: int) -> Program:
+        """Segments [lo, hi) as a program of their own (task ids from 0), for the parts of a
+        run too long to hold whole: its columns, work and durations are those of the run's."""
+        base = self.seg_base[lo:hi]
+        end = self.seg_base[hi] if hi < len(self.seg_base) else self.total
+        return Program(self.plan, self.streams, self.templates, self.seg_template[lo:hi],
+                       base - (base[0] if len(base) else 0), int(end - self.seg_base[lo]),
+                       self.first_segment + lo)
 
     @cached_property
     def step(self) -> np.ndarray:
@@ -153,8 +164,8 @@ class Program:
         d = self.segment_of(gid)
         tpl = self.templates[self.seg_template[d]]
         i = gid - self.seg_base[d]
-        return (int(tpl.step_rel[i]) + d, KIND_NAMES[tpl.kind[i]], int(tpl.layer[i]),
-                int(tpl.index[i]))
+        return (int(tpl.step_rel[i]) + d + self.first_segment, KIND_NAMES[tpl.kind[i]],
+                int(tpl.layer[i]), int(tpl.index[i]))
 
 
 def compile_plan(plan: Plan) -> Program:

@@ -5,6 +5,7 @@ This is the library entry point behind `tg simulate` and `tg compare`.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,8 +19,8 @@ from taskgraph.cost import POOL_NAMES, POOLS, cost_model
 from taskgraph.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.report import Shown, simulate_table, warnings_of
 from taskgraph.sim.engine import SimRun
-from taskgraph.sim.interference import simulate_with_interference
-from taskgraph.sim.metrics import summarize
+from taskgraph.sim.interference import simulate_with_interference, slowdown_matrix
+from taskgraph.sim.metrics import Summarizing, summarize
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
@@ -37,6 +38,16 @@ class Simulation(Shown, Traced):
 
     def to_dict(self) -> dict[str, Any]:
         return self.summary
+
+    def write_trace(self, path, steps: int | None = 2) -> int:
+        kept = len(self.program.seg_template) - 1        # decode steps whose times were kept
+        if kept < self.plan.G and (steps is None or steps > kept):
+            raise TgError(
+                f"This run of {self.summary['steps']:,} decode steps kept the task times of "
+                f"prefill and {kept} of them (a run of millions of tasks keeps only what its "
+                "trace asks for); simulate with the trace's steps (--trace-steps, or keep_steps "
+                "in the Python API).")
+        return super().write_trace(path, steps)
 
     def views(self):
         yield simulate_table(self.summary)
@@ -56,13 +67,25 @@ class Simulation(Shown, Traced):
         return TraceRun(label, self.program, self.run.start, self.run.end, pools=pools)
 
 
+#: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a
+#: longer one is decided block by block into its figures, keeping the task times of only the
+#: steps asked for, so that its memory does not grow with its length.
+HOLD_TASKS = 2_000_000
+#: A run whose tasks slow each other (interference, shared pools) is solved as a fixed point of
+#: whole runs, which needs every task's times: held whole up to this many tasks, beyond it one
+#: pass at the slowdowns of a few steps solved whole (the warm start of the fixed point).
+SOLVE_TASKS = 20_000_000
+
+
 def simulate_scenario(scenario: Scenario, schedule: str | None = None,
                       progress: Callable[[int, int], None] | None = None,
-                      over_memory: bool = False) -> Simulation:
+                      over_memory: bool = False, keep_steps: int | None = 2) -> Simulation:
     """Simulate a scenario with its own schedule or `schedule`. `progress(done, total)` is
     called once per segment (prefill, then each decode step). A policy that needs more memory
     than the machine has is refused, unless `over_memory` (a run that did happen: the memory
-    model is what is wrong), when the result's warnings say so."""
+    model is what is wrong), when the result's warnings say so. A run longer than
+    :data:`HOLD_TASKS` keeps the task times of prefill and `keep_steps` decode steps (None:
+    all) for traces and charts; its figures cover every step either way."""
     t0 = time.perf_counter()
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)
@@ -73,20 +96,33 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
             raise
         warnings = [str(err)]
     program = compile_plan(plan)
-    check_size(program.total)
+    cost = cost_model(scenario, plan.schedule.name)
+    slowed = bool(slowdown_matrix(scenario.hardware).any() or cost.pools_shared)
+    held = program.total <= (SOLVE_TASKS if slowed else HOLD_TASKS) or keep_steps is None
+    if held:
+        check_size(program.total)
+        recorder = None
+    else:
+        keep = min(keep_steps + 1, len(program.seg_template))
+        check_size(program.part(0, keep).total)
+        recorder = functools.partial(Summarizing, cost=cost, keep=keep)
+        if slowed:
+            warnings.append(
+                f"This run has {program.total:,} tasks, more than the {SOLVE_TASKS:,} whose "
+                "slowdowns (interference, shared pools) are solved over the whole run: each "
+                "task is slowed as in a run of a few steps solved whole.")
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None
-    cost = cost_model(scenario, plan.schedule.name)
-    run = simulate_with_interference(program, cost, tick)
+    run = simulate_with_interference(program, cost, tick, recorder=recorder)
     summary = summarize(run, memory, cost)
     summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Simulation(plan, program, memory, run, summary)
+    return Simulation(plan, run.program, memory, run, summary)
 
 
-# Bytes the simulator keeps per task (start, end and duration arrays, per-task columns, the
-# interference solver's copies): a 116M-task run (tiny.yaml, gen_len 1e6) completed within this
-# machine's 24 GB, so at most ~200; this errs on the side of running.
+# Bytes the simulator keeps per task held whole (start, end and duration arrays, per-task
+# columns, the interference solver's copies): a 116M-task run (tiny.yaml, gen_len 1e6) completed
+# within this machine's 24 GB, so at most ~200; this errs on the side of running.
 _BYTES_PER_TASK = 150
 
 
@@ -102,6 +138,7 @@ def check_size(tasks: int) -> None:
     need = tasks * _BYTES_PER_TASK
     if need > 0.8 * free:
         raise TgError(
-            f"This run has {tasks:,} tasks; simulating them needs about {need / 1e9:.1f} GB and "
-            f"{free / 1e9:.1f} GB of this machine's memory is free. Lower workload.gen_len, "
-            "model.L or the number of micro-batches (policy.N / policy.mu).")
+            f"Keeping the times of {tasks:,} tasks needs about {need / 1e9:.1f} GB and "
+            f"{free / 1e9:.1f} GB of this machine's memory is free. Trace fewer steps "
+            "(--trace-steps N), or lower workload.gen_len, model.L or the number of "
+            "micro-batches (policy.N / policy.mu).")

@@ -37,7 +37,9 @@ CASES = [
     ("zero task bandwidth", ["simulate", TINY, "--set", "hardware.task_gbps={D3: 0}"],
      "hardware.task_gbps"),
     ("huge N", ["simulate", TINY, "--set", "policy.N=1000000000000"], "policy.N"),
-    ("run too large for memory", ["simulate", TINY, "--set", "workload.gen_len=9000000"],
+    # (a run this long without a whole trace is decided block by block: tests/test_long_runs.py)
+    ("run too large for memory", ["simulate", TINY, "--set", "workload.gen_len=9000000",
+                                  "--trace", "FOLDER/t.json", "--trace-steps", "all"],
      "workload.gen_len"),
     ("non-UTF-8 scenario", ["simulate", "FOLDER/latin1.yaml"], "not UTF-8"),
     ("self-including profile", ["simulate", "FOLDER/loop.yaml"], "includes itself"),

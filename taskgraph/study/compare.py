@@ -95,13 +95,15 @@ def default_schedules(scenario: Scenario) -> list[str]:
 
 
 def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool = False,
-            keep_runs: bool = False, progress: Progress = None) -> Comparison:
+            keep_runs: bool = False, progress: Progress = None,
+            keep_steps: int | None = 2) -> Comparison:
     """Simulate `schedules` (entries as `parse_entry` reads them; default: every schedule that
     runs on the machine) side by side, on the scenario's mean lengths or over its whole request
     list. `check` evaluates the scenario's `expect` section (mean lengths only): its schedules
     are added to the comparison and must fit. A schedule named here must fit; one chosen by
     default is left out, with the reason, when it does not. `keep_runs`: keep a request list's
-    task times for traces."""
+    task times for traces; `keep_steps`: the decode steps a long run keeps them for
+    (:func:`~taskgraph.simulation.simulate_scenario`)."""
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     if not names:
         raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
@@ -125,14 +127,14 @@ def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool 
     if schedules is None:
         names = [n for n in names if n in default_schedules(scenario)]
     out = compare_scenario(scenario, names, set(names) if schedules is not None else expected,
-                           progress)
+                           progress, keep_steps)
     if check:
         out.checks = evaluate(scenario.expect, {n: s.summary for n, s in out.sims.items()})
     return out
 
 
 def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
-                     progress: Progress = None) -> Comparison:
+                     progress: Progress = None, keep_steps: int | None = 2) -> Comparison:
     """Simulate `names` on a mean-length scenario. Every schedule's memory is checked before
     any is simulated; one that does not fit fails the comparison if it is `required`, and is
     left out, with the reason, if not. Ctrl-C ends the comparison after the schedule it hit."""
@@ -154,7 +156,8 @@ def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
         if note:
             out.notes[name] = note
     for name in (n for n in names if n not in out.left_out):
-        out.sims[name] = simulate_scenario(adapted[name], name, progress=progress)
+        out.sims[name] = simulate_scenario(adapted[name], name, progress=progress,
+                                           keep_steps=keep_steps)
         if out.sims[name].summary["interrupted"]:
             break
     return out

@@ -1,0 +1,146 @@
+"""Long runs in bounded memory: the engine decides a run block by block in a ring of task slots,
+and a run too long to hold whole keeps its figures and the task times of the steps asked for.
+Each is checked against the same run held whole."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import taskgraph.simulation as simulation
+from taskgraph.sim import engine
+from taskgraph.builder import make_plan
+from taskgraph.compiled import compile_plan
+from taskgraph.cost import cost_model
+from taskgraph.errors import ScheduleError, TgError
+from taskgraph.scenario import load_scenario
+TINY = "scenarios/tiny.yaml"
+
+CASES = [(s, []) for s in ("S1", "S2", "S3", "S4", "S5", "DS", "PP")] + [
+    ("S1", ["hardware.gpu.count=2"]),            # tensor parallel: per-GPU streams
+    ("PP", ["hardware.gpu.count=2"]),            # a pipeline's stages run steps apart
+    ("S4", ["hardware.gpu.count=2"]),            # two streams share each link
+]
+
+
+def _program(schedule, sets, gen_len=40):
+    sc = load_scenario(TINY, [f"schedule={schedule}", f"workload.gen_len={gen_len}", *sets])
+    plan = make_plan(sc)
+    return compile_plan(plan), cost_model(sc, plan.schedule.name)
+
+
+@pytest.mark.parametrize("schedule, sets", CASES, ids=[f"{s}{'x2' if x else ''}"
+                                                        for s, x in CASES])
+def test_a_run_decided_in_a_small_ring_is_the_run_held_whole(monkeypatch, schedule, sets):
+    """Blocks of the fewest segments a dependency allows, so the ring wraps many times: every
+    task starts and ends exactly when it does with a slot for every task. A ring too short for
+    how far a stream lags is found before any slot is reused, and a longer one tried."""
+    program, cost = _program(schedule, sets)
+
+    def run(blocks):
+        window = engine._Window(program, lambda part: part.durations(cost),
+                                engine.Recorder(program), blocks)
+        return window, engine._run(program, cost, None, window, 0.0)
+
+    _, whole = run(0)
+    monkeypatch.setattr(engine, "_BLOCK_TASKS", 1)
+    wrapped = 0
+    for blocks in engine._RING_BLOCKS[:-1]:
+        try:
+            window, ring = run(blocks)
+        except engine._Lagging:
+            continue
+        assert np.array_equal(ring.start, whole.start) and np.array_equal(ring.end, whole.end)
+        wrapped += window.mask + 1 < program.total
+    assert wrapped
+
+
+def test_reusing_slots_while_a_stream_lags_would_change_the_run(monkeypatch):
+    """The lag check matters: a ring of one block cannot be reused while any stream is still in
+    it; without the check, slots are reset while streams still read them, and the run comes out
+    different (or deadlocks)."""
+    program, cost = _program("S1", [])
+    whole = engine.simulate(program, cost)
+    monkeypatch.setattr(engine, "_BLOCK_TASKS", 1)
+
+    def window():
+        return engine._Window(program, lambda part: part.durations(cost),
+                              engine.Recorder(program), 1)
+
+    with pytest.raises(engine._Lagging):
+        engine._run(program, cost, None, window(), 0.0)
+    unchecked = window()
+    unchecked.lag = len(unchecked.bounds)
+    try:
+        ring = engine._run(program, cost, None, unchecked, 0.0)
+    except ScheduleError:       # a deadlock: also a different run
+        return
+    assert not (np.array_equal(ring.start, whole.start) and np.array_equal(ring.end, whole.end))
+
+
+def _simulate(sets, hold, monkeypatch, keep=2):
+    monkeypatch.setattr(simulation, "HOLD_TASKS", hold)
+    return simulation.simulate_scenario(load_scenario(TINY, sets), keep_steps=keep)
+
+
+@pytest.mark.parametrize("sets", [["workload.gen_len=300"],
+                                  ["workload.gen_len=300", "schedule=S4",
+                                   "hardware.gpu.count=2"]], ids=["S1", "S4x2"])
+def test_a_run_too_long_to_hold_reports_what_it_would_held_whole(monkeypatch, tmp_path, sets):
+    """Streamed (held: nothing), the figures are those of the run held whole, and the trace of
+    its first steps is the same file."""
+    held = _simulate(sets, 10**9, monkeypatch)
+    streamed = _simulate(sets, 0, monkeypatch)
+    assert streamed.run.program.total < held.run.program.total / 50    # it kept 3 of 301 segments
+    a, b = dict(held.summary), dict(streamed.summary)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert json.dumps(a) == json.dumps(b)
+    held.write_trace(tmp_path / "held.json")
+    streamed.write_trace(tmp_path / "streamed.json")
+    assert (tmp_path / "held.json").read_bytes() == (tmp_path / "streamed.json").read_bytes()
+
+
+def test_a_trace_of_steps_the_run_did_not_keep_is_refused(monkeypatch, tmp_path):
+    sim = _simulate(["workload.gen_len=50"], 0, monkeypatch, keep=3)
+    assert sim.write_trace(tmp_path / "ok.json", steps=3) > 0
+    for steps in (4, None):
+        with pytest.raises(TgError, match="kept the task times of prefill and 3"):
+            sim.write_trace(tmp_path / "t.json", steps=steps)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_keeping_every_step_holds_the_run_whole(monkeypatch):
+    sim = _simulate(["workload.gen_len=50"], 0, monkeypatch, keep=None)
+    assert sim.run.program.total == compile_plan(sim.plan).total
+
+
+def test_a_streamed_run_with_shared_pools_says_how_it_was_solved(monkeypatch):
+    """Beyond SOLVE_TASKS a run whose tasks slow each other is one pass at a short run's
+    slowdowns: close to the fixed point of the whole run, and the result says so."""
+    sc = load_scenario("scenarios/2xt4-8x22b.yaml", ["workload.gen_len=12", "policy.N=144"])
+    held = simulation.simulate_scenario(sc)
+    monkeypatch.setattr(simulation, "SOLVE_TASKS", 0)
+    monkeypatch.setattr(simulation, "HOLD_TASKS", 0)
+    one_pass = simulation.simulate_scenario(sc)
+    assert any("solved over the whole run" in w for w in one_pass.summary["warnings"])
+    assert one_pass.summary["throughput_tok_s"] == pytest.approx(
+        held.summary["throughput_tok_s"], rel=0.02)
+
+
+def test_ctrl_c_in_a_streamed_run_reports_what_ran(monkeypatch):
+    """An interrupt part-way through a run held block by block: the figures of the steps that
+    finished, as for a run held whole."""
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        if done == 40:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "HOLD_TASKS", 0)
+    sim = simulation.simulate_scenario(load_scenario(TINY, ["workload.gen_len=200"]),
+                                       progress=progress)
+    s = sim.summary
+    assert s["interrupted"] and 30 <= s["steps"] < 40 and s["throughput_tok_s"] > 0
