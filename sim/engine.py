@@ -90,7 +90,8 @@ def simulate(program: Program, cost: CostModel,
     """Run `program` on the resources of `cost`, each task taking `durations` seconds (an array
     in global id order, or a function of a part of the program; default: the cost model's).
     `progress(segment)` is called as the GPU stream enters each segment. The decided tasks go
-    to a `recorder` made for the run (default: keep them all). Ctrl-C stops the run and returns what had finished.
+    to a `recorder` made for the run (default: keep them all). Ctrl-C stops the run and returns
+    what had finished.
 
     Memory: the run's tasks are decided in blocks of consecutive segments, into a ring of task
     slots a few blocks long, so a run of any length holds a few blocks at once (and the
@@ -158,11 +159,13 @@ class _Window:
     A task's state lives in slot ``gid & mask`` of the `start`, `end` (-1: not decided yet) and
     `dur` lists. The ring holds `blocks` blocks (0: the whole run), each at least as many
     segments as a dependency reaches back, so the tasks of block b depend only on blocks b and
-    b - 1. When the first stream enters block b, its slots are those of blocks b - `blocks` and
-    before, which were handed to the recorder when every stream had left them and last read
-    when every stream had left block b - `blocks` + 1: so every stream must be in block
-    b - `blocks` + 2 or later (:class:`_Lagging` if not). A block goes to the recorder as soon
-    as every stream has left it."""
+    b - 1. Block b's slots are set up (durations in, ends cleared) when a stream first has a
+    task in it; they are those of blocks b - `blocks` and before, which were handed to the
+    recorder when every stream had left them and last read when every stream had left block
+    b - `blocks` + 1: so every stream must be in block b - `blocks` + 2 or later then
+    (:class:`_Lagging` if not). A block goes to the recorder as soon as every stream has left
+    it. A stream cannot race ahead of the rest by more than its dependencies let it, so a ring
+    of four blocks holds every schedule here (tests/test_long_runs.py)."""
 
     def __init__(self, program: Program, durations: Durations, recorder: Recorder,
                  blocks: int):
@@ -173,7 +176,6 @@ class _Window:
         per = max(reach, int(_BLOCK_TASKS // max(1, sizes.max())), 1)
         self.bounds = list(range(0, nseg, per if blocks else nseg)) + [nseg]
         self.lag = blocks - 2 if blocks else nseg
-        self.block_of = np.repeat(np.arange(len(self.bounds) - 1), np.diff(self.bounds))
         biggest = max(int(program.seg_base[hi - 1] + sizes[hi - 1] - program.seg_base[lo])
                       for lo, hi in zip(self.bounds, self.bounds[1:])) if nseg else 1
         slots = 1 << max(1, int(min(blocks * biggest or program.total + 1, program.total + 1)
