@@ -63,8 +63,11 @@ def load_tokenizer(folder: str | Path | None) -> Any | None:
 
 
 def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
-                 tokenizer: Any | None = None) -> list[Request]:
-    """Requests from a JSONL file; every error names the line and the field."""
+                 tokenizer: Any | None = None, max_positions: int | None = None
+                 ) -> list[Request]:
+    """Requests from a JSONL file; every error names the line and the field. With
+    `max_positions` (a checkpoint's max_position_embeddings), a prompt and its new tokens must
+    fit in it."""
     path = Path(path)
     text = read_text(path, "prompts file")
     requests: list[Request] = []
@@ -100,12 +103,19 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
         if bad:
             raise TgError(f"{where}: prompt_ids holds {bad[0]}, outside the model's vocabulary "
                           f"(0 to {vocab - 1}).")
+        new_tokens = line.max_new_tokens or default_new_tokens
+        if max_positions is not None and len(ids) + new_tokens > max_positions:
+            # past the positions it was trained on, a model's tokens are not its answer
+            raise TgError(f"{where}: the prompt's {len(ids):,} tokens and {new_tokens:,} new "
+                          f"tokens need {len(ids) + new_tokens:,} positions, more than the "
+                          f"model's max_position_embeddings ({max_positions:,}); shorten the "
+                          "prompt or lower max_new_tokens.")
         rid = line.id if line.id is not None else len(requests)
         if str(rid) in first_line:           # the output file is keyed by id
             raise TgError(f"{where}: id {str(rid)[:60]!r} was already given on line "
                           f"{first_line[str(rid)]}; each request needs its own id.")
         first_line[str(rid)] = number
-        requests.append(Request(rid, ids, line.max_new_tokens or default_new_tokens))
+        requests.append(Request(rid, ids, new_tokens))
     if not requests:
         raise TgError(f"The prompts file '{path}' holds no requests.")
     return requests
@@ -144,4 +154,4 @@ def write_outputs(path: str | Path, rows: list[dict[str, Any]]) -> None:
     """One JSON line per request, written whole or not at all."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")

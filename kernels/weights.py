@@ -171,9 +171,20 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
         if tuple(t.shape) != shape:
             raise TgError(f"Checkpoint tensor '{name}' has shape {tuple(t.shape)}, but the "
                           f"scenario's model needs {shape}.")
+        # Casting would turn quantized integers into wrong weights, and one NaN spreads to every
+        # logit (argmax then says token 0), so neither is run.
+        if not t.dtype.is_floating_point:
+            raise TgError(f"Checkpoint tensor '{name}' in '{file}' is "
+                          f"{str(t.dtype).removeprefix('torch.')}; tg runs float32, bfloat16 or "
+                          "float16 weights, not quantized ones (dequantize the checkpoint first).")
         if out is None:       # a copy: a tensor on the mapped file keeps all of it resident
-            return t.to(dtype, copy=True)
-        out.copy_(t.reshape(-1))
+            out = t.to(dtype, copy=True)
+        else:
+            out.copy_(t.reshape(-1))
+        if not torch.isfinite(out).all():     # as it will run: fp32 -> fp16 can overflow
+            raise TgError(f"Checkpoint tensor '{name}' in '{file}' holds NaN or infinite values "
+                          f"(as {str(dtype).removeprefix('torch.')}); the model's outputs would "
+                          "be meaningless.")
         return out
 
     sections = layer_sections(m)

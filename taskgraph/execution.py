@@ -86,20 +86,29 @@ def pick_device(name: str) -> str:
     return name
 
 
-def _check_host_memory(need: float) -> None:
-    """On the CPU backend the "GPU" buffers live in this machine's memory too."""
+# Host bytes dispatch keeps per task (a threading.Event, two device events, start and end
+# times, the run's columns): 1.35 KB measured with tracemalloc, rounded up.
+_BYTES_PER_TASK = 1500
+
+
+def _check_host_memory(buffers: float, tasks: int) -> None:
+    """Refuse up front a run this machine's memory cannot hold: its host buffers (on the CPU
+    backend the "GPU" ones too) and the bookkeeping of every task. A 10^6-step run of the tiny
+    model is 116 million tasks, 170 GB, and would otherwise grow until it is killed."""
     import os
 
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
+    need = buffers + tasks * _BYTES_PER_TASK
     if need > 0.9 * have:
         raise TgError(
-            f"The CPU backend keeps the whole run in this machine's memory: it needs "
-            f"{need / 1e9:.1f} GB and {have / 1e9:.1f} GB is free. Execute a smaller model "
-            "(scenarios/tiny.yaml, scenarios/small.yaml) or fewer layers and sequences "
-            "(--set model.L=2 --set policy.N=...)."
+            f"This run needs about {need / 1e9:.1f} GB of this machine's memory "
+            f"({buffers / 1e9:.1f} GB of KV cache and weights, {tasks:,} tasks at "
+            f"{_BYTES_PER_TASK:,} bytes each) and {have / 1e9:.1f} GB is free. Lower "
+            "workload.gen_len (or --steps, or the prompts' max_new_tokens), the number of "
+            "sequences (policy.N) or layers (model.L), or execute a smaller model."
         )
 
 
@@ -216,6 +225,94 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
 _last_weights: dict[tuple, Any] = {}
 
 
+def max_positions(folder: str | Path | None) -> int | None:
+    """A checkpoint's max_position_embeddings, if its config.json gives one."""
+    from taskgraph.scenario import hf_config_json
+
+    config = Path(folder) / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return None
+    return hf_config_json(config).get("max_position_embeddings")
+
+
+def _check_positions(scenario: Scenario, slots: list | None, limit: int) -> None:
+    """Every sequence's prompt and new tokens within the checkpoint's positions."""
+    w = scenario.workload
+    if slots is None and w.context_prompt + w.gen_len + 1 > limit:
+        raise TgError(f"This run's prompts of {w.context_prompt:,} tokens and "
+                      f"{w.gen_len + 1:,} new tokens (workload.gen_len + 1, the first coming "
+                      f"from prefill) need more positions than the checkpoint's "
+                      f"max_position_embeddings ({limit:,}); lower workload.gen_len or "
+                      "workload.prompt_len.")
+    for r in slots or []:
+        if r is not None and len(r.prompt_ids) + r.max_new_tokens > limit:
+            raise TgError(f"Request {str(r.id)[:60]!r}: its prompt of {len(r.prompt_ids):,} "
+                          f"tokens and {r.max_new_tokens:,} new tokens need more positions "
+                          f"than the checkpoint's max_position_embeddings ({limit:,}).")
+
+
+@dataclass
+class _Prompts:
+    """What the batches of a run over many prompts share: the batch's requests, how to read
+    and end them, the weights (loaded once) and the last batch shape's compiled graph."""
+
+    requests: list
+    tokenizer: Any
+    eos: set[int]
+    weights: Any = None
+    programs: dict = field(default_factory=dict)
+
+
+def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
+                     weights_path: str | None, seed: int, progress, zero_copy: bool,
+                     check: bool, profile: bool, processes: bool, warnings: list[str],
+                     shared: _Prompts) -> Execution:
+    """More prompts than the policy's N sequences: N at a time, in the file's order, each batch
+    the schedule's micro-batches, so memory is one batch's whatever the file's length (one
+    batch of every prompt grew its graph, and the time to build it, with the square of the
+    micro-batches: 2,000 prompts took 4.2 GB). The result is the first batch's run (its trace)
+    with every request's tokens; makespan, throughput, tasks and the check cover all batches."""
+    t0 = time.perf_counter()
+    requests, per = shared.requests, scenario.policy.N
+    starts = range(0, len(requests), per)
+    first, outputs, tokens, makespan, tasks, ran, errors, matches = (None, [], 0.0, 0.0, 0, 0,
+                                                                      [], [])
+    for b, start in enumerate(starts):
+        shared.requests = requests[start:start + per]
+        ex = execute_scenario(scenario, schedule, device, weights_path, seed,
+                              zero_copy=zero_copy, check=check, profile=profile and b == 0,
+                              processes=processes, shared=shared)
+        s = ex.summary
+        first = first or ex
+        outputs += s.pop("outputs", None) or []
+        tokens += s["throughput_tok_s"] * s["makespan_s"]
+        makespan += s["makespan_s"]
+        tasks += s["tasks"]
+        ran += s["requests"]
+        errors.append(s["max_abs_err"])
+        matches.append(s["tokens_match"])
+        if progress:
+            progress(b + 1, len(starts))
+        if ex.run.interrupted:      # Ctrl-C, or a task that failed: say so as the first batch
+            first.run.failure = first.run.failure or ex.failure
+            first.summary["interrupted"] = True
+            break
+    summary = first.summary
+    done = None not in matches
+    summary.update(
+        throughput_tok_s=round(tokens / makespan, 6) if makespan else 0.0,
+        makespan_s=round(makespan, 6), tasks=tasks, batches=len(matches),
+        max_abs_err=max(errors) if done else None, tokens_match=all(matches) if done else None,
+        requests=ran, wall_s=round(time.perf_counter() - t0, 3),
+        warnings=warnings + summary["warnings"] + [
+            f"{len(requests):,} prompts ran in {len(matches):,} batches of at most policy.N = "
+            f"{per} sequences; the timings other than makespan and throughput, and the trace, "
+            "are the first batch's."])
+    if check and done:
+        summary["outputs"] = outputs
+    return first
+
+
 def _check_processes(plan, zero_copy: bool, profile: bool, last_steps) -> None:
     if plan.gpus < 2:
         raise TgError(
@@ -245,7 +342,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      progress: Callable[[int, int], None] | None = None,
                      prompts_path: str | None = None, zero_copy: bool = False,
                      check: bool = True, profile: bool = False,
-                     batch: list[list] | None = None, processes: bool = False) -> Execution:
+                     batch: list[list] | None = None, processes: bool = False,
+                     shared: _Prompts | None = None) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
     (unless `check` is False: calibration runs only want the timings). `profile` runs it under
     the PyTorch profiler and keeps the ops it saw (:mod:`taskgraph.exec.profiling`). With
@@ -254,7 +352,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     as those micro-batches instead (:func:`execute_queue` runs a request list batch by batch).
     `zero_copy` (CPU only) makes every transfer a no-op over shared buffers
     (:class:`taskgraph.exec.runtime.Runtime`). `processes` runs each GPU of a multi-GPU plan as
-    a process of its own over torch.distributed (:mod:`taskgraph.exec.distributed`)."""
+    a process of its own over torch.distributed (:mod:`taskgraph.exec.distributed`). More
+    prompts than the policy's N sequences run N at a time (:func:`_execute_prompts`); `shared`
+    is one such batch."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -268,17 +368,30 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         raise TgError("--zero-copy makes the CPU backend a CPU inference engine (host and "
                       f"device buffers shared); it does not apply to --device {dev}.")
     warnings: list[str] = []
-    if weights_path:
+    if weights_path and shared is None:     # a batch of many prompts has it applied
         model, warnings = checkpoint_model(scenario.model, weights_path)
         scenario = scenario.model_copy(update={"model": model})
+    limit = max_positions(weights_path)
     slots, tokenizer = None, None
     if prompts_path:
         tokenizer = load_tokenizer(weights_path)
         requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,
-                                tokenizer)
+                                tokenizer, limit)
+        if len(requests) > scenario.policy.N:
+            return _execute_prompts(scenario, schedule, device, weights_path, seed, progress,
+                                    zero_copy, check, profile, processes, warnings,
+                                    _Prompts(requests, tokenizer, eos_ids(weights_path)))
         scenario, slots = _for_requests(scenario, schedule, requests)
+    elif shared is not None:
+        tokenizer = shared.tokenizer
+        scenario, slots = _for_requests(scenario, schedule, shared.requests)
+        # equal shapes, one compiled graph: the mean prompt length only names the workload
+        scenario = scenario.model_copy(update={"workload": scenario.workload.model_copy(
+            update={"prompt_len": scenario.workload.context_prompt})})
     elif batch is not None:
         scenario, slots = _for_batch(scenario, schedule, batch, scenario.policy.mu)
+    if limit is not None:
+        _check_positions(scenario, slots, limit)
     m, p = scenario.model, scenario.policy
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
     dtype, more = _torch_dtype(torch, m, dev)
@@ -290,11 +403,21 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         check_shardable(m, plan.tp)
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
-    if dev == "cpu":
-        _check_host_memory(memory.gpu_total + memory.cpu_total)
-    program = compile_plan(plan)
-    w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
-         else _synthetic_weights(m, seed, dtype))
+    key = (scenario.model_dump_json(), schedule)
+    program = shared.programs.get(key) if shared else None
+    if program is None:
+        program = compile_plan(plan)
+        if shared is not None:
+            shared.programs = {key: program}     # batches come in order: keep the last shape
+    _check_host_memory((memory.gpu_total if dev == "cpu" else 0) + memory.cpu_total,
+                       program.total)
+    if shared is not None and shared.weights is not None:
+        w = shared.weights
+    else:
+        w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
+             else _synthetic_weights(m, seed, dtype))
+        if shared is not None:
+            shared.weights = w
     P = scenario.workload.context_prompt
     if slots is None:
         prompts, lens = synthetic_prompts(p.N, P, m.V, seed=seed + 1), None
@@ -353,18 +476,26 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if check and not run.interrupted:
         ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially
         tokens, logits, _ = (ranks or runtime).outputs()
+        # final logits where each micro-batch ran to its end
+        full = list(range(p.N)) if last_steps is None else [
+            i for i in range(p.N) if last_steps[i // p.mu] == plan.G]
+        if not (torch.isfinite(logits[full]).all() and torch.isfinite(ref.logits[full]).all()):
+            # argmax over NaN is token 0 in both, which would read as identical
+            raise TgError(f"The run's logits are NaN or infinite (in {summary['dtype']}), so "
+                          "its tokens mean nothing and cannot be compared; the weights are "
+                          "finite, so the activations overflowed"
+                          + (" (try the checkpoint in float32)." if dtype != torch.float32
+                             else "."))
+        summary["max_abs_err"] = float((logits[full].float() - ref.logits[full].float())
+                                       .abs().max()) if full else 0.0
         if last_steps is None:
-            summary["max_abs_err"] = float((logits.float() - ref.logits.float()).abs().max())
             summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
-        else:   # what each request generated; final logits where its micro-batch ran to the end
-            full = [i for i in range(p.N) if last_steps[i // p.mu] == plan.G]
-            summary["max_abs_err"] = float((logits[full].float() - ref.logits[full].float())
-                                           .abs().max()) if full else 0.0
+        else:   # what each request generated
             summary["tokens_match"] = all(
                 torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
                 for i, r in enumerate(slots) if r is not None)
         if slots is not None:
-            eos = eos_ids(weights_path)
+            eos = shared.eos if shared is not None else eos_ids(weights_path)
             summary["outputs"] = []
             for i, r in enumerate(slots):
                 if r is None:

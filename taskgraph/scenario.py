@@ -201,12 +201,50 @@ def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:
     return {str(k): (f"policy.{k}={_short(v)} in {source}", False) for k, v in policy.items()}
 
 
+# The JSON type of each config.json field tg reads. Checked before anything is read, because
+# Python's truthiness and pydantic's lax coercion would take a wrong type as a value:
+# bool("false") is True, "256" becomes 256, true becomes 1.
+_INT, _NUMBER = ("a whole number", (int,)), ("a number", (int, float))
+_HF_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "num_local_experts",
+                     "num_experts_per_tok", "vocab_size", "head_dim", "sliding_window",
+                     "max_position_embeddings", "d_model", "n_layers", "n_heads"), _INT),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "factor"), _NUMBER),
+    **dict.fromkeys(("torch_dtype", "dtype", "hidden_act", "_name_or_path", "rope_type", "type"),
+                    ("a string", (str,))),
+    **dict.fromkeys(("rope_scaling", "rope_parameters", "ffn_config", "attn_config"),
+                    ("an object", (dict,))),
+    "tie_word_embeddings": ("true or false", (bool,)),
+}
+_JSON_KIND = {bool: "true/false", int: "a number", float: "a number with a decimal point",
+              str: "a string", list: "a list", dict: "an object"}
+
+
+def hf_config_json(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` whose fields tg reads each hold their JSON type (null
+    counts as absent); a wrong one is an error naming the field, never a guess."""
+    path = Path(path)
+    cfg = _read_json(path)
+    nested = [(f"{outer}.", cfg[outer]) for outer in ("rope_scaling", "rope_parameters")
+              if isinstance(cfg.get(outer), dict)]
+    for prefix, doc in [("", cfg)] + nested:
+        for key, value in doc.items():
+            want = _HF_TYPES.get(key)
+            if want is None or value is None:
+                continue
+            if isinstance(value, bool) != (want[1] == (bool,)) or not isinstance(value, want[1]):
+                raise TgError(f"Model config '{path}': {prefix}{key} must be {want[0]}, not "
+                              f"{_JSON_KIND.get(type(value), 'that')}.")
+    return cfg
+
+
 def model_from_hf_config(path: str | Path) -> dict[str, Any]:
     """Model fields from a Hugging Face ``config.json`` (Mixtral or DBRX field names): the
     shapes, and every field that changes what the model computes (RoPE theta and scaling, norm
     epsilon, head_dim, tied embeddings, sliding window, activation, dtype)."""
     path = Path(path)
-    cfg = _read_json(path)
+    cfg = hf_config_json(path)
     try:
         if "d_model" in cfg:  # DBRX
             ffn, attn = cfg.get("ffn_config") or {}, cfg.get("attn_config") or {}
@@ -225,7 +263,7 @@ def model_from_hf_config(path: str | Path) -> dict[str, Any]:
                                  ("hidden_act", "hidden_act")):
                 if cfg.get(theirs) is not None:
                     fields[ours] = cfg[theirs]
-        fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+        fields["tie_word_embeddings"] = cfg.get("tie_word_embeddings") or False
     except (KeyError, TypeError, AttributeError) as missing:
         raise TgError(
             f"Model config '{path}' lacks the field {missing} or holds it in the wrong form; tg "

@@ -423,3 +423,104 @@ def test_a_pipe_or_a_device_is_refused_not_read(tmp_path, capsys):
     assert "is not a regular file" in capsys.readouterr().err
     assert main(["simulate", "/dev/zero"]) == 2                 # never ends
     assert "is not a regular file" in capsys.readouterr().err
+
+
+def _edited_checkpoint(checkpoint, tmp_path, config=None, tensor=None, how=None):
+    """A copy of the generated checkpoint with config.json fields replaced, or one tensor
+    changed by `how`, and a scenario over it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    if config:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensor:
+        shard = folder / json.loads((folder / "model.safetensors.index.json").read_text())[
+            "weight_map"][tensor]
+        tensors = load_file(shard)
+        tensors[tensor] = how(tensors[tensor], torch)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    (tmp_path / "s.yaml").write_text(f"model: {{hf_config: {folder}/config.json}}\n"
+                                     "hardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt_ids": [1, 5, 6]}\n'
+                                      '{"id": "b", "prompt_ids": [3, 25]}\n')
+    return ["execute", str(tmp_path / "s.yaml"), "--weights", str(folder), "--device", "cpu",
+            "--prompts", str(tmp_path / "p.jsonl"), "--json"]
+
+
+def _nan(t, torch):
+    t[0, 0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, not a string"),
+    ({"dtype": 5}, "dtype must be a string, not a number"),
+    ({"dtype": None, "torch_dtype": ["float32"]}, "torch_dtype must be a string, not a list"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object, not a string"),
+    ({"rope_parameters": {"rope_theta": "1e6"}}, "rope_parameters.rope_theta must be a number"),
+    ({"hidden_size": "256"}, "hidden_size must be a whole number, not a string"),
+    ({"vocab_size": True}, "vocab_size must be a whole number, not true/false"),
+    ({"max_position_embeddings": "4096"}, "max_position_embeddings must be a whole number"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_a_config_field_of_the_wrong_type_is_named_not_guessed(checkpoint, tmp_path, capsys,
+                                                               config, words):
+    """bool("false") read a string as true; "256" and true were coerced to numbers."""
+    assert main(_edited_checkpoint(checkpoint, tmp_path, config=config)) == 2
+    err = capsys.readouterr().err
+    assert words in err and "config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tensor, how, words", [
+    ("model.embed_tokens.weight", _nan, "holds NaN or infinite values"),
+    ("model.layers.1.block_sparse_moe.experts.3.w1.weight", lambda t, torch: t.to(torch.int8),
+     "is int8"),
+], ids=["NaN weight", "int8 tensor"])
+def test_weights_that_cannot_run_are_refused_by_name(checkpoint, tmp_path, capsys, tensor, how,
+                                                    words):
+    """A NaN weight gave token 0 everywhere, 'identical' and a bare NaN in the JSON; an int8
+    tensor was cast to float silently."""
+    assert main(_edited_checkpoint(checkpoint, tmp_path, tensor=tensor, how=how)) == 2
+    out, err = capsys.readouterr()
+    assert words in err and tensor in err and "Traceback" not in err and not out
+
+
+def test_logits_that_overflow_are_an_error_not_identical_tokens(checkpoint, tmp_path, capsys):
+    """Finite weights whose activations overflow: NaN logits argmax to token 0 in the run and
+    the reference alike, which read as 'identical'."""
+    argv = _edited_checkpoint(checkpoint, tmp_path, tensor="model.layers.0.self_attn.o_proj.weight",
+                              how=lambda t, torch: t * 1e38)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "logits are NaN or infinite" in err and not out
+
+
+def test_a_prompt_past_the_model_positions_is_refused(checkpoint, tmp_path, capsys):
+    argv = _edited_checkpoint(checkpoint, tmp_path, config={"max_position_embeddings": 16})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt_ids": [1, 5, 6]}\n'
+                       '{"id": "b", "prompt_ids": [' + ", ".join(["3"] * 12) + "], "
+                       '"max_new_tokens": 5}\n')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "max_position_embeddings (16)" in err
+    prompts.write_text('{"id": "a", "prompt_ids": [1, 5, 6]}\n')
+    assert main(argv[:-3] + ["--set", "workload.gen_len=20"]) == 2   # synthetic prompts
+    assert "max_position_embeddings (16)" in capsys.readouterr().err
+
+
+def test_an_execution_too_long_for_memory_is_refused_up_front(tmp_path, capsys):
+    """gen_len 10^6 on tiny grew past 11 GB in 30 s (a threading.Event per task)."""
+    pytest.importorskip("torch")
+    t0 = time.perf_counter()
+    assert main(["execute", TINY, "--device", "cpu", "--set", "workload.gen_len=1000000"]) == 2
+    assert "116,000,068 tasks" in capsys.readouterr().err
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2], "max_new_tokens": 1000000}\n')
+    assert main(["execute", TINY, "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "This run needs about" in capsys.readouterr().err
+    assert time.perf_counter() - t0 < 60
