@@ -139,14 +139,20 @@ def _rank_streams(plan: Plan, rank: int) -> frozenset[str]:
 
 def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             prompt_lens: torch.Tensor | None, rendezvous: str, out: str, delay_s: float,
-            seed: int, device: str) -> None:
+            seed: int, device: str, parent: int) -> None:
     import torch.distributed as dist
 
     # Ctrl-C reaches the parent only, which passes it on to each rank once (`_wind_down`): a
     # rank hit twice could die before saving what it measured.
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if (Path(out) / "stop").exists():       # interrupted while this process was starting
+    # A rank whose parent is gone has no one to report to. torch's spawn asks for SIGINT then,
+    # which a rank started deaf to it (see `execute_processes`) never heard, and which a rank
+    # blocked on a peer could outlive: SIGKILL instead, and a parent already gone is seen here.
+    set_pdeathsig = getattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", None)
+    if set_pdeathsig is not None:
+        set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent or (Path(out) / "stop").exists():   # ended while this one started
         return
     cuda = device == "cuda"
     if cuda:
@@ -174,8 +180,9 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         result: dict[str, Any] = {"start": run.start + run.clock_origin,
                                   "end": run.end + run.clock_origin}
         if rank == plan.gpus - 1 and not run.interrupted:
-            result["outputs"] = runtime.rt.outputs()
-        _save(result, Path(out) / f"rank{rank}.pt")
+            tokens, logits, hidden = runtime.rt.outputs()
+            result.update(tokens=tokens, logits=logits, hidden=hidden)
+        _save(result, Path(out) / f"rank{rank}.npz")
         if run.interrupted:
             # Ctrl-C reached every process: a peer may have stopped before sending what this
             # one's receiving thread waits for, so the group is not torn down (that would wait).
@@ -199,9 +206,19 @@ def _report(path: Path, segment: int) -> None:
 
 
 def _save(result: dict[str, Any], path: Path) -> None:
-    """Whole or not at all: the parent may read the folder after an interrupt."""
+    """Whole or not at all: the parent may read the folder after an interrupt. NumPy arrays
+    without pickles, so reading a rank's file cannot run code; a tensor keeps its dtype's name
+    beside it (NumPy has no bfloat16: it travels as float32, which holds it exactly)."""
+    arrays = {}
+    for name, value in result.items():
+        if isinstance(value, torch.Tensor):
+            arrays[f"{name}.dtype"] = np.array(str(value.dtype).removeprefix("torch."))
+            value = value.detach().cpu()
+            value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        arrays[name] = value
     part = path.with_suffix(".part")
-    torch.save(result, part)
+    with open(part, "wb") as f:
+        np.savez(f, **arrays)
     part.replace(path)
 
 
@@ -259,12 +276,16 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous,
-                                            tmp, delay_s, seed, device), nprocs=plan.gpus,
+                                            tmp, delay_s, seed, device, os.getpid()),
+                             nprocs=plan.gpus,
                              join=False)
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
         interrupted = False
+        # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
+        # parent with its usual status, its temporary folder removed on the way out.
+        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
         try:
             while not ranks.join():
                 pass
@@ -273,8 +294,14 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         except KeyboardInterrupt:
             interrupted = True
             _wind_down(ranks.processes, Path(tmp))
+        except _Terminated:
+            _wind_down(ranks.processes, Path(tmp), grace_s=0.0)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
         wall = time.perf_counter() - t0
-        results = [_load(Path(tmp) / f"rank{r}.pt", program.total) for r in range(plan.gpus)]
+        results = [_load(Path(tmp) / f"rank{r}.npz", program.total) for r in range(plan.gpus)]
     # A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host
     # task, a collective) spans from the last part's start to the last part's end: after
     # everything any part waited for. A send ran on both ends (pipelines only): it starts when the
@@ -300,12 +327,22 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                           starts - t0, ends - t0, interrupted)
 
 
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 def _wind_down(processes, folder: Path, grace_s: float = 10.0) -> None:
     """Interrupt every rank once, let each save what it measured, as the one-process executor
     does (its run gives blocked threads 5 s), then end whatever is left."""
     (folder / "stop").touch()               # before the signal: see `_worker`
-    for proc in processes:
-        if proc.is_alive():
+    for rank, proc in enumerate(processes):
+        if not (folder / f"rank{rank}.segment").exists():
+            proc.kill()      # still starting (deaf to Ctrl-C, seconds in imports): ran nothing
+        elif proc.is_alive():
             os.kill(proc.pid, signal.SIGINT)
     deadline = time.monotonic() + grace_s
     for proc in processes:
@@ -321,7 +358,16 @@ def _wind_down(processes, folder: Path, grace_s: float = 10.0) -> None:
 
 
 def _load(path: Path, total: int) -> dict[str, Any]:
-    """A rank's times; a rank that saved nothing (interrupted before it ran) ran nothing."""
-    if path.exists():
-        return torch.load(path, weights_only=False)
-    return {"start": np.full(total, np.nan), "end": np.full(total, np.nan)}
+    """A rank's times (and the last rank's outputs, as tensors); a rank that saved nothing
+    (interrupted before it ran) ran nothing."""
+    if not path.exists():
+        return {"start": np.full(total, np.nan), "end": np.full(total, np.nan)}
+    with np.load(path, allow_pickle=False) as f:
+        out = {k: f[k] for k in f.files if not k.endswith(".dtype")}
+        for k in f.files:
+            if k.endswith(".dtype"):
+                name = k.removesuffix(".dtype")
+                out[name] = torch.from_numpy(out[name]).to(getattr(torch, str(f[k])))
+    if "tokens" in out:
+        out["outputs"] = (out.pop("tokens"), out.pop("logits"), out.pop("hidden"))
+    return out
