@@ -70,3 +70,23 @@ def test_rank_results_travel_without_pickles(tmp_path):
     tokens, back, _ = got["outputs"]
     assert back.dtype == torch.bfloat16 and torch.equal(back, logits)
     assert tokens.dtype == torch.long and np.array_equal(got["end"], np.arange(4.0) + 1)
+
+
+def test_more_prompts_than_a_batch_run_batch_by_batch_with_the_same_tokens(tmp_path):
+    """Every prompt in one batch grew the graph, and the time to build it, with the square of
+    the micro-batches (2,000 prompts: 4.2 GB); now policy.N at a time, the same tokens."""
+    import json
+
+    from taskgraph.cli import main
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(
+        {"id": i, "prompt_ids": list(range(1, 3 + i % 4)), "max_new_tokens": 2 + i % 2}) + "\n"
+        for i in range(10)))
+    outs = []
+    for n in (4, 12):                      # three batches, then one
+        out = tmp_path / f"o{n}.jsonl"
+        assert main(["execute", "scenarios/tiny.yaml", "--device", "cpu", "--set",
+                     f"policy.N={n}", "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                     str(out), "--json"]) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) == 10
