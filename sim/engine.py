@@ -100,6 +100,13 @@ def simulate(program: Program, cost: CostModel,
     if durations is None:
         durations = lambda part: part.durations(cost)          # noqa: E731
     for blocks in _RING_BLOCKS:
+        if not blocks and recorder is not Recorder:
+            # The whole run in the ring would undo what the recorder saves.
+            raise ScheduleError(
+                f"The simulation stalled: a stream fell {_RING_BLOCKS[-2] - 2} blocks of tasks "
+                "behind the others (a deadlock, or a schedule whose streams drift apart). "
+                "Simulate fewer steps (workload.gen_len), which holds the run whole, to see "
+                "which.")
         try:
             window = _Window(program, durations, recorder(program), blocks)
             return _run(program, cost, progress, window, t0)
@@ -182,7 +189,7 @@ class _Window:
                                     - 1).bit_length())
         self.mask = slots - 1
         self.start = [0.0] * slots
-        self.end = [-1.0] * slots + [0.0]   # a sentinel: "the task before the first", at 0
+        self.end = [-1.0] * slots
         self.dur = [0.0] * slots
         self.at = [0] * len(program.streams)      # each stream's block
         self.prepared = -1                          # the last block whose slots are set up
@@ -228,12 +235,13 @@ class _Window:
         return [slice(a, self.mask + 1), slice(0, a + n - self.mask - 1)]
 
     def _prepare(self, b: int) -> None:
-        """Set up the slots of the blocks up to `b`: their durations, and no task decided."""
+        """Set up the slots of the blocks up to `b`: their durations, and no task decided. A
+        block counts as set up only once it is (Ctrl-C may come at any point)."""
         while self.prepared < b:
-            self.prepared += 1
-            if min(self.at) < self.prepared - self.lag:
+            block = self.prepared + 1
+            if min(self.at) < block - self.lag:
                 raise _Lagging
-            first, last, part = self._span(self.prepared)
+            first, last, part = self._span(block)
             d = self.durations
             values = (d(part) if callable(d) else d[first:last]).tolist()
             at = 0
@@ -242,6 +250,7 @@ class _Window:
                 self.dur[s] = values[at:at + n]
                 self.end[s] = [-1.0] * n
                 at += n
+            self.prepared = block
 
     def _record(self, b: int, decided: bool, stop: float = np.inf) -> None:
         first, last, part = self._span(b)
@@ -261,8 +270,8 @@ class _Window:
             raise ScheduleError(
                 f"The simulation deadlocked: task {self.program.task(first_missing)} never "
                 "started. The schedule's stream order and dependencies form a cycle.")
+        self.recorded = b + 1           # handed over once, even if Ctrl-C comes during it
         self.recorder.block(part, start, end, dur)
-        self.recorded = b + 1
 
     def finish(self, interrupted: bool, stop: float) -> None:
         """Hand the blocks not yet recorded to the recorder: after Ctrl-C, tasks not decided
@@ -330,7 +339,7 @@ def _decided(env, gid: int, w: _Window, blocked, h: float) -> None:
             slot = task & mask
             start[slot] = ready
             e = end[slot] = ready + dur[slot]
-            env.timeout(e - env.now).callbacks.append(stream)
+            env.timeout(e - env.now, e).callbacks.append(stream)
             if task in blocked:
                 _decided(env, task, w, blocked, h)
 
@@ -346,10 +355,14 @@ def _exclusive_stream(env, segments, w: _Window, blocked, h: float) -> Callable:
     timeout = env.timeout
     start, end, dur, mask = w.start, w.end, w.dur, w.mask
     base, tasks, p, n = 0, (), 0, 0
-    prev = len(end) - 1   # the slot of the task that just ended (at first: the sentinel, 0.0)
 
-    def advance(_event: simpy.Event | None = None) -> None:
-        nonlocal base, tasks, p, n, prev
+    def advance(event: simpy.Event | None = None) -> None:
+        nonlocal base, tasks, p, n
+        # This runs when the previous task ends, so its exact end (the timeout's value; not the
+        # clock, which the delay's rounding may have moved) is the earliest start of the next
+        # task. (Not its slot either: a stream idle for a ring's worth of blocks finds it
+        # reused.)
+        now = ready = 0.0 if event is None else event.value
         while p == n:
             _d, base, tasks = next(segments, (None, 0, None))
             if tasks is None:
@@ -358,10 +371,6 @@ def _exclusive_stream(env, segments, w: _Window, blocked, h: float) -> Callable:
         pos, rels = tasks[p]
         p += 1
         gid = base + pos
-        # This runs when the previous task ends, so its exact end is both the clock and the
-        # earliest start of the next task.
-        now = ready = end[prev]
-        prev = gid & mask
         for r in rels:
             e = end[(gid + r) & mask]
             if e < 0.0:
@@ -373,8 +382,9 @@ def _exclusive_stream(env, segments, w: _Window, blocked, h: float) -> Callable:
                 return
             if e + h > ready:
                 ready = e + h
-        start[prev] = ready
-        e = end[prev] = ready + dur[prev]
+        slot = gid & mask
+        start[slot] = ready
+        e = end[slot] = ready + dur[slot]
         if gid in blocked:
             _decided(env, gid, w, blocked, h)
         while p < n:   # the rest of the busy period
@@ -385,14 +395,14 @@ def _exclusive_stream(env, segments, w: _Window, blocked, h: float) -> Callable:
                     break
             else:
                 p += 1
-                prev = nxt & mask
-                start[prev] = e
-                e = end[prev] = e + dur[prev]
+                slot = nxt & mask
+                start[slot] = e
+                e = end[slot] = e + dur[slot]
                 if nxt in blocked:
                     _decided(env, nxt, w, blocked, h)
                 continue
             break
-        timeout(e - now).callbacks.append(advance)
+        timeout(e - now, e).callbacks.append(advance)
 
     return advance
 

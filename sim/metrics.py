@@ -73,48 +73,59 @@ class Totals:
     def add(self, part: Program, start: np.ndarray, end: np.ndarray,
             durations: np.ndarray) -> None:
         """The next block of the run: `part` of the program and its tasks' times (NaN: did not
-        run)."""
+        run). Everything is worked out before any total changes, so that a Ctrl-C during it
+        leaves the totals without the block rather than with part of it."""
         done = ~np.isnan(end)
+        if not done.any():         # (after Ctrl-C: the rest of the run, quickly)
+            return
         step, device = part.step, part.device
-        if self.prefill_end is None and part.first_segment == 0:
+        prefill_end = self.prefill_end
+        if prefill_end is None and part.first_segment == 0:
             resource = part.column("resource")
             compute = np.isin(resource, [RESOURCES.index("gpu"), RESOURCES.index("cpu")])
             prefill = done & (step == 0) & compute
             if prefill.any():
-                self.prefill_end = float(end[prefill].max())
+                prefill_end = float(end[prefill].max())
         decode = done & (step >= 1)
-        if decode.any():
-            self.first_decode = min(self.first_decode, float(start[decode].min()))
-        plan = part.plan
-        last = KIND_NAMES.index("MoE" if plan.tp > 1 else "PostAttn")
-        self.post_done += int((decode & (part.column("kind") == last)).sum())
-        self.tasks += int(done.sum())
-        if done.any():
-            self.makespan = max(self.makespan, float(end[done].max()))
-        self.busy += np.bincount(device[done], durations[done], minlength=self.devices)
+        first_decode = float(start[decode].min()) if decode.any() else np.inf
+        last = KIND_NAMES.index("MoE" if part.plan.tp > 1 else "PostAttn")
+        post_done = int((decode & (part.column("kind") == last)).sum())
+        busy = np.bincount(device[done], durations[done], minlength=self.devices)
         if self.cost is None:
-            self.intervals.append((device[done], start[done], end[done]))
+            waiting = (device[done], start[done], end[done])
+        else:
+            # The bound takes each task at its own cost, before what it overlapped slowed it
+            # (interference, shared pools): the HRM's time of each resource alone.
+            alone = part.durations(self.cost)[done]
+            drawn = part.pool_bytes(self.cost)[:, done] if self.pools else None
+            waiting = (device[done], start[done], end[done], alone, drawn)
+        self.prefill_end = prefill_end
+        self.first_decode = min(self.first_decode, first_decode)
+        self.post_done += post_done
+        self.tasks += int(done.sum())
+        self.makespan = max(self.makespan, float(end[done].max()))
+        self.busy += busy
+        if self.cost is None:
+            self.intervals.append(waiting)
             return
-        # The bound takes each task at its own cost, before what it overlapped slowed it
-        # (interference, shared pools): the HRM's time of each resource alone.
-        alone = part.durations(self.cost)[done]
-        drawn = part.pool_bytes(self.cost)[:, done] if self.pools else None
-        self.waiting.append((device[done], start[done], end[done], alone, drawn))
+        self.waiting.append(waiting)
         if self.prefill_end is not None:
             self._spread()
 
     def _spread(self) -> None:
-        """Split the work of the tasks waiting between the two windows."""
+        """Split the work of the tasks waiting between the two windows (worked out whole, then
+        kept: a Ctrl-C during it must not count a task twice)."""
+        work, drawn_in = self.work.copy(), self.drawn.copy()
         for device, start, end, alone, drawn in self.waiting:
             length = end - start
             after = np.clip(end - np.maximum(start, self.prefill_end), 0.0, None)
             share = np.divide(after, length, out=np.zeros_like(after), where=length > 0)
             before = np.where(length > 0, 1.0 - share, 0.0)
             for w, part in enumerate((before, share)):
-                self.work[w] += np.bincount(device, alone * part, minlength=self.devices)
+                work[w] += np.bincount(device, alone * part, minlength=self.devices)
                 if drawn is not None:
-                    self.drawn[w] += drawn @ part
-        self.waiting = []
+                    drawn_in[w] += drawn @ part
+        self.work, self.drawn, self.waiting = work, drawn_in, []
 
     def finish(self) -> Totals:
         if self.prefill_end is None:

@@ -39,16 +39,6 @@ class Simulation(Shown, Traced):
     def to_dict(self) -> dict[str, Any]:
         return self.summary
 
-    def write_trace(self, path, steps: int | None = 2) -> int:
-        kept = len(self.program.seg_template) - 1        # decode steps whose times were kept
-        if kept < self.plan.G and (steps is None or steps > kept):
-            raise TgError(
-                f"This run of {self.summary['steps']:,} decode steps kept the task times of "
-                f"prefill and {kept} of them (a run of millions of tasks keeps only what its "
-                "trace asks for); simulate with the trace's steps (--trace-steps, or keep_steps "
-                "in the Python API).")
-        return super().write_trace(path, steps)
-
     def views(self):
         yield simulate_table(self.summary)
         yield from warnings_of(self.summary)
@@ -64,7 +54,9 @@ class Simulation(Shown, Traced):
         drawn = self.program.pool_bytes(cost) if cost.pools_shared else ()
         pools = {POOL_NAMES[p]: drawn[i] for i, p in enumerate(POOLS)
                  if len(drawn) and np.isfinite(cost.pool_capacity[i])}
-        return TraceRun(label, self.program, self.run.start, self.run.end, pools=pools)
+        kept = len(self.program.seg_template) - 1        # decode steps whose times were kept
+        return TraceRun(label, self.program, self.run.start, self.run.end, pools=pools,
+                        kept_steps=kept if kept < self.plan.G else None)
 
 
 #: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a
@@ -86,6 +78,9 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     model is what is wrong), when the result's warnings say so. A run longer than
     :data:`HOLD_TASKS` keeps the task times of prefill and `keep_steps` decode steps (None:
     all) for traces and charts; its figures cover every step either way."""
+    if keep_steps is not None and keep_steps < 0:
+        raise TgError(f"keep_steps is a number of decode steps (0 or more) or None, not "
+                      f"{keep_steps}.")
     t0 = time.perf_counter()
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)

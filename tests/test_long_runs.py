@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
+import taskgraph
 import taskgraph.simulation as simulation
 from taskgraph.sim import engine
 from taskgraph.builder import make_plan
-from taskgraph.compiled import compile_plan
+from taskgraph.compiled import Program, Template, compile_plan
 from taskgraph.cost import cost_model
 from taskgraph.errors import ScheduleError, TgError
 from taskgraph.scenario import load_scenario
@@ -80,8 +81,37 @@ def test_reusing_slots_while_a_stream_lags_would_change_the_run(monkeypatch):
     assert not (np.array_equal(ring.start, whole.start) and np.array_equal(ring.end, whole.end))
 
 
+def test_a_stream_idle_for_a_ring_of_blocks_starts_after_its_last_task(monkeypatch):
+    """A stream with no task for longer than the ring (a made-up program: two streams, the
+    second busy alone for four segments) must not read its last task's end from a slot that
+    has been reused since."""
+    program, cost = _program("S1", [], gen_len=4)
+    streams = len(program.streams)
+
+    def template(owners):
+        n, zero, none = len(owners), np.zeros(len(owners), np.int64), np.zeros(len(owners))
+        by_stream = [[(pos, ()) for pos, s in enumerate(owners) if s == sid]
+                     for sid in range(streams)]
+        return Template(graph=None, kind=zero, stream=np.array(owners), resource=zero,
+                        step_rel=zero, layer=zero, index=zero, flops=none, flops_per_ctx=none,
+                        nbytes=none, bytes_per_ctx=none, deps=[()] * n, by_stream=by_stream)
+
+    seg_template = np.array([0, 1, 1, 1, 1, 0])
+    made = Program(program.plan, program.streams, [template([0, 1]), template([1, 1])],
+                   seg_template, np.arange(0, 12, 2), 12)
+    durations = np.ones(12)
+    durations[0] = 100.0                       # stream 0's first task ends long after
+    held = engine._run(made, cost, None, engine._Window(made, durations, engine.Recorder(made),
+                                                        0), 0.0)
+    assert held.start[10] == 100.0             # stream 0's second task, after its first
+    monkeypatch.setattr(engine, "_BLOCK_TASKS", 1)
+    ring = engine.simulate(made, cost, durations=durations)
+    assert np.array_equal(ring.start, held.start) and np.array_equal(ring.end, held.end)
+
+
 def _simulate(sets, hold, monkeypatch, keep=2):
     monkeypatch.setattr(simulation, "HOLD_TASKS", hold)
+    monkeypatch.setattr(engine, "_BLOCK_TASKS", 500)       # many blocks, even on tiny
     return simulation.simulate_scenario(load_scenario(TINY, sets), keep_steps=keep)
 
 
@@ -105,10 +135,15 @@ def test_a_run_too_long_to_hold_reports_what_it_would_held_whole(monkeypatch, tm
 def test_a_trace_of_steps_the_run_did_not_keep_is_refused(monkeypatch, tmp_path):
     sim = _simulate(["workload.gen_len=50"], 0, monkeypatch, keep=3)
     assert sim.write_trace(tmp_path / "ok.json", steps=3) > 0
-    for steps in (4, None):
-        with pytest.raises(TgError, match="kept the task times of prefill and 3"):
-            sim.write_trace(tmp_path / "t.json", steps=steps)
+    compared = taskgraph.compare(TINY, ["S1", "S2"], overrides={"workload.gen_len": 50},
+                                 keep_steps=3)
+    for result in (sim, compared):
+        for steps in (4, None):
+            with pytest.raises(TgError, match="kept the task times of prefill and 3"):
+                result.write_trace(tmp_path / "t.json", steps=steps)
     assert not (tmp_path / "t.json").exists()
+    with pytest.raises(TgError, match="keep_steps"):
+        _simulate(["workload.gen_len=50"], 0, monkeypatch, keep=-1)
 
 
 def test_keeping_every_step_holds_the_run_whole(monkeypatch):
@@ -144,3 +179,24 @@ def test_ctrl_c_in_a_streamed_run_reports_what_ran(monkeypatch):
                                        progress=progress)
     s = sim.summary
     assert s["interrupted"] and 30 <= s["steps"] < 40 and s["throughput_tok_s"] > 0
+
+
+def test_ctrl_c_while_a_block_is_set_up_leaves_only_true_times(monkeypatch):
+    """An interrupt while a block's durations are being worked out: that block is not set up,
+    so no task reports the times its slots held for an older block."""
+    program, cost = _program("S1", [], gen_len=200)
+    whole = engine.simulate(program, cost)
+    monkeypatch.setattr(engine, "_BLOCK_TASKS", 1024)
+    calls = []
+
+    def durations(part):
+        calls.append(part.first_segment)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return part.durations(cost)
+
+    run = engine.simulate(program, cost, durations=durations)
+    ran = run.finished
+    assert run.interrupted and 0 < ran.sum() < program.total
+    assert np.array_equal(run.start[ran], whole.start[ran])
+    assert np.array_equal(run.end[ran], whole.end[ran])

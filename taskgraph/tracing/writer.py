@@ -70,6 +70,9 @@ class TraceRun:
     # The host's shared pools (taskgraph.cost.POOLS) the run was priced with: a track's name ->
     # the bytes each task drew from the pool, in global id order.
     pools: dict[str, np.ndarray] = field(default_factory=dict)
+    # A run too long to hold whole keeps the task times of prefill and this many decode steps
+    # (taskgraph.simulation.simulate_scenario's keep_steps); None: every step.
+    kept_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,14 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
 
     The file appears complete or not at all (:func:`taskgraph.files.atomic_path`)."""
     path = Path(path)
+    for run in runs:
+        if run.kept_steps is not None and (window.max_step is None
+                                           or window.max_step > run.kept_steps):
+            raise TgError(
+                f"The run '{run.label}' kept the task times of prefill and {run.kept_steps} "
+                "decode steps (a run of millions of tasks keeps only what its trace asks for); "
+                "simulate it with the trace's steps (--trace-steps, or keep_steps in the "
+                "Python API).")
     encode = _write_proto if path.suffix == ".pftrace" else _write_json
     if encode is _write_proto:
         require_perfetto()
