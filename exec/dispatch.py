@@ -35,6 +35,7 @@ from taskgraph.builder import TaskKey
 from taskgraph.compiled import KIND_NAMES, Program
 from taskgraph.exec.profiling import ORIGIN
 from taskgraph.exec.runtime import Runtime
+from taskgraph.kernels.ops import one_thread
 from taskgraph.sim.engine import SimRun
 
 HOST_STREAMS = frozenset({"cpu", "pin"})
@@ -133,16 +134,10 @@ def execute(program: Program, runtime: Runtime, device: Device | None = None,
     if not isinstance(device, HostDevice):
         return _execute(program, runtime, device, delay, progress, annotate, streams)
     # On the CPU backend every stream has its own thread, and one intra-op thread per op is
-    # fastest in both modes. Measured on small.yaml (2 cores), against transformers' own speed
-    # in the same run: emulating S1 mu=4 0.57x with one thread per stream, 0.51x with the
-    # compute streams on two; zero copy S4 mu=8 0.91x vs 0.75x. OpenMP teams in several
-    # threads spin on each other's cores, and these products are too small to split.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    # fastest in both modes (kernels.ops.one_thread). Measured on small.yaml (2 cores), against
+    # transformers' own speed in the same run: zero copy S4 mu=8 0.91x with one, 0.75x with two.
+    with one_thread():
         return _execute(program, runtime, device, delay, progress, annotate, streams)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _task_marks(program: Program) -> Callable[[int], str]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, lm_head,
-                                   post_attention, pre_attention, prefill_layer, rotate_qkv,
-                                   split_qkv)
+                                   one_thread, post_attention, pre_attention, prefill_layer,
+                                   rotate_qkv, split_qkv)
 from taskgraph.kernels.weights import ModelWeights
 
 
@@ -34,7 +34,14 @@ def synthetic_prompts(N: int, prompt_len: int, vocab: int, seed: int = 0) -> tor
 def reference_forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                       prompt_lens: torch.Tensor | None = None) -> Generation:
     """Prompts [N, P], right-padded where `prompt_lens` [N] says a prompt is shorter (the cache
-    layout of :class:`taskgraph.exec.runtime.Runtime`)."""
+    layout of :class:`taskgraph.exec.runtime.Runtime`), micro-batch by micro-batch, on one
+    thread as the executor runs (:func:`~taskgraph.kernels.ops.one_thread`)."""
+    with one_thread():
+        return _forward(w, prompts, mu, steps, prompt_lens)
+
+
+def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
+             prompt_lens: torch.Tensor | None) -> Generation:
     m = w.model
     N, P = prompts.shape
     lens_all = torch.full((N,), P) if prompt_lens is None else prompt_lens.long()
