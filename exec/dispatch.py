@@ -5,7 +5,8 @@ Each graph stream has one host thread walking its tasks in launch order. Tasks o
 streams (``cpu``, ``pin``) run on the thread. Two devices implement the queues:
 :class:`CudaDevice` (torch.cuda streams and events) and :class:`HostDevice` (the CPU backend: a
 queue runs work as it is enqueued, an event is the host time it was recorded), so every schedule
-runs, and is checked against the reference, on a machine without a GPU. The rules (SPEC 8):
+runs, and is checked against the reference, on a machine without a GPU. The rules
+(docs/design.md §8):
 
 * a device task waits for a device predecessor with ``stream.wait_event(done[pred])``, and since a
   queue cannot wait on an event not yet recorded, first for the host-side flag that says the

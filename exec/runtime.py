@@ -1,9 +1,9 @@
 """What each task of a compiled program really does: buffers and the work of every task kind.
 
-The memory layout follows the memory model (SPEC 3.5): host memory holds every layer's weights
-and the KV cache of all sequences; the device holds the resident part of every layer (``r_w``), a
-double-buffered weight area for the streamed part (global layer ``g`` uses half ``g % 2``),
-``kv_slots`` GPU KV slots, and per micro-batch activation buffers; pinned staging slots sit
+The memory layout follows the memory model (docs/design.md §3.5): host memory holds every layer's
+weights and the KV cache of all sequences; the device holds the resident part of every layer
+(``r_w``), a double-buffered weight area for the streamed part (global layer ``g`` uses half
+``g % 2``), ``kv_slots`` GPU KV slots, and per micro-batch activation buffers; pinned staging slots sit
 between host weights and the device (CGOPipe). Every buffer is allocated once, up front; the task
 graph's buffer-reuse edges are what keep tasks from clobbering each other.
 

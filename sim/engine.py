@@ -1,12 +1,12 @@
 """The discrete-event simulator: a compiled program run on SimPy resources.
 
-Semantics shared with the executor (SPEC 4): each stream runs its tasks in launch order; a task
-starts when it is at the head of its stream, all its predecessors have finished and its resource
-is free. Each stream walks its tasks and holds each for its duration with one SimPy timeout.
-A stream alone on its resource owns it: it is a small state machine advanced by its timeouts'
-callbacks (SimPy's event callbacks, which spare a generator resume per task). Streams that share a
-resource (S4's weight and KV loads on the CPU->GPU link) are SimPy processes that take turns on a
-``simpy.Resource`` in request order.
+Semantics shared with the executor (docs/design.md §4): each stream runs its tasks in launch order;
+a task starts when it is at the head of its stream, all its predecessors have finished and its
+resource is free. Each stream walks its tasks and holds each for its duration with one SimPy
+timeout. A stream alone on its resource owns it: it is a small state machine advanced by its
+timeouts' callbacks (SimPy's event callbacks, which spare a generator resume per task). Streams
+that share a resource (S4's weight and KV loads on the CPU->GPU link) are SimPy processes that take
+turns on a ``simpy.Resource`` in request order.
 
 Durations are known, so a task's end time is fixed the moment it starts, and a task can be
 *decided* (given its start and end) as soon as its predecessors are decided. A stream whose next

@@ -1,4 +1,4 @@
-"""What a run means: the figures of the `tg simulate` and `tg execute` JSON (SPEC 5).
+"""What a run means: the figures of the `tg simulate` and `tg execute` JSON (docs/design.md §5).
 
 One definition of the phases, for simulated and executed runs alike:
 

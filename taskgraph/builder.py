@@ -7,7 +7,7 @@ step's first PreAttn during this step's last layer). A segment's graph holds its
 marked ``external``, the tasks of the previous segment it depends on; that is all the simulator
 and executor need, since every later segment has the same shape.
 
-Dependencies are derived here for every schedule alike (SPEC 3.6):
+Dependencies are derived here for every schedule alike (docs/design.md §3.6):
 
 * data (read after write): what each kind reads, see :func:`_data_deps`;
 * buffer reuse (write after read), as rings of slots: a weight page may land in its half of the

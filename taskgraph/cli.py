@@ -1,4 +1,5 @@
-"""The `tg` command line (SPEC 5). Human output goes to stderr, `--json` output to stdout."""
+"""The `tg` command line (docs/design.md §5). Human output goes to stderr, `--json` output to
+stdout."""
 
 from __future__ import annotations
 

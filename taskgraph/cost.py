@@ -1,4 +1,4 @@
-"""The one cost model: task work -> time on a hardware profile (SPEC 3.4).
+"""The one cost model: task work -> time on a hardware profile (docs/design.md §3.4).
 
 A compute task at a level takes its roofline time, ``max(F / P, B / BW)`` with achieved (peak x
 efficiency) FLOP rate and memory bandwidth, plus a fixed per-task overhead (kernel launches,

@@ -1,4 +1,4 @@
-"""The hardware limit of offloaded decoding (MoE-Lens, Stage 1; SPEC 3.7).
+"""The hardware limit of offloaded decoding (MoE-Lens, Stage 1; docs/design.md §3.7).
 
 However well a schedule overlaps, a machine cannot decode faster than
 ``T_max = min(PME * M / delta, T_GPU)``. Every decode step must stream the model over the link:

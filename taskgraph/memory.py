@@ -1,4 +1,4 @@
-"""The one memory model (SPEC 3.5): what a plan keeps in GPU and CPU memory at its peak.
+"""The one memory model (docs/design.md §3.5): what a plan keeps in GPU and CPU memory at its peak.
 
 Buffers in these schedules are allocated once and reused (double-buffered weights, pinned staging
 slots, KV prefetch slots), so the peak is the sum of the allocations, not a time-varying curve.

@@ -1,10 +1,10 @@
 """Named models and machines, as plain mappings that a scenario can start from and override.
 
-Model shapes are from the models' public config.json. GPU peaks are datasheet figures (SPEC 3.2);
-efficiencies are starting points, not measurements: pinned PCIe copies reach about 80% of the
-theoretical rate, and host figures follow the MoE-Lightning artifact's optimizer profiles (T4 host
-0.8 TFLOPS achieved, L4 host 1.6, host memory ~100 GiB/s, L4 CPU->GPU ~16 GiB/s). `tg calibrate`
-replaces them with measured ones.
+Model shapes are from the models' public config.json. GPU peaks are datasheet figures
+(docs/design.md §3.2); efficiencies are starting points, not measurements: pinned PCIe copies reach
+about 80% of the theoretical rate, and host figures follow the MoE-Lightning artifact's optimizer
+profiles (T4 host 0.8 TFLOPS achieved, L4 host 1.6, host memory ~100 GiB/s, L4 CPU->GPU ~16 GiB/s).
+`tg calibrate` replaces them with measured ones.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ HARDWARE: dict[str, dict[str, Any]] = {
     "h200": _machine("1xH200", "H200", 1, "pcie5", "xeon-112c"),
 }
 
-# Workload shapes from the paper (SPEC 6).
+# Workload shapes from the paper (docs/design.md §6).
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mtbench": dict(prompt_len=77, max_prompt_len=418, gen_len=128),
     "helm-reasoning": dict(prompt_len=242, max_prompt_len=256, gen_len=50),

@@ -1,4 +1,4 @@
-"""The schedules of SPEC 3.6, written as data.
+"""The schedules of docs/design.md §3.6, written as data.
 
 A schedule says which tasks to launch, in which order, on which stream. It says nothing about
 dependencies: those follow from what each task reads and writes, and the one generic builder

@@ -1,4 +1,5 @@
-"""What each task kind does: FLOPs and bytes (SPEC 3.3), and where a layer's weights lie.
+"""What each task kind does: FLOPs and bytes (docs/design.md §3.3), and where a layer's weights
+lie.
 
 Work is affine in the context length ``s`` (tokens in a sequence's KV cache when the task runs,
 on average over the micro-batch), ``flops + flops_per_ctx * s``, so one compiled step serves every
@@ -183,8 +184,8 @@ class Load:
 
 
 class TaskWork:
-    """Work of every task kind for one model, policy and workload (SPEC 3.3). With `tp` GPUs in
-    tensor parallel, a sharded kind's work is one GPU's shard: 1/tp of the task's FLOPs and
+    """Work of every task kind for one model, policy and workload (docs/design.md §3.3). With
+    `tp` GPUs in tensor parallel, a sharded kind's work is one GPU's shard: 1/tp of the task's FLOPs and
     bytes (weights, KV heads, experts' columns and the copies of them split evenly), but for
     the router, which every GPU runs whole."""
 

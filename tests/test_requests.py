@@ -1,4 +1,4 @@
-"""Requests and batching: request files, generated lengths, Algorithm 2 (SPEC 3.7)."""
+"""Requests and batching: request files, generated lengths, Algorithm 2 (docs/design.md §3.7)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_layer_and_model_weights(t4):
     m = t4.model
     # qkv 2*4096*(4096+2*1024) + o 2*4096^2 + router 2*4096*8 + experts 8*2*3*4096*14336
     assert m.layer_bytes == 50_331_648 + 33_554_432 + 65_536 + 2_818_572_288 == 2_902_523_904
-    assert m.layer_bytes / 2 == pytest.approx(1.45e9, rel=0.01)       # SPEC: ~1.45 B per layer
+    assert m.layer_bytes / 2 == pytest.approx(1.45e9, rel=0.01)       # design: ~1.45 B a layer
     # 32 layers + embedding and LM head 2*2*32000*4096
     assert m.model_bytes == 32 * 2_902_523_904 + 524_288_000 == 93_405_052_928
     assert m.kv_bytes_per_token == 2 * 2 * 1024

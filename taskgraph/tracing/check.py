@@ -1,4 +1,4 @@
-"""Check a trace against the rules Perfetto's importer enforces (SPEC 7).
+"""Check a trace against the rules Perfetto's importer enforces (docs/design.md §7).
 
 Perfetto's trace processor is downloaded at run time and not available offline, so tests (and
 users) check traces with this instead. It returns a list of problems; an empty list means the

@@ -1,4 +1,5 @@
-"""The one trace writer: runs of a compiled program -> Chrome JSON or Perfetto protobuf (SPEC 7).
+"""The one trace writer: runs of a compiled program -> Chrome JSON or Perfetto protobuf
+(docs/design.md §7).
 
 Simulated and measured runs of one graph go into one file as separate processes that line up in
 time, one process per run, numbered in the order given ("1. simulated", "2. measured"). Each
