@@ -33,9 +33,10 @@ import torch
 import torch.profiler
 
 from taskgraph.builder import TaskKey
-from taskgraph.compiled import KIND_NAMES, Program
+from taskgraph.compiled import Program
 from taskgraph.exec.profiling import ORIGIN
 from taskgraph.exec.runtime import Runtime
+from taskgraph.kinds import KIND_NAMES
 from taskgraph.kernels.ops import one_thread
 from taskgraph.sim.engine import SimRun
 

@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from taskgraph.builder import Plan
-from taskgraph.compiled import KIND_NAMES, compile_plan
+from taskgraph.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.weights import ModelWeights
+from taskgraph.kinds import COLLECTIVES, KIND_NAMES, SENDS
 from taskgraph.sim.engine import SimRun
-from taskgraph.work import COLLECTIVES, SENDS
 
 
 @dataclass

@@ -24,7 +24,8 @@ from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mas
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.work import COLLECTIVES, KINDS, PAGED, SENDS, TP_ONLY, WEIGHT_SECTIONS
+from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS, TP_ONLY,
+                             WEIGHT_SECTIONS)
 
 
 class Runtime:
@@ -45,9 +46,6 @@ class Runtime:
     a transfer emulator: device and host buffers are one (weights are read where they lie, the
     KV cache and hidden states have one copy), and every transfer task is a no-op, still
     scheduled and timed, so the graph, its order and its trace are unchanged."""
-
-    #: Task kinds that only move data between host and device.
-    TRANSFERS = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "KVOut", "W_CtoPin"})
 
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, pin_memory: bool = False,
@@ -96,7 +94,7 @@ class Runtime:
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})
         if zero_copy:
-            self._tasks.update({kind: _nothing for kind in self.TRANSFERS})
+            self._tasks.update({kind: _nothing for kind in HOST_DEVICE_COPIES})
             self.cut, self.pages = numel, []
         # Weights: resident prefixes, the double buffer, pinned staging slots.
         # One double buffer and one set of KV slots per GPU: on several GPUs in pipeline or data

@@ -28,8 +28,8 @@ from taskgraph.errors import TgError
 from taskgraph.exec.runtime import Runtime, _page_elements
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
+from taskgraph.kinds import COLLECTIVES
 from taskgraph.specs import ModelSpec
-from taskgraph.work import COLLECTIVES
 
 
 @dataclass(frozen=True)

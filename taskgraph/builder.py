@@ -43,11 +43,12 @@ from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 import networkx as nx
 
 from taskgraph.errors import ScheduleError
+from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
+                             TP_PARTS, WEIGHT_SECTIONS)
 from taskgraph.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
                                  Schedule)
 from taskgraph.specs import Scenario
-from taskgraph.work import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
-                            TP_PARTS, WEIGHT_SECTIONS, TaskWork, WeightLayout)
+from taskgraph.work import TaskWork, WeightLayout
 
 
 class TaskKey(NamedTuple):

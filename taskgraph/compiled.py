@@ -21,10 +21,10 @@ import networkx as nx
 import numpy as np
 
 from taskgraph.builder import Plan, build_segment, lookahead_steps
+from taskgraph.kinds import KIND_NAMES, PAGED
 from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
-from taskgraph.work import KINDS, PAGED, Load
+from taskgraph.work import Load
 
-KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 
 
 @dataclass

@@ -27,11 +27,10 @@ import math
 
 import numpy as np
 
+from taskgraph.kinds import KIND_INDEX, KINDS, SENDS
 from taskgraph.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, ImplementationSpec, Scenario
-from taskgraph.work import KINDS, SENDS
 
-KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 #: What the GPUs of one host share (hardware.shared): host memory bandwidth, and the PCIe lanes
 #: upstream of the GPUs' links, each direction.
 POOLS: tuple[str, ...] = ("host_memory", "pcie_h2d", "pcie_d2h")

@@ -127,7 +127,7 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     """A Gantt chart of decode step `step`, first `layers` layers, for each run (a
     :class:`taskgraph.tracing.writer.TraceRun`): one row per stream, one shared time axis. A pipeline's
     stages work on different layers at once, so for one the chart shows the whole step."""
-    from taskgraph.compiled import KIND_NAMES
+    from taskgraph.kinds import KIND_NAMES
 
     plt = _pyplot()
     windows = []

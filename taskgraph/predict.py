@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.cost import KIND_INDEX, POOLS, CostModel, cost_model
+from taskgraph.cost import POOLS, CostModel, cost_model
+from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, PAGED, TP_PARTS
 from taskgraph.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.specs import PolicySpec, Scenario
-from taskgraph.work import COLLECTIVE_AFTER, PAGED, TP_PARTS, TaskWork, WeightLayout
+from taskgraph.work import TaskWork, WeightLayout
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ class ImplementationSpec(BaseModel):
     @field_validator("kinds")
     @classmethod
     def _known_kinds(cls, value: dict[str, KindEffect]) -> dict[str, KindEffect]:
-        from taskgraph.work import KINDS
+        from taskgraph.kinds import KINDS
 
         for kind in value:
             if kind not in KINDS:
@@ -330,7 +330,7 @@ class HardwareSpec(BaseModel):
     @field_validator("task_overhead_us", "task_gbps")
     @classmethod
     def _known_kinds(cls, value: dict[str, float], info) -> dict[str, float]:
-        from taskgraph.work import KINDS
+        from taskgraph.kinds import KINDS
 
         for kind, x in value.items():
             if not math.isfinite(x):

@@ -114,7 +114,7 @@ def test_without_the_weight_reuse_edges_the_check_fails(monkeypatch):
               workload={"prompt_len": 6, "gen_len": 2})
     plan = make_plan(sc, "S2")
     program = compile_plan(plan)
-    from taskgraph.compiled import KIND_NAMES
+    from taskgraph.kinds import KIND_NAMES
     kinds.update({g: KIND_NAMES[k] for g, k in enumerate(program.column("kind"))})
     w = synthetic_weights(sc.model, seed=1)
     prompts = synthetic_prompts(8, 6, sc.model.V, seed=2)

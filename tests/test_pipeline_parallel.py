@@ -24,8 +24,8 @@ from taskgraph.builder import build_segment, launch_sequence, make_plan
 from taskgraph.cli import main
 from taskgraph.compiled import compile_plan
 from taskgraph.errors import ScheduleError
+from taskgraph.kinds import SENDS, SHARDED
 from taskgraph.simulation import simulate_scenario
-from taskgraph.work import SENDS, SHARDED
 from tests.helpers import tiny, unrolled_edges
 
 

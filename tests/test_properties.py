@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskgraph.builder import launch_sequence
-from taskgraph.compiled import KIND_NAMES
 from taskgraph.cost import cost_model
-from taskgraph.schedules import RESOURCES
+from taskgraph.kinds import KIND_NAMES
 from taskgraph.scenario import scenario_from_dict
+from taskgraph.schedules import RESOURCES
 from taskgraph.simulation import simulate_scenario
 from taskgraph.tracing.writer import Window, write_trace
 from tests.helpers import unrolled_edges

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskgraph.cli import main
-from taskgraph.compiled import KIND_NAMES
+from taskgraph.kinds import KIND_NAMES
 from taskgraph.errors import TgError
 from taskgraph.serving.requests import (Request, algorithm2, generate_requests, pack, read_requests,
                                 refill, summary)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from taskgraph.builder import build_segment, make_plan
+from taskgraph.kinds import COLLECTIVES, SHARDED
 from taskgraph.predict import predict
-from taskgraph.schedules import SCHEDULES
 from taskgraph.scenario import load_scenario
+from taskgraph.schedules import SCHEDULES
 from taskgraph.simulation import simulate_scenario
-from taskgraph.work import COLLECTIVES, SHARDED
 from tests.helpers import tiny
 
 

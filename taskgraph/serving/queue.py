@@ -32,8 +32,9 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.builder import make_plan
-from taskgraph.compiled import KIND_NAMES, Program, compile_plan
+from taskgraph.compiled import Program, compile_plan
 from taskgraph.cost import cost_model
+from taskgraph.kinds import KIND_NAMES
 from taskgraph.limits import hardware_limit_tok_s
 from taskgraph.files import atomic_path
 from taskgraph.memory import check_fits, memory_footprint

@@ -29,10 +29,10 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
-from taskgraph.compiled import KIND_NAMES, Program
+from taskgraph.compiled import Program
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.work import PAGED, TRANSFERS, WEIGHT_SECTIONS
+from taskgraph.kinds import KIND_NAMES, MOVES, PAGED, WEIGHT_SECTIONS
 
 _STREAM_INFO = {
     # stream: (track name, category in PyTorch profiler terms)
@@ -289,7 +289,7 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     streams = prog.streams
     tids = [_tid(k, sid) for sid in range(len(streams))]
     cats = [_stream_info(s)[1] for s in streams]
-    copies = [kind in TRANSFERS or kind == "W_CtoPin" for kind in KIND_NAMES]
+    copies = [kind in MOVES for kind in KIND_NAMES]
     tags = ["p" if kind in PAGED else "m" for kind in KIND_NAMES]
     idx_keys = ["page" if kind in PAGED else "micro_batch" for kind in KIND_NAMES]
     columns = zip(ids.tolist(), cols["kind"][ids].tolist(), cols["stream"][ids].tolist(),
