@@ -23,6 +23,18 @@ TINY: dict[str, Any] = {
 }
 
 
+def assert_drawn(png, min_size: tuple[int, int] = (300, 400), min_colours: int = 8) -> None:
+    """A PNG that decodes to a picture of at least `min_size` (rows, columns) with something
+    drawn on it: more than `min_colours` distinct colours (a blank or one-colour image, or a
+    file that is not a PNG, fails; its byte size says neither)."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] >= min_size[0] and image.shape[1] >= min_size[1], image.shape
+    colours = np.unique(image.reshape(-1, image.shape[-1]), axis=0)
+    assert len(colours) > min_colours, f"{png} has {len(colours)} colours"
+
+
 def wait_for(condition, timeout_s: float = 120.0, what: str = "the event") -> None:
     """Poll `condition()` until it holds; fail after `timeout_s`. For events a test cannot be
     told of directly (another process's state), instead of sleeping a guessed time."""
