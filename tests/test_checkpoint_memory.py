@@ -57,5 +57,7 @@ def test_loading_two_layers_of_a_sharded_checkpoint_costs_about_two_layers(tmp_p
     # the slice, plus the pages of one layer mapped while it is read, plus slack; reading the
     # shards whole would cost the checkpoint, about 4x the slice
     one_layer = r["kept"] / 2
-    assert r["peak_growth"] < r["kept"] + one_layer + 8e6
+    # 16 MB of slack: the allocator's, and the first call of the finiteness check, whose kernels'
+    # code pages become resident (7 MB here; measured by patching the check out)
+    assert r["peak_growth"] < r["kept"] + one_layer + 16e6
     assert r["peak_growth"] < 0.5 * checkpoint
