@@ -80,16 +80,16 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
             line = _Line.model_validate(json.loads(raw))
         except json.JSONDecodeError as err:
             raise TgError(f"{where} is not a JSON object: {err.msg}.") from None
-        except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
-            raise TgError(f"{where} is not a request (a number of more than 4,300 digits, or "
-                          "nesting deeper than JSON can be read).") from None
-        except ValidationError as err:
+        except ValidationError as err:       # (a ValueError too: it must come first)
             e = err.errors()[0]
             field = ".".join(str(p) for p in e["loc"]) or "the line"
             msg = e["msg"].removeprefix("Value error, ")
             raise TgError(f"{where}: {field}: {msg}. A line looks like "
                           '{"id": 1, "prompt_ids": [1, 415, 2936], "max_new_tokens": 16} or '
                           '{"prompt": "Hello", ...}.') from None
+        except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
+            raise TgError(f"{where} is not a request (a number of more than 4,300 digits, or "
+                          "nesting deeper than JSON can be read).") from None
         if line.prompt is not None:
             if tokenizer is None:
                 raise TgError(f"{where} gives prompt text, but the checkpoint has no "

@@ -90,3 +90,20 @@ def test_more_prompts_than_a_batch_run_batch_by_batch_with_the_same_tokens(tmp_p
                      str(out), "--json"]) == 0
         outs.append(out.read_text())
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 10
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"prompt_ids": []}', "prompt_ids"),
+    ('{"prompt_ids": [1, 2], "max_new_tokens": 0}', "max_new_tokens"),
+    ('{"prompt_ids": [1, 2], "foo": 1}', "foo"),
+])
+def test_a_bad_prompt_line_names_its_field(tmp_path, line, field):
+    """Pydantic's ValidationError is a ValueError: the field's message must not be swallowed by
+    the handler for numbers too long to read (it was, for every line)."""
+    from taskgraph.errors import TgError
+    from taskgraph.exec.prompts import read_prompts
+
+    (tmp_path / "p.jsonl").write_text(line + "\n")
+    with pytest.raises(TgError) as err:
+        read_prompts(tmp_path / "p.jsonl", vocab=100, default_new_tokens=4)
+    assert field in str(err.value) and "4,300 digits" not in str(err.value)
