@@ -115,8 +115,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     ``/dev/full``) is a clear error, the previous file left as it was."""
     path = Path(path)
     refuse_input(path)
-    target = path.resolve()
     try:
+        target = path.resolve()          # (a loop of symbolic links raises here)
         if target.exists() and not target.is_file():
             if target.is_dir():
                 raise TgError(f"'{path}' is a folder; give a file path.")
@@ -127,8 +127,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
                                     suffix=f".partial{''.join(target.suffixes)}",
                                     dir=target.parent)
         os.close(fd)
-    except OSError as err:
-        raise TgError(f"Cannot write '{path}': {err.strerror or err}.") from None
+    except (OSError, RuntimeError) as err:
+        raise TgError(f"Cannot write '{path}': {getattr(err, 'strerror', None) or err}.") \
+            from None
     tmp = Path(name)
     try:
         yield tmp
