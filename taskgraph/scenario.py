@@ -303,9 +303,12 @@ def _apply_override(doc: dict[str, Any], item: str) -> None:
         raise TgError(f"Override '{item}' must look like key.path=value, "
                       "e.g. --set policy.mu=36.")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None
     except yaml.YAMLError:
         value = text
+    except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested brackets
+        raise TgError(f"Override '{key.strip()[:60]}': the value is a number of more than 4,300 "
+                      "digits or nests deeper than YAML can be read.") from None
     parts = key.strip().split(".")
     node = doc
     for depth, part in enumerate(parts[:-1]):
@@ -440,7 +443,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key must be a name or a number, not a list or a mapping",
+                    key_node.start_mark)
+            if key in seen:
                 mark = key_node.start_mark
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {_short(key)} appears twice", mark)
@@ -458,6 +465,8 @@ def _read_yaml(path: Path, *, what: str) -> Any:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except RecursionError:
         raise TgError(f"The {what} '{path}' nests deeper than a {what} can.") from None
+    except ValueError:        # (not a YAMLError) a number of more than 4,300 digits
+        raise TgError(f"The {what} '{path}' holds a number of more than 4,300 digits.") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -53,3 +53,20 @@ def test_an_output_under_a_loop_of_links_is_a_clear_error(tmp_path, capsys):
     assert main(["simulate", TINY, "--trace", str(tmp_path / "a" / "x.json")]) == 2
     err = capsys.readouterr().err
     assert "cannot be resolved" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["simulate", TINY, "--set", "policy.N=1" + "0" * 5000], "4,300 digits"),
+    (["simulate", TINY, "--set", "policy.N=" + "[" * 50000], "nests deeper"),
+    (["compare", TINY, "--schedules", "S1:"], "after the colon give padded or refill"),
+    (["simulate", "FOLDER/listkey.yaml"], "a key must be a name or a number"),
+    (["simulate", "FOLDER/hugeint.yaml"], "4,300 digits"),
+])
+def test_values_yaml_cannot_hold_are_one_clean_error(tmp_path, capsys, argv, words):
+    (tmp_path / "listkey.yaml").write_text("model: tiny\nhardware: t4\n? [a, b]\n: 1\n")
+    (tmp_path / "hugeint.yaml").write_text(f"model: tiny\nhardware: t4\npolicy: "
+                                           f"{{N: 1{'0' * 5000}, mu: 2}}\n")
+    argv = [a.replace("FOLDER", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err) < 1000

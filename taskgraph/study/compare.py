@@ -76,12 +76,12 @@ class Comparison(Shown, Traced):
 def parse_entry(entry: str) -> tuple[str, str | None]:
     """'S1:refill' -> ('S1', 'refill'); 'S4' -> ('S4', None); an unknown name or batching is
     an error naming the entry."""
-    name, _, batching = entry.partition(":")
+    name, colon, batching = entry.partition(":")
     if name not in SCHEDULES:
         raise TgError(f"--schedules names unknown schedule '{name}'; known schedules: "
                       f"{', '.join(SCHEDULES)} (NAME:padded pads a request list, NAME:refill "
                       "runs it as one continuous batch).")
-    if batching and batching not in ("padded", "refill"):
+    if colon and batching not in ("padded", "refill"):
         raise TgError(f"--schedules entry '{entry}': after the colon give padded or refill.")
     return name, batching or None
 
@@ -104,7 +104,8 @@ def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool 
     default is left out, with the reason, when it does not. `keep_runs`: keep a request list's
     task times for traces; `keep_steps`: the decode steps a long run keeps them for
     (:func:`~taskgraph.simulation.simulate_scenario`)."""
-    names = list(schedules) if schedules is not None else list(SCHEDULES)
+    # each once: the table has a row per schedule (S1,S1,... 5,000 times simulated each)
+    names = list(dict.fromkeys(schedules)) if schedules is not None else list(SCHEDULES)
     if not names:
         raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
     entries = [parse_entry(n) for n in names]
