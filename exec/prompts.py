@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, read_text
+from taskgraph.files import atomic_path, read_json, read_text
 
 
 class _Line(BaseModel):
@@ -137,10 +137,10 @@ def eos_ids(folder: str | Path | None) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         path = Path(folder) / name
         if path.is_file():
-            try:
-                value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                continue
+            doc = read_json(path, "checkpoint's generation config")
+            if not isinstance(doc, dict):
+                raise TgError(f"'{path}' must hold a JSON object.")
+            value = doc.get("eos_token_id")
             if value is not None:
                 values = value if isinstance(value, list) else [value]
                 if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):

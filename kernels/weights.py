@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from taskgraph.errors import TgError
-from taskgraph.files import note_input
+from taskgraph.files import note_input, read_json
 from taskgraph.specs import ModelSpec
 
 
@@ -102,11 +102,11 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
     for f in folder.iterdir() if folder.is_dir() else [folder]:
         note_input(f)                   # no output of this run may replace the checkpoint
     if folder.is_dir() and index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+        doc = read_json(index_file, "safetensors index")
+        if not isinstance(doc, dict) or "weight_map" not in doc:
             raise TgError(f"'{index_file}' is not a safetensors index (a JSON object with a "
-                          "weight_map).") from None
+                          "weight_map).")
+        weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise TgError(f"'{index_file}': weight_map must map tensor names to shard file "

@@ -9,6 +9,7 @@ and two runs writing the same path each leave a valid file: the last to finish w
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import stat
@@ -79,6 +80,21 @@ def read_bytes(path: str | Path, what: str, gunzip: bool = False) -> bytes:
         raise TgError(f"The {what} '{path}' inflates to more than "
                       f"{MAX_INPUT_BYTES // 2**20} MiB; tg reads input files of at most that.")
     return data
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON input read as every text input is (:func:`read_text`); a document JSON cannot
+    hold (bad syntax, a number of more than 4,300 digits, nesting deeper than Python's stack)
+    is one error naming the file."""
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TgError(f"The {what} '{path}' is not valid JSON: {err.msg} at line {err.lineno}."
+                      ) from None
+    except (ValueError, RecursionError):
+        raise TgError(f"The {what} '{path}' holds a number of more than 4,300 digits or nests "
+                      "deeper than JSON can be read.") from None
 
 
 def _umask() -> int:

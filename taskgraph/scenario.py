@@ -10,7 +10,6 @@ checked exactly like the file.
 
 from __future__ import annotations
 
-import json
 import reprlib
 import types
 import typing
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.errors import TgError
-from taskgraph.files import plain_text, read_text
+from taskgraph.files import plain_text, read_json, read_text
 from taskgraph.specs import Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
@@ -475,14 +474,7 @@ def _read_yaml(path: Path, *, what: str) -> Any:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    text = _read_text(path, "model config")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TgError(f"The model config '{path}' is not valid JSON: {err}.") from None
-    except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
-        raise TgError(f"The model config '{path}' holds a number of more than 4,300 digits or "
-                      "nests deeper than JSON can be read.") from None
+    data = read_json(path, "model config")
     if not isinstance(data, dict):
         raise TgError(f"The model config '{path}' must hold a JSON object.")
     return data

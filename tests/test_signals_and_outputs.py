@@ -70,3 +70,19 @@ def test_values_yaml_cannot_hold_are_one_clean_error(tmp_path, capsys, argv, wor
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err) < 1000
+
+
+@pytest.mark.parametrize("name, text", [
+    ("generation_config.json", '{"eos_token_id": 1' + "0" * 5000 + "}"),
+    ("generation_config.json", "[" * 100_000),
+    ("model.safetensors.index.json", '{"metadata": {"total_size": 1' + "0" * 5000 + "}}"),
+])
+def test_a_checkpoint_json_file_is_read_by_the_one_reader(tmp_path, name, text):
+    """A checkpoint's JSON files meet the same reader as every input (they were tracebacks)."""
+    from taskgraph.errors import TgError
+    from taskgraph.exec.prompts import eos_ids
+    from taskgraph.kernels.weights import checkpoint_index
+
+    (tmp_path / name).write_text(text)
+    with pytest.raises(TgError, match="4,300 digits"):
+        eos_ids(tmp_path) if name.startswith("generation") else checkpoint_index(tmp_path)
