@@ -66,7 +66,7 @@ def check_trace(trace: Any) -> list[str]:
             problems.append(f"{where}: pid must be a non-negative integer")
             continue
         if ph == "M":
-            if name not in _METADATA:
+            if not isinstance(name, str) or name not in _METADATA:
                 problems.append(f"{where}: Perfetto ignores this metadata name")
                 continue
             args = e.get("args")
