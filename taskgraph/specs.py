@@ -22,6 +22,18 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 Positive = Field(gt=0)
 Efficiency = Field(gt=0.0, le=1.0)
 
+# Sizes beyond any real run, refused up front: past them the run's own structures, not its
+# figures, take the time and memory (each bound names the field in the error).
+#: GPUs of one host (HGX-2 has 16); the streams and tasks of a run grow with each.
+MAX_GPUS = 16
+#: Micro-batches in one batch (policy.N / policy.mu): a batch's task graph links every
+#: micro-batch's buffer use to the others', so its dependencies grow with the square of this
+#: (256: 9,000 tasks, 270,000 dependencies a decode step on tiny; 1,024 took 6 GB). The search
+#: considers at most 64; published policies use up to 92.
+MAX_MICRO_BATCHES = 256
+#: Requests in a request list, read or generated: the queue benchmark's scale.
+MAX_REQUESTS = 1_000_000
+
 
 class ModelSpec(BaseModel):
     """A decoder-only MoE transformer (SPEC 3.1)."""
@@ -130,7 +142,7 @@ class GPUSpec(BaseModel):
     model_config = _STRICT
 
     name: str
-    count: int = Field(default=1, gt=0)
+    count: int = Field(default=1, gt=0, le=MAX_GPUS)
     memory_gb: float = Positive
     # Planning headroom: the search keeps within memory_gb x usable_fraction (MoE-Lightning's
     # optimizer keeps GPU use <= 0.86). An explicit policy may use up to memory_gb - reserve_gb
@@ -348,7 +360,7 @@ class LengthsSpec(BaseModel):
 
     model_config = _STRICT
 
-    count: int = Field(gt=0, le=10_000_000)
+    count: int = Field(gt=0, le=MAX_REQUESTS)
     prompt_mean: float = Field(gt=0, le=10_000_000)
     prompt_max: int = Field(gt=0, le=10_000_000)
     gen_mean: float = Field(gt=0, le=10_000_000)
@@ -427,6 +439,9 @@ class PolicySpec(BaseModel):
                 raise ValueError(f"mu = {mu} exceeds N = {n}: a micro-batch cannot exceed the batch")
             if n % mu:
                 raise ValueError(f"N = {n} is not a multiple of mu = {mu}")
+            if n // mu > MAX_MICRO_BATCHES:
+                raise ValueError(f"N / mu = {n // mu:,} micro-batches; tg runs at most "
+                                 f"{MAX_MICRO_BATCHES} in a batch (raise mu or lower N)")
         return mu
 
     @property

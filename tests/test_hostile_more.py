@@ -143,3 +143,50 @@ def test_fit_names_a_bad_cell_field_briefly(tmp_path, capsys, changes, words):
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err) < 600, err[:2000]
     assert not (tmp_path / "out").exists()
+
+
+TINY = "scenarios/tiny.yaml"
+_VALUES = ",".join(str(v) for v in range(1, 10_001))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["simulate", TINY, "--set", "workload.lengths.preset=mtbench", "--set",
+      "workload.lengths.count=10000000"],
+     "workload.lengths.count: Input should be less than or equal to 1000000"),
+    (["simulate", TINY, "--set", "hardware.gpu.count=1000000000"],
+     "hardware.gpu.count: Input should be less than or equal to 16"),
+    (["graph", TINY, "--set", "policy.N=1000000", "--out", "OUT/g.json"],
+     "N / mu = 500,000 micro-batches; tg runs at most 256"),
+    (["search", TINY, "--top", "1000000000"], "--top must be from 1 to 100"),
+    (["sweep", TINY, "--vary", f"hardware.link.h2d_gbps={_VALUES}", "--out", "OUT/sweep"],
+     "--vary gives 10,000 sweep points; tg sweeps at most 1,000"),
+    (["validate", TINY, "--repeats", "1000000000"], "--repeats must be from 1 to 100"),
+    (["validate", TINY, "--mu", "0"], "--mu 0 is not a micro-batch size"),
+    (["validate", TINY, "--schedules", " , "], "--schedules names no schedule"),
+])
+def test_sizes_beyond_any_run_are_refused_up_front(tmp_path, argv, words):
+    """Each of these hung, grew to GBs or was a traceback (a ZeroDivisionError for --mu 0); now
+    each is refused at once, naming the option or field and its limit."""
+    # a process of its own, so that a size that is not refused fails the test, not hangs it
+    run = subprocess.run([sys.executable, "-m", "taskgraph.cli",
+                          *[a.replace("OUT", str(tmp_path)) for a in argv]],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert words in run.stderr and "Traceback" not in run.stderr and len(run.stderr) < 2000
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_request_file_longer_than_the_limit_is_refused(tmp_path, capsys, monkeypatch):
+    """The same bound as workload.lengths.count, for a list read from a file (checked as rows are
+    read; the limit is lowered here to keep the file small)."""
+    from taskgraph.cli import main
+    from taskgraph.serving import requests
+
+    monkeypatch.setattr(requests, "MAX_REQUESTS", 3)
+    (tmp_path / "r.csv").write_text("id,prompt_len,gen_len\n" + "".join(
+        f"r{i},4,2\n" for i in range(4)))
+    (tmp_path / "s.yaml").write_text("model: tiny\nhardware: t4\nworkload: {requests: r.csv}\n"
+                                     "policy: {N: 4, mu: 2}\n")
+    assert main(["batch", str(tmp_path / "s.yaml")]) == 2
+    assert "holds more than 3 requests" in capsys.readouterr().err
+

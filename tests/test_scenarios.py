@@ -108,7 +108,7 @@ BAD = [
     ("unknown preset", None, ["model=mixtral-9x9b"], ["mixtral-9x9b", "known models"]),
     ("unknown schedule", None, ["schedule=S9"], ["S9", "known schedules"]),
     ("GPU memory", None, ["model=mixtral-8x7b", "policy.r_w=0.9"], ["GPU memory", "over"]),
-    ("CPU memory", None, ["model=mixtral-8x7b", "policy.N=40000", "policy.mu=40"],
+    ("CPU memory", None, ["model=mixtral-8x7b", "policy.N=40000", "policy.mu=400"],
      ["CPU memory", "KV cache"]),
     ("attention placement", None, ["policy.A_g=1"], ["policy.A_g", "S4"]),
     ("FFN on CPU", None, ["policy.F_g=0"], ["policy.F_g"]),

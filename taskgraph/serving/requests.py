@@ -28,6 +28,7 @@ import numpy as np
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path, plain_text, read_text
 from taskgraph.report import Shown, batch_table
+from taskgraph.specs import MAX_REQUESTS
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.
 _MAX_LEN = 10_000_000
@@ -54,7 +55,12 @@ def read_requests(path: str | Path) -> list[Request]:
     path = Path(path)
     text = read_text(path, "request file")
     rows = _jsonl_rows(path, text) if path.suffix == ".jsonl" else _csv_rows(path, text)
-    requests = [_request(path, line, row) for line, row in rows]
+    requests = []
+    for line, row in rows:
+        if len(requests) == MAX_REQUESTS:
+            raise TgError(f"Request file '{path}' holds more than {MAX_REQUESTS:,} requests; tg "
+                          f"runs at most {MAX_REQUESTS:,} in a list (split it).")
+        requests.append(_request(path, line, row))
     if not requests:
         raise TgError(f"Request file '{path}' holds no requests; give one per line with "
                       "prompt_len and gen_len.")

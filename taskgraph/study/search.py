@@ -37,6 +37,8 @@ MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
 R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
 R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_MICRO_BATCHES = 64
+# Policies `tg search` lists: each costs a build (~0.1 s) and, with --verify, a simulation.
+MAX_TOP = 100
 _RESOURCE_NAMES = {"gpu": "GPU", "cpu": "CPU", "h2d": "link (CPU->GPU)",
                    "d2h": "link (GPU->CPU)", "pin": "CPU (pinned staging copy)",
                    "peer": "GPU interconnect", "host_memory": "host memory bandwidth",
@@ -171,8 +173,9 @@ def search_scenario(scenario: Scenario, top: int = 10, verify_top: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """`tg search`: the ranking, with the machine's limit; `verify_top` simulates the top
     policies and re-ranks them; `brute` also simulates a coarse grid (which verifies too)."""
-    if top < 1:
-        raise TgError(f"--top must be at least 1, not {top}.")
+    if not 1 <= top <= MAX_TOP:
+        raise TgError(f"--top must be from 1 to {MAX_TOP}, not {top:,}: each policy listed is "
+                      "built to check that its schedule can run it.")
     result = search(scenario, top=top)
     result.scenario = scenario.name
     if verify_top or brute:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +20,10 @@ from taskgraph.files import atomic_path
 from taskgraph.jobs import LOCAL, Backend, run_jobs
 from taskgraph.report import Shown, sweep_table
 from taskgraph.specs import Scenario
+
+# Points of one sweep (the product of every --vary's values): each loads a scenario and runs a
+# search, seconds each; more is hours, and a plot no one can read.
+MAX_POINTS = 1_000
 
 COLUMNS = ("throughput_tok_s", "schedule", "N", "mu", "A_g", "F_g", "r_w", "r_c", "binding",
            "hardware_limit_tok_s", "error")
@@ -101,6 +106,10 @@ def sweep_jobs(scenario: str, overrides: list[str], vary: list[tuple[str, list[s
     typo in a value is an error, not a row of the CSV."""
     from taskgraph.scenario import load_scenario
 
+    points = math.prod(len(vals) for _, vals in vary)
+    if points > MAX_POINTS:
+        raise TgError(f"--vary gives {points:,} sweep points; tg sweeps at most {MAX_POINTS:,} "
+                      "(each is a policy search of a few seconds). Give fewer values.")
     keys = [k for k, _ in vary]
     jobs = []
     for combo in itertools.product(*(vals for _, vals in vary)):

@@ -87,16 +87,27 @@ class Validation(Shown, Traced):
         return parity_plot(self.results, out)
 
 
+# Rounds of execution `tg validate` runs; a few settle the timings, each costs real runs.
+MAX_REPEATS = 100
+
+
 def validate_scenario(scenario: Scenario, schedules: list[str], mus: list[int] | None = None,
                       repeats: int = 3, device: str = "cpu", backend: Backend = LOCAL,
                       progress: Callable[[int, int], None] | None = None) -> Validation:
     """`tg validate`: each schedule at each micro-batch size in `mus` (default: the scenario's
     and half of it), executed `repeats` times on `device` and simulated."""
+    if not schedules:
+        raise TgError(f"--schedules names no schedule; known schedules: {', '.join(SCHEDULES)}.")
     unknown = [n for n in schedules if n not in SCHEDULES]
     if unknown:
-        raise TgError(f"--schedules names unknown schedule '{unknown[0]}'.")
-    if repeats < 1:
-        raise TgError(f"--repeats must be at least 1, not {repeats}.")
+        raise TgError(f"--schedules names unknown schedule '{unknown[0][:60]}'.")
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise TgError(f"--repeats must be from 1 to {MAX_REPEATS}, not {repeats:,}: each repeat "
+                      "executes every schedule at every --mu.")
+    bad = [mu for mu in mus or () if not 1 <= mu <= scenario.policy.N]
+    if bad:
+        raise TgError(f"--mu {bad[0]:,} is not a micro-batch size of policy.N = "
+                      f"{scenario.policy.N}: each must be from 1 to N.")
     mus = mus or sorted({scenario.policy.mu, max(1, scenario.policy.mu // 2)})
     pairs = pairs_for(scenario, schedules, mus)
     if not pairs:
