@@ -21,6 +21,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 Positive = Field(gt=0)
 Efficiency = Field(gt=0.0, le=1.0)
+#: A machine's figure (GB, GB/s, TFLOPS): within what any machine has, since outside it the
+#: arithmetic over- or underflows (1e-320 TFLOPS gave an infinite prefill and NaN figures with
+#: exit 0; 1e308 GB/s a division by zero).
+Figure = Field(ge=1e-6, le=1e9, allow_inf_nan=False)
 
 # Sizes beyond any real run, refused up front: past them the run's own structures, not its
 # figures, take the time and memory (each bound names the field in the error).
@@ -143,17 +147,17 @@ class GPUSpec(BaseModel):
 
     name: str
     count: int = Field(default=1, gt=0, le=MAX_GPUS)
-    memory_gb: float = Positive
+    memory_gb: float = Figure
     # Planning headroom: the search keeps within memory_gb x usable_fraction (MoE-Lightning's
     # optimizer keeps GPU use <= 0.86). An explicit policy may use up to memory_gb - reserve_gb
     # (the CUDA context and library workspaces), with a warning above the headroom.
     usable_fraction: float = Field(default=0.86, gt=0.0, le=1.0)
-    reserve_gb: float = Field(default=0.5, ge=0.0, allow_inf_nan=False)
-    mem_gbps: float = Positive
-    tflops: float = Positive
+    reserve_gb: float = Field(default=0.5, ge=0.0, le=1e9, allow_inf_nan=False)
+    mem_gbps: float = Figure
+    tflops: float = Figure
     flops_eff: float = Efficiency
     mem_eff: float = Efficiency
-    task_overhead_us: float = Field(default=10.0, ge=0.0)
+    task_overhead_us: float = Field(default=10.0, ge=0.0, le=1e9, allow_inf_nan=False)
 
 
 class CPUSpec(BaseModel):
@@ -161,23 +165,23 @@ class CPUSpec(BaseModel):
 
     name: str
     cores: int = Positive
-    memory_gb: float = Positive
+    memory_gb: float = Figure
     # As for the GPU: the search plans within usable_fraction (0.8, as MoE-Lightning's
     # optimizer); an explicit policy may use all but reserve_gb (the OS and the process itself).
     usable_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
-    reserve_gb: float = Field(default=8.0, ge=0.0, allow_inf_nan=False)
-    mem_gbps: float = Positive
-    tflops: float = Positive
+    reserve_gb: float = Field(default=8.0, ge=0.0, le=1e9, allow_inf_nan=False)
+    mem_gbps: float = Figure
+    tflops: float = Figure
     flops_eff: float = Efficiency
     mem_eff: float = Efficiency
     # What the host's copies into pinned memory reach, one process with all its threads.
-    memcpy_gbps: float = Positive
+    memcpy_gbps: float = Figure
     # Memory bandwidth one core drives on its own (GB/s, bytes read plus written). A process
     # with few threads gets no more than its threads' worth: its host tasks' memory traffic at
     # threads x this, its copies at half that (a copy reads and writes every byte). None: no
     # per-core limit (a process reaches the host's rates whatever its threads).
-    core_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    task_overhead_us: float = Field(default=20.0, ge=0.0)
+    core_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
+    task_overhead_us: float = Field(default=20.0, ge=0.0, le=1e9, allow_inf_nan=False)
 
 
 class LinkSpec(BaseModel):
@@ -186,14 +190,14 @@ class LinkSpec(BaseModel):
 
     model_config = _STRICT
 
-    h2d_gbps: float = Positive
-    d2h_gbps: float = Positive
+    h2d_gbps: float = Figure
+    d2h_gbps: float = Figure
     h2d_eff: float = Efficiency
     d2h_eff: float = Efficiency
-    latency_us: float = Field(default=10.0, ge=0.0)
+    latency_us: float = Field(default=10.0, ge=0.0, le=1e9, allow_inf_nan=False)
     # Achieved CPU->GPU rate from pageable (unpinned) memory, which the driver stages through
     # its own pinned buffer; None: as fast as pinned.
-    pageable_h2d_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    pageable_h2d_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
 
 
 class InterconnectSpec(BaseModel):
@@ -204,9 +208,9 @@ class InterconnectSpec(BaseModel):
     model_config = _STRICT
 
     name: str = "interconnect"
-    gbps: float = Positive
+    gbps: float = Figure
     eff: float = Efficiency
-    latency_us: float = Field(default=10.0, ge=0.0)
+    latency_us: float = Field(default=10.0, ge=0.0, le=1e9, allow_inf_nan=False)
     # No peer-to-peer between the GPUs: what they send each other is written to host memory and
     # read back, drawing on what the host shares (hardware.shared) on its way.
     through_host: bool = False
@@ -223,11 +227,11 @@ class SharedSpec(BaseModel):
 
     # The bandwidth the GPUs' links reach together, per direction: the CPU's PCIe lanes or the
     # switch the GPUs sit behind (achieved GB/s).
-    pcie_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    pcie_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
     # Host memory bandwidth (achieved GB/s, bytes read plus written, as STREAM counts them) that
     # every link's DMA, every copy into pinned memory (which reads and writes each byte) and the
     # host's own tasks (CPU attention, CPU experts) draw on together.
-    memory_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    memory_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
 
 
 class InterferenceSpec(BaseModel):

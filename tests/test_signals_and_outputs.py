@@ -86,3 +86,15 @@ def test_a_checkpoint_json_file_is_read_by_the_one_reader(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(TgError, match="4,300 digits"):
         eos_ids(tmp_path) if name.startswith("generation") else checkpoint_index(tmp_path)
+
+
+@pytest.mark.parametrize("value", ["hardware.gpu.tflops=1e-320", "hardware.gpu.mem_gbps=5e-324",
+                                   "hardware.gpu.memory_gb=1e308", "hardware.link.h2d_gbps=1e308",
+                                   "hardware.link.h2d_gbps=1e-320"])
+def test_a_figure_no_machine_has_is_refused_naming_it(capsys, value):
+    """Outside [1e-6, 1e9] the arithmetic over- or underflows: an infinite prefill and NaN
+    figures with exit 0 (invalid JSON), or a division by zero; now refused up front."""
+    assert main(["simulate", TINY, "--set", value, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert value.split("=")[0] in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
