@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.cost import CostModel
+from taskgraph.errors import TgError
 from taskgraph.exec.microbench import base_profile, measure
 from taskgraph.report import Shown, calibrate_table
 from taskgraph.schedules import RESOURCES
@@ -97,6 +98,13 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
         ex = execute_scenario(sc, schedule, device=device, check=False)
+        # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
+        # a profile fitted to part of a run is not: stop, and write nothing.
+        if ex.failure is not None:
+            raise TgError(f"A task failed while measuring {schedule} at mu = {mu} "
+                          f"({type(ex.failure).__name__}); no profile was written.")
+        if ex.run.interrupted:
+            raise KeyboardInterrupt
         prog, run = ex.program, ex.run
         ctx = prog.context(prog.step)
         nbytes = prog.column("nbytes") + prog.column("bytes_per_ctx") * ctx

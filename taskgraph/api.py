@@ -268,10 +268,12 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
 
 
 def _backend(kind: str, address: str | None):
-    """The backend asked for; Ray's absence is found before any work."""
-    from taskgraph.jobs import Backend, require_ray
+    """The backend asked for; Ray's absence, or an address where no Ray node answers, is found
+    before any work."""
+    from taskgraph.jobs import Backend, check_reachable, require_ray
 
     backend = Backend(kind, address)
     if backend.kind == "ray":
         require_ray()
+        check_reachable(backend.address)
     return backend

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from taskgraph.errors import TgError
 
@@ -67,19 +70,31 @@ def run_jobs(jobs: Sequence[Any], backend: Backend = LOCAL,
 
 
 def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> list[Any]:
-    pool = ProcessPoolExecutor(max_workers=workers)
-    futures = [pool.submit(_run, job) for job in jobs]
-    index = {f: i for i, f in enumerate(futures)}
-    results: list[Any] = [None] * len(jobs)
-    pending: set[Future] = set(futures)
+    # SIGTERM ends the workers with this process, as Ctrl-C does (by default this process would
+    # die alone and they would run on). Installed before the workers start, so none can be left
+    # by a SIGTERM that arrives as they do; each worker restores the default action.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=_worker_start,
+                               initargs=(os.getpid(),))
+    finished = 0
     try:
+        # The workers start (fork) in the first submit. A signal handled in the middle of that
+        # would leave a started worker unknown to the pool, never killed, and this process
+        # waiting for it at exit: Ctrl-C and SIGTERM wait until the pool knows them all.
+        with _signals_held(main):
+            futures = [pool.submit(_run, job) for job in jobs]
+        index = {f: i for i, f in enumerate(futures)}
+        results: list[Any] = [None] * len(jobs)
+        pending: set[Future] = set(futures)
         while pending:
             # A bounded wait: an unbounded one would hold Ctrl-C until a job finishes.
             done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             for f in done:
                 results[index[f]] = f.result()
+                finished += 1
             if done and progress:
-                progress(len(jobs) - len(pending), len(jobs))
+                progress(finished, len(jobs))
         pool.shutdown()
         return results
     except BaseException as err:
@@ -90,13 +105,62 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             # SIGKILL: a handler installed before the fork (Ray installs one) can survive SIGTERM.
             proc.kill()
         if isinstance(err, KeyboardInterrupt):
-            _say_interrupted(len(jobs) - len(pending), len(jobs))
+            _say_interrupted(finished, len(jobs))
+        if isinstance(err, _Terminated):
+            _say_interrupted(finished, len(jobs), "terminated")
+            raise SystemExit(128 + signal.SIGTERM) from None
         raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextmanager
+def _signals_held(main: bool) -> Iterator[None]:
+    """Ctrl-C and SIGTERM arrive after the block, not in it (where the OS can hold them)."""
+    if not (main and hasattr(signal, "pthread_sigmask")):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM while jobs run: a BaseException, so that no `except Exception` on the way out
+    (a job's error handling) takes it for a job's failure."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _worker_start(parent: int) -> None:
+    """A pool worker's start: SIGTERM ends it (the parent's handler is the parent's), it is
+    killed when tg dies, however tg dies (kill -9 included, where no handler runs), on Linux,
+    and one whose parent is already gone ends at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)      # held by the parent as it forked
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None) -> list[Any]:
     ray = require_ray()
-    _check_reachable(address)
+    check_reachable(address)
     started = not ray.is_initialized()
     if started:
         try:
@@ -148,9 +212,9 @@ def _get(ray: Any, ref: Any) -> Any:
         raise
 
 
-def _check_reachable(address: str | None) -> None:
-    """A HOST:PORT that nothing answers on fails here in seconds; Ray itself retries for
-    minutes."""
+def check_reachable(address: str | None) -> None:
+    """A HOST:PORT that nothing answers on, or that accepts and never answers, or answers but not
+    as Ray, fails here within seconds; Ray itself retries for minutes."""
     if address is None or address == "auto" or address.startswith(("local", "anyscale://")):
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -158,11 +222,39 @@ def _check_reachable(address: str | None) -> None:
         raise TgError(f"--ray-address '{address}' must be 'auto', HOST:PORT of a Ray head "
                       "node, or ray://HOST:PORT of its client server.")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        conn = socket.create_connection((host, int(port)), timeout=5)
     except OSError as err:
         raise TgError(f"--ray-address {address}: nothing answers there ({err}). Start the "
                       "cluster with `ray start --head` and pass the address it prints, or "
                       "--ray-address auto on one of its nodes.") from None
+    # A port that accepts is not yet a Ray node: ray.init waits for minutes on one that never
+    # answers. A Ray head (its GCS) and Ray's client server speak gRPC, so sent HTTP/2's client
+    # preface they answer at once with a SETTINGS frame.
+    reply = b""
+    try:
+        with conn:
+            conn.settimeout(ANSWER_S)
+            conn.sendall(_HTTP2_PREFACE)
+            while len(reply) < 9:
+                chunk = conn.recv(9 - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+    except TimeoutError:
+        raise TgError(f"--ray-address {address}: something accepts connections there but does "
+                      f"not answer within {ANSWER_S:g} s; it is not a Ray node that is up. Check "
+                      "the address `ray start --head` printed.") from None
+    except OSError as err:
+        raise TgError(f"--ray-address {address}: the connection failed ({err}).") from None
+    if len(reply) < 9 or reply[3] != 0x04:
+        raise TgError(f"--ray-address {address}: what answers there is not a Ray node (it does "
+                      "not speak gRPC). Check the address `ray start --head` printed.")
+
+
+#: Seconds a Ray address may take to answer (a gRPC server answers in milliseconds).
+ANSWER_S = 10.0
+# HTTP/2's client connection preface, then an empty SETTINGS frame (RFC 9113, 3.4 and 6.5).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def require_ray() -> Any:
@@ -178,6 +270,6 @@ def _run(job: Any) -> Any:
     return job.run()
 
 
-def _say_interrupted(done: int, total: int) -> None:
-    print(f"tg: interrupted with {done} of {total} jobs finished; the rest were cancelled.",
+def _say_interrupted(done: int, total: int, how: str = "interrupted") -> None:
+    print(f"tg: {how} with {done} of {total} jobs finished; the rest were cancelled.",
           file=sys.stderr)

@@ -190,3 +190,119 @@ def test_a_request_file_longer_than_the_limit_is_refused(tmp_path, capsys, monke
     assert main(["batch", str(tmp_path / "s.yaml")]) == 2
     assert "holds more than 3 requests" in capsys.readouterr().err
 
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("argv", [
+    ["search", "scenarios/t4.yaml", "--verify"],
+    ["search", "scenarios/t4.yaml", "--brute-force"],
+    ["fit", "scenarios/measurements/moe-lightning-multi-gpu.yaml", "--out", "OUT/fit"],
+], ids=["search --verify", "search --brute-force", "fit"])
+def test_sigterm_leaves_no_worker_process(tmp_path, argv):
+    """SIGTERM used to end tg alone: its pool's workers ran on, orphaned (and one that started
+    as the signal came could keep tg itself waiting for it at exit)."""
+    import signal
+
+    from tests.helpers import children, wait_for
+
+    proc = subprocess.Popen([sys.executable, "-m", "taskgraph.cli",
+                             *[a.replace("OUT", str(tmp_path)) for a in argv]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or len(children(proc.pid)) >= 2,
+                 what="the pool's worker processes")
+        workers = children(proc.pid)
+        assert proc.poll() is None, "tg ended before the test could signal it"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
+        assert "terminated" in err
+        wait_for(lambda: not any(_alive(w) for w in workers), timeout_s=30,
+                 what="the workers' end")
+        assert not (tmp_path / "fit").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_interrupted_calibration_writes_no_profile(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the executor measured its tasks was caught by the executor (which keeps a
+    run's partial times for its trace), and calibrate fitted a profile to the partial run,
+    wrote it and exited 0. Here the executor's wait is interrupted as Ctrl-C would."""
+    pytest.importorskip("torch")
+    from taskgraph.cli import main
+    from taskgraph.exec import dispatch
+
+    wait = dispatch._wait
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_wait", interrupted_once)
+    out = tmp_path / "p.yaml"
+    assert main(["calibrate", "scenarios/tiny.yaml", "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert calls and list(tmp_path.iterdir()) == []
+
+
+def _loopback_server(answer: bytes | None):
+    """A server on 127.0.0.1 that accepts every connection and then says `answer` (None:
+    nothing, ever). Returns its port and a function that stops it."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def stop():
+        server.close()
+        for conn in held:
+            conn.close()
+
+    return server.getsockname()[1], stop
+
+
+@pytest.mark.parametrize("answer, words", [
+    (None, "accepts connections there but does not answer within 10 s"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n", "is not a Ray node (it does not speak gRPC)"),
+])
+def test_a_ray_address_that_never_answers_is_a_clear_error(answer, words):
+    """ray.init waited on a port that accepted and stayed silent for more than 90 s."""
+    import time
+
+    pytest.importorskip("ray")
+    port, stop = _loopback_server(answer)
+    try:
+        t0 = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "taskgraph.cli", "search", TINY, "--verify",
+                              "--backend", "ray", "--ray-address", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=90)
+        assert run.returncode == 2 and words in run.stderr, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr and time.perf_counter() - t0 < 30
+    finally:
+        stop()
