@@ -145,6 +145,11 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     # Ctrl-C reaches the parent only, which passes it on to each rank once (`_wind_down`): a
     # rank hit twice could die before saving what it measured.
     os.setpgrp()
+    # Started with Ctrl-C blocked (see `execute_processes`): one that reached this rank while
+    # it started is dropped (the parent passes it on), then it listens.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # A rank whose parent is gone has no one to report to. torch's spawn asks for SIGINT then,
     # which a rank started deaf to it (see `execute_processes`) never heard, and which a rank
@@ -270,36 +275,49 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
         t0 = time.perf_counter()
-        # The ranks start deaf to Ctrl-C (a start-up interrupted in an import leaves a
-        # traceback); each listens once it is running (`_worker`).
+        # The ranks start deaf to Ctrl-C: they inherit this thread's signal mask, SIGINT
+        # blocked (a start-up interrupted in an import leaves a traceback); each listens once
+        # it is running (`_worker`). The parent notes a Ctrl-C that comes meanwhile and acts on
+        # it where it can wind the ranks down: ignored, it was lost (delivered to another of
+        # the parent's threads), and the run went on to its end.
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens, rendezvous,
-                                            tmp, delay_s, seed, device, os.getpid()),
-                             nprocs=plan.gpus,
-                             join=False)
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
-        interrupted = False
+        held = main and hasattr(signal, "pthread_sigmask")
+        came: list[int] = []
+        interrupted, ranks = False, None
         # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
         # parent with its usual status, its temporary folder removed on the way out.
-        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+        previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
         try:
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
+            previous = signal.signal(signal.SIGINT, lambda sig, _: came.append(sig)) if main \
+                else None
+            try:
+                ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens,
+                                                rendezvous, tmp, delay_s, seed, device,
+                                                os.getpid()),
+                                 nprocs=plan.gpus, join=False)
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+                if held:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if came:
+                raise KeyboardInterrupt
             while not ranks.join():
                 pass
         except ProcessException:
             raise TgError(_first_failure(Path(tmp), plan.gpus)) from None
         except KeyboardInterrupt:
             interrupted = True
-            _wind_down(ranks.processes, Path(tmp))
+            if ranks is not None:
+                _wind_down(ranks.processes, Path(tmp))
         except _Terminated:
-            _wind_down(ranks.processes, Path(tmp), grace_s=0.0)
+            if ranks is not None:
+                _wind_down(ranks.processes, Path(tmp), grace_s=0.0)
             raise SystemExit(128 + signal.SIGTERM) from None
         finally:
             if main:
-                signal.signal(signal.SIGTERM, previous)
+                signal.signal(signal.SIGTERM, previous_term)
         wall = time.perf_counter() - t0
         results = [_load(Path(tmp) / f"rank{r}.npz", program.total) for r in range(plan.gpus)]
     # A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host
