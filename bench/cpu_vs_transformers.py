@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from taskgraph.execution import execute_scenario
+from taskgraph.exec.execute import execute_scenario
 from taskgraph.scenario import load_scenario
-from taskgraph.schedules import SCHEDULES
+from taskgraph.dag.schedules import SCHEDULES
 
 
 def main() -> None:

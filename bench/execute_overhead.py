@@ -15,8 +15,8 @@ import argparse
 import numpy as np
 import torch
 
-from taskgraph.builder import make_plan
-from taskgraph.compiled import compile_plan
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.compiled import compile_plan
 from taskgraph.exec.dispatch import execute
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.reference import synthetic_prompts

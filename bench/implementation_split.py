@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from taskgraph import presets
-from taskgraph.calibration.fit import simulated_tok_s
-from taskgraph.calibration.measurements import load_measurements
+from taskgraph.study.fit import simulated_tok_s
+from taskgraph.study.measurements import load_measurements
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ million tasks.
 
     python bench/long_run.py [--steps 10000 100000 1000000] [--check]
 
-Runs of more than `taskgraph.simulation.HOLD_TASKS` tasks are decided block by block and keep
+Runs of more than `taskgraph.sim.simulate.HOLD_TASKS` tasks are decided block by block and keep
 only their figures and the first steps' task times (issue 26's target: 10^6 steps within 1 GB,
 its time linear in steps; before, memory grew ~20 KB a step: 1.0 GB at 50,000 steps, 13 GB and
 still running at 10^6). With --check it exits 1 unless the longest run peaks at <= 1 GB and its
@@ -22,7 +22,7 @@ _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from taskgraph.scenario import load_scenario
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 s = simulate_scenario(load_scenario("scenarios/tiny.yaml",
                                     [f"workload.gen_len={sys.argv[1]}"])).summary
 print(json.dumps({"wall_s": time.perf_counter() - t0,

@@ -16,13 +16,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from taskgraph.builder import make_plan
-from taskgraph.calibration.measurements import load_measurements
+from taskgraph.dag.builder import make_plan
+from taskgraph.study.measurements import load_measurements
 from taskgraph.errors import TgError
-from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.scenario import for_schedule, scenario_from_dict
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.scenario import scenario_from_dict
 from taskgraph.study.search import search
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 
 CELLS = "scenarios/measurements/moe-lightning-multi-gpu.yaml"
 GEN = 128

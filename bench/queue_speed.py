@@ -28,7 +28,7 @@ t0 = time.perf_counter()
 from taskgraph.scenario import load_scenario
 sc = load_scenario("scenarios/t4.yaml", sys.argv[1:])
 if sc.requests is None:
-    from taskgraph.simulation import simulate_scenario
+    from taskgraph.sim.simulate import simulate_scenario
     s = simulate_scenario(sc).summary
 else:
     from taskgraph.serving.queue import simulate_queue

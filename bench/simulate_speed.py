@@ -28,9 +28,9 @@ import time
 
 import simpy
 
-from taskgraph.builder import make_plan
-from taskgraph.compiled import compile_plan
-from taskgraph.cost import CostModel
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.compiled import compile_plan
+from taskgraph.perf.cost import CostModel
 from taskgraph.scenario import load_scenario
 from taskgraph.sim.engine import simulate
 
@@ -38,7 +38,7 @@ _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from taskgraph.scenario import load_scenario
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 sim = simulate_scenario(load_scenario(sys.argv[1]))
 wall = time.perf_counter() - t0
 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -50,7 +50,7 @@ _TRACE_CHILD = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
 from taskgraph.scenario import load_scenario
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.tracing.writer import Window, write_trace
 sim = simulate_scenario(load_scenario(sys.argv[1]))
 with tempfile.TemporaryDirectory() as tmp:

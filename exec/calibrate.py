@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from taskgraph.cost import CostModel
+from taskgraph.perf.cost import CostModel
 from taskgraph.errors import TgError
 from taskgraph.exec.microbench import base_profile, measure
-from taskgraph.report import Shown, calibrate_table
-from taskgraph.schedules import RESOURCES
+from taskgraph.output.report import Shown, calibrate_table
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.specs import HardwareSpec, Scenario
 
 
@@ -84,11 +84,11 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     out. The hand-off is the median delay between a task's end and the start of a task on
     another stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
     price the kinds whose sizes do not vary."""
-    from taskgraph.compiled import KIND_NAMES
-    from taskgraph.execution import execute_scenario
+    from taskgraph.dag.compiled import KIND_NAMES
+    from taskgraph.exec.execute import execute_scenario
     from taskgraph.sim.interference import busy_fractions
     from taskgraph.scenario import for_schedule
-    from taskgraph.schedules import SCHEDULES
+    from taskgraph.dag.schedules import SCHEDULES
 
     base_cost = CostModel(HardwareSpec.model_validate(base))
     samples: dict[str, _Samples] = {}

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.profiler
 
-from taskgraph.builder import TaskKey
-from taskgraph.compiled import Program
+from taskgraph.dag.builder import TaskKey
+from taskgraph.dag.compiled import Program
 from taskgraph.exec.profiling import ORIGIN
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kinds import KIND_NAMES

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from taskgraph.builder import Plan
-from taskgraph.compiled import compile_plan
+from taskgraph.dag.builder import Plan
+from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime

@@ -7,7 +7,7 @@ weights and the KV cache of all sequences; the device holds the resident part of
 between host weights and the device (CGOPipe). Every buffer is allocated once, up front; the task
 graph's buffer-reuse edges are what keep tasks from clobbering each other.
 
-Page boundaries are the cost model's byte ranges (:class:`taskgraph.work.WeightLayout`) mapped to
+Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
 elements: an element belongs to the page holding its first byte, so a task never reads a page the
 graph did not make it wait for (checked at start-up).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from taskgraph.builder import Plan
+from taskgraph.dag.builder import Plan
 from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, experts,
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgraph.builder import Plan
+from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
 from taskgraph.exec.runtime import Runtime, _page_elements
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route

@@ -2,7 +2,7 @@
 Mixtral safetensors checkpoint.
 
 Each layer's matrices live in one flat vector, in the order the cost model pages them
-(:class:`taskgraph.work.WeightLayout`): q, k, v | o | router | experts (w1, w3, w2 per expert).
+(:class:`taskgraph.dag.work.WeightLayout`): q, k, v | o | router | experts (w1, w3, w2 per expert).
 The first ``r_w`` of a layer stays on the GPU and the rest streams in pages, so any byte range of
 this vector is a page. Norms, embedding and LM head are small and always resident.
 """

@@ -3,7 +3,7 @@
 The GPUs of one host share its memory bandwidth (every link's DMA, every copy into pinned memory,
 CPU attention) and, behind a switch or the CPU's lanes, the PCIe bandwidth upstream of their
 links (``hardware.shared``). Each is a *pool*: a capacity in bytes per second, and per task the
-bytes it draws from it (:meth:`taskgraph.cost.CostModel.pool_bytes`). A task alone would draw at
+bytes it draws from it (:meth:`taskgraph.perf.cost.CostModel.pool_bytes`). A task alone would draw at
 ``bytes / duration``; when the tasks running at once would draw more than the capacity, each runs
 at ``capacity / total`` of its own speed (a proportional share, as memory controllers and PCIe
 arbiters divide bandwidth among busy requesters). A task therefore takes longer the more it

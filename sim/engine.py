@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Union
 import numpy as np
 import simpy
 
-from taskgraph.compiled import Program
-from taskgraph.cost import CostModel
+from taskgraph.dag.compiled import Program
+from taskgraph.perf.cost import CostModel
 from taskgraph.errors import ScheduleError
 
 

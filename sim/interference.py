@@ -24,10 +24,10 @@ from typing import Callable
 
 import numpy as np
 
-from taskgraph.builder import lookahead_steps
-from taskgraph.compiled import Program
-from taskgraph.cost import CostModel
-from taskgraph.schedules import RESOURCES
+from taskgraph.dag.builder import lookahead_steps
+from taskgraph.dag.compiled import Program
+from taskgraph.perf.cost import CostModel
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.sim.contention import pool_speed
 from taskgraph.sim.engine import Recorder, SimRun, simulate
 

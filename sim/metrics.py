@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from taskgraph.compiled import Program
-from taskgraph.cost import POOLS, CostModel, hrm_bound
+from taskgraph.dag.compiled import Program
+from taskgraph.perf.cost import POOLS, CostModel, hrm_bound
 from taskgraph.kinds import KIND_NAMES
-from taskgraph.limits import hardware_limit_tok_s
-from taskgraph.memory import MemoryReport
-from taskgraph.schedules import RESOURCES
+from taskgraph.perf.limits import hardware_limit_tok_s
+from taskgraph.perf.memory import MemoryReport
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.sim.engine import Recorder, SimRun
 
 

@@ -82,10 +82,10 @@ def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
     """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
     whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`; `keep_runs`
     keeps each batch's task times for traces). Returns a
-    :class:`~taskgraph.simulation.Simulation` otherwise; a run of millions of tasks keeps the
+    :class:`~taskgraph.sim.simulate.Simulation` otherwise; a run of millions of tasks keeps the
     task times of prefill and `keep_steps` decode steps (None: all) for its trace and chart."""
     from taskgraph.serving.queue import simulate_queue
-    from taskgraph.simulation import simulate_scenario
+    from taskgraph.sim.simulate import simulate_scenario
 
     s, _ = load(scenario, overrides, schedule)
     if s.requests is not None:
@@ -132,10 +132,10 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     sequential reference. `weights`: a Mixtral safetensors folder (default: synthetic, seeded);
     `prompts`: a JSON-lines file of requests, whose tokens go to `out` when given. A scenario
     with a request list runs in the simulator's batches
-    (:class:`~taskgraph.execution.QueueExecution`); otherwise returns an
-    :class:`~taskgraph.execution.Execution`. A task that raised stops the run:
+    (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
+    :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
     ``result.failure`` holds its exception."""
-    from taskgraph.execution import execute_queue, execute_scenario
+    from taskgraph.exec.execute import execute_queue, execute_scenario
 
     if steps is not None and steps < 1:
         raise TgError(f"--steps must be at least 1, not {steps}.")
@@ -166,11 +166,11 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
     """`tg fit`: fit machine and implementation profiles to measured throughputs, with each
     cell's leave-one-out error unless `loo` is False; `out` (a folder) receives the fitted
     profiles, report.json, cells.csv and parity.png. Returns a
-    :class:`~taskgraph.calibration.fit.FitReport`."""
+    :class:`~taskgraph.study.fit.FitReport`."""
     import datetime
 
-    from taskgraph.calibration.fit import run_fit, write_fit
-    from taskgraph.calibration.measurements import load_measurements
+    from taskgraph.study.fit import run_fit, write_fit
+    from taskgraph.study.measurements import load_measurements
 
     jobs = _backend(backend, ray_address)
     source, cells = load_measurements(measurements)
@@ -212,7 +212,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str], *, overrides: Ove
     """`tg validate`: execute and simulate each schedule at each micro-batch size in `mu`
     (default: the scenario's and half of it). Returns a
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``)."""
-    from taskgraph.execution import pick_device
+    from taskgraph.exec.execute import pick_device
     from taskgraph.study.validate import validate_scenario
 
     dev = pick_device(device)
@@ -227,7 +227,7 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     """`tg calibrate`: measure this machine and write a hardware profile to `out` (YAML) that
     any scenario can use. Returns a :class:`~taskgraph.exec.calibrate.Calibration`."""
     from taskgraph.exec.calibrate import calibrate_to
-    from taskgraph.execution import pick_device
+    from taskgraph.exec.execute import pick_device
 
     from taskgraph.files import refuse_input
 
@@ -241,7 +241,7 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
              ) -> dict[str, Any]:
     """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG); returns its turning
     points, the intensity of each task kind, and where each belongs."""
-    from taskgraph.plots import roofline as draw, roofline_points
+    from taskgraph.output.plots import roofline as draw, roofline_points
 
     s, _ = load(scenario, overrides)
     draw(s, out)
@@ -252,9 +252,9 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
           out: str | Path | None = None, overrides: Overrides = None):
     """`tg graph`: one segment's task graph (0: prefill, d >= 1: decode step d; default a
     middle decode step), written to `out` (.json or .dot) when given. Returns a
-    :class:`~taskgraph.export.SegmentGraph` (its networkx DiGraph is ``.graph``)."""
-    from taskgraph.builder import build_segment, make_plan
-    from taskgraph.export import SegmentGraph, write_graph
+    :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is ``.graph``)."""
+    from taskgraph.dag.builder import build_segment, make_plan
+    from taskgraph.output.export import SegmentGraph, write_graph
 
     plan = make_plan(load(scenario, overrides, schedule)[0])
     step = step if step is not None else min(2, plan.G)
@@ -270,7 +270,7 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
 def _backend(kind: str, address: str | None):
     """The backend asked for; Ray's absence, or an address where no Ray node answers, is found
     before any work."""
-    from taskgraph.jobs import Backend, check_reachable, require_ray
+    from taskgraph.study.jobs import Backend, check_reachable, require_ray
 
     backend = Backend(kind, address)
     if backend.kind == "ray":

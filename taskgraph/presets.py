@@ -23,7 +23,7 @@ MODELS: dict[str, dict[str, Any]] = {
                  dtype_bytes=4),
 }
 
-# Provenance of the figures fitted by `tg fit` (taskgraph.calibration.fit) to the MoE-Lightning paper's
+# Provenance of the figures fitted by `tg fit` (taskgraph.study.fit) to the MoE-Lightning paper's
 # Table 4: 12 end-to-end throughputs, Mixtral 8x7B on its T4 and L4 machines
 # (shared/measurements/moe-lightning-table4.yaml). Refit with
 # `tg fit ../shared/measurements/moe-lightning-table4.yaml --out fit/`.

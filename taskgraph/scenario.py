@@ -70,7 +70,7 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     impl = raw.get("implementation")
     if isinstance(impl, dict) and not {"preset", "file", "name"} & impl.keys():
         # `--set implementation.kinds...` alone: start from the schedule's own software
-        from taskgraph.schedules import SCHEDULES
+        from taskgraph.dag.schedules import SCHEDULES
 
         own = SCHEDULES.get(str(raw.get("schedule", "S1")))
         raw["implementation"] = {"preset": own.implementation if own else "ideal", **impl}
@@ -96,7 +96,7 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
     (``Schedule.placement``: where attention, the KV cache and the FFN live) set, and a note
     saying what that changed. A field the user gave explicitly with another value is an error
     naming both: a ``--set`` binds every schedule, a value in the file only the file's own."""
-    from taskgraph.schedules import PLACEMENT_MEANS, SCHEDULES
+    from taskgraph.dag.schedules import PLACEMENT_MEANS, SCHEDULES
 
     s = SCHEDULES[schedule]
     policy, changes = scenario.policy, {}
@@ -398,7 +398,7 @@ def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict
 
 
 def _check_schedule_names(scenario: Scenario, source: str) -> None:
-    from taskgraph.schedules import SCHEDULES
+    from taskgraph.dag.schedules import SCHEDULES
 
     names = [("schedule", scenario.schedule)]
     if scenario.expect is not None:

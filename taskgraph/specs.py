@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from taskgraph.schedules import RESOURCES
+from taskgraph.dag.schedules import RESOURCES
 
 # No NaN or infinity anywhere: every figure must be a number a run can use.
 _STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

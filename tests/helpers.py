@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from taskgraph.compiled import Program
+from taskgraph.dag.compiled import Program
 from taskgraph.scenario import scenario_from_dict
 from taskgraph.specs import Scenario
 

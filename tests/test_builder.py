@@ -7,9 +7,9 @@ import dataclasses
 import networkx as nx
 import pytest
 
-from taskgraph.builder import TaskKey, build_segment, launch_sequence, make_plan
+from taskgraph.dag.builder import TaskKey, build_segment, launch_sequence, make_plan
 from taskgraph.errors import ScheduleError
-from taskgraph.schedules import S1, S2, S3, S4, SCHEDULES, Op
+from taskgraph.dag.schedules import S1, S2, S3, S4, SCHEDULES, Op
 from tests.helpers import tiny
 
 

@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from taskgraph import builder  # noqa: E402
-from taskgraph.builder import make_plan  # noqa: E402
-from taskgraph.compiled import compile_plan  # noqa: E402
+from taskgraph.dag import builder  # noqa: E402
+from taskgraph.dag.builder import make_plan  # noqa: E402
+from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.exec.dispatch import execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # noqa: E402

@@ -13,8 +13,8 @@ import yaml
 from taskgraph import presets
 from taskgraph.cli import main
 from taskgraph.errors import TgError
-from taskgraph.calibration.fit import free_parameters, profiles, run_fit, simulated_tok_s
-from taskgraph.calibration.measurements import Cell, load_measurements
+from taskgraph.study.fit import free_parameters, profiles, run_fit, simulated_tok_s
+from taskgraph.study.measurements import Cell, load_measurements
 
 TABLE4 = "scenarios/measurements/moe-lightning-table4.yaml"
 
@@ -117,8 +117,8 @@ def test_every_published_cell_simulates_with_its_stated_policy(capsys):
 
 
 def test_the_search_keeps_the_planning_headroom():
-    from taskgraph.memory import check_fits, memory_footprint
-    from taskgraph.builder import make_plan
+    from taskgraph.perf.memory import check_fits, memory_footprint
+    from taskgraph.dag.builder import make_plan
     from taskgraph.scenario import scenario_from_dict
 
     _, cells = load_measurements(TABLE4)
@@ -172,7 +172,7 @@ def test_the_multi_gpu_presets_predict_the_papers_2xt4_and_4xt4_cells():
     within 15%; their 2 -> 4 GPU gains within 10% of the measured (2.77x and 2.10x, where this
     morning's model said 2.2x and 2.0x at 32 tokens: 1.61x measured), and MoE-Lightning(p) far
     above DeepSpeed on both."""
-    from taskgraph.calibration.fit import simulated_tok_s
+    from taskgraph.study.fit import simulated_tok_s
 
     _, cells = load_measurements(MULTI)
     sims = {}

@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskgraph.compiled import compile_plan
-from taskgraph.builder import make_plan
-from taskgraph.cost import CostModel
+from taskgraph.dag.compiled import compile_plan
+from taskgraph.dag.builder import make_plan
+from taskgraph.perf.cost import CostModel
 from taskgraph.errors import TgError
-from taskgraph.schedules import RESOURCES
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.sim.engine import simulate
 from taskgraph.sim.interference import (busy_fractions, covered_fraction,
                                         simulate_with_interference)
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from tests.helpers import tiny
 
 intervals = st.lists(st.tuples(st.floats(0, 100), st.floats(0, 20)), min_size=1, max_size=30)

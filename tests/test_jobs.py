@@ -14,7 +14,7 @@ import pytest
 
 from taskgraph.cli import main
 from taskgraph.errors import TgError
-from taskgraph.jobs import Backend, run_jobs
+from taskgraph.study.jobs import Backend, run_jobs
 
 TINY = "scenarios/tiny.yaml"
 
@@ -146,8 +146,8 @@ def test_ray_search_verify_and_brute_force_equal_the_pool(local_ray, capsys):
 
 
 def test_ray_fit_equals_the_pool(local_ray, tmp_path):
-    from taskgraph.calibration.fit import run_fit
-    from taskgraph.calibration.measurements import load_measurements
+    from taskgraph.study.fit import run_fit
+    from taskgraph.study.measurements import load_measurements
 
     path = tmp_path / "m.yaml"
     path.write_text(json.dumps({"source": "synthetic", "cells": [

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import taskgraph
-import taskgraph.simulation as simulation
+import taskgraph.sim.simulate as simulation
 from taskgraph.sim import engine
-from taskgraph.builder import make_plan
-from taskgraph.compiled import Program, Template, compile_plan
-from taskgraph.cost import cost_model
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.compiled import Program, Template, compile_plan
+from taskgraph.perf.cost import cost_model
 from taskgraph.errors import ScheduleError, TgError
 from taskgraph.scenario import load_scenario
 TINY = "scenarios/tiny.yaml"

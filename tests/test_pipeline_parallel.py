@@ -20,12 +20,12 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from taskgraph.builder import build_segment, launch_sequence, make_plan
+from taskgraph.dag.builder import build_segment, launch_sequence, make_plan
 from taskgraph.cli import main
-from taskgraph.compiled import compile_plan
+from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import SENDS, SHARDED
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from tests.helpers import tiny, unrolled_edges
 
 
@@ -186,7 +186,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.parametrize("gpus,N,r_w,r_c", [(2, 8, 0.0, 0.0), (2, 4, 0.4, 0.5), (4, 8, 0.0, 0.0)])
 def test_the_executor_runs_the_stages_and_computes_the_reference(gpus, N, r_w, r_c):
-    from taskgraph.compiled import compile_plan
+    from taskgraph.dag.compiled import compile_plan
     from taskgraph.exec.dispatch import execute
     from taskgraph.exec.runtime import Runtime
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskgraph.builder import launch_sequence
-from taskgraph.cost import cost_model
+from taskgraph.dag.builder import launch_sequence
+from taskgraph.perf.cost import cost_model
 from taskgraph.kinds import KIND_NAMES
 from taskgraph.scenario import scenario_from_dict
-from taskgraph.schedules import RESOURCES
-from taskgraph.simulation import simulate_scenario
+from taskgraph.dag.schedules import RESOURCES
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.tracing.writer import Window, write_trace
 from tests.helpers import unrolled_edges
 

@@ -16,7 +16,7 @@ from taskgraph.errors import TgError
 from taskgraph.serving.requests import (Request, algorithm2, generate_requests, pack, read_requests,
                                 refill, summary)
 from taskgraph.scenario import load_scenario
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 
 requests_st = st.lists(st.tuples(st.integers(1, 400), st.integers(1, 64)), min_size=1,
                        max_size=120).map(
@@ -420,7 +420,7 @@ def test_search_verify_simulates_the_request_list(tmp_path, capsys):
 def test_the_hardware_limit_follows_the_request_distribution(tmp_path):
     """Equal lengths: the mean-length limit exactly. A spread at the same means: each request
     counts with its own lengths, and long generations hold their KV for longer per token."""
-    from taskgraph.limits import hardware_limit_tok_s
+    from taskgraph.perf.limits import hardware_limit_tok_s
 
     def slow_link(sc):          # so that the KV capacity, not the GPU, bounds the tiny model
         link = sc.hardware.link.model_copy(update={"h2d_gbps": 0.001})

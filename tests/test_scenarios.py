@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from taskgraph import presets
-from taskgraph.builder import make_plan
+from taskgraph.dag.builder import make_plan
 from taskgraph.cli import main
-from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.simulation import simulate_scenario
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.scenario import load_scenario
 from tests.helpers import TINY
 

@@ -8,17 +8,17 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from taskgraph.builder import make_plan
+from taskgraph.dag.builder import make_plan
 from taskgraph.cli import main
 from taskgraph.errors import TgError
-from taskgraph.jobs import Backend
-from taskgraph.limits import hardware_limit_tok_s
-from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.predict import predict
+from taskgraph.study.jobs import Backend
+from taskgraph.perf.limits import hardware_limit_tok_s
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.perf.predict import predict
 from taskgraph.scenario import for_schedule, load_scenario
-from taskgraph.schedules import SCHEDULES
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.study.search import Grid, evaluate, resolve_auto_policy, search, verify
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from tests.helpers import assert_drawn, tiny
 
 SMALL = Grid(mu=(1, 2, 4), r_w=(0.0, 0.5, 1.0), r_c=(0.0, 1.0), max_micro_batches=6)
@@ -200,7 +200,7 @@ def test_sweep_jobs_are_plain_serialisable_data():
 
 
 def test_roofline_plot(tmp_path, capsys):
-    from taskgraph.plots import roofline_points
+    from taskgraph.output.plots import roofline_points
 
     out = tmp_path / "roof.png"
     assert main(["roofline", "scenarios/t4.yaml", "--out", str(out)]) == 0
@@ -237,7 +237,7 @@ def test_the_roofline_and_the_search_agree_on_where_the_experts_run():
     """The T4 as it is: attention on the CPU, experts on the GPU, and the search's best keeps
     them there. A slow link and a strong host put P1 above the FFN's intensity: the roofline
     sends the experts to the CPU, and the search, pricing whole schedules, picks S5."""
-    from taskgraph.plots import roofline_points
+    from taskgraph.output.plots import roofline_points
 
     t4 = load_scenario("scenarios/t4.yaml")
     assert roofline_points(t4)["verdicts"] == {"attention": "CPU", "MoE FFN": "GPU"}

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskgraph.builder import launch_sequence, make_plan
-from taskgraph.compiled import compile_plan
-from taskgraph.cost import POOLS, CostModel, cost_model
-from taskgraph.predict import ROWS, predict
-from taskgraph.schedules import RESOURCES, SCHEDULES
+from taskgraph.dag.builder import launch_sequence, make_plan
+from taskgraph.dag.compiled import compile_plan
+from taskgraph.perf.cost import POOLS, CostModel, cost_model
+from taskgraph.perf.predict import ROWS, predict
+from taskgraph.dag.schedules import RESOURCES, SCHEDULES
 from taskgraph.scenario import load_scenario
 from taskgraph.sim.contention import pool_speed
 from taskgraph.sim.interference import _fixed_point, simulate_with_interference
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.tracing.check import check_trace, load_trace
 from taskgraph.tracing.writer import write_trace
 from tests.helpers import tiny

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from taskgraph.builder import make_plan  # noqa: E402
-from taskgraph.compiled import compile_plan  # noqa: E402
+from taskgraph.dag.builder import make_plan  # noqa: E402
+from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute  # noqa: E402
 from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # noqa: E402

@@ -10,12 +10,12 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from taskgraph.builder import build_segment, make_plan
+from taskgraph.dag.builder import build_segment, make_plan
 from taskgraph.kinds import COLLECTIVES, SHARDED
-from taskgraph.predict import predict
+from taskgraph.perf.predict import predict
 from taskgraph.scenario import load_scenario
-from taskgraph.schedules import SCHEDULES
-from taskgraph.simulation import simulate_scenario
+from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.sim.simulate import simulate_scenario
 from tests.helpers import tiny
 
 
@@ -222,7 +222,7 @@ def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
         schedule, gpus, N, mu, r_w, r_c, model):
     import random
 
-    from taskgraph.compiled import compile_plan
+    from taskgraph.dag.compiled import compile_plan
     from taskgraph.exec.dispatch import execute
     from taskgraph.exec.tensor import TensorParallel
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts
@@ -249,7 +249,7 @@ def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
 def test_one_process_per_gpu_over_gloo_computes_the_reference(schedule, gpus, model):
     """torch.distributed (gloo, CPU): each GPU's shard a process of its own, all-reduces and
     the logits' gather as collectives, random delays."""
-    from taskgraph.compiled import compile_plan
+    from taskgraph.dag.compiled import compile_plan
     from taskgraph.exec.distributed import execute_processes
     from taskgraph.kernels.reference import reference_forward, synthetic_prompts
     from taskgraph.kernels.weights import synthetic_weights

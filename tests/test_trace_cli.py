@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from taskgraph.cli import main
-from taskgraph.compiled import compile_plan
-from taskgraph.builder import make_plan
-from taskgraph.cost import CostModel
-from taskgraph.memory import memory_footprint
+from taskgraph.dag.compiled import compile_plan
+from taskgraph.dag.builder import make_plan
+from taskgraph.perf.cost import CostModel
+from taskgraph.perf.memory import memory_footprint
 from taskgraph.sim.engine import simulate
 from taskgraph.sim.metrics import summarize
-from taskgraph.simulation import simulate_scenario
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.tracing.writer import TraceRun, Window, write_trace
 from taskgraph.tracing.check import check_trace, load_trace
 from tests.helpers import assert_drawn, tiny
@@ -153,7 +153,7 @@ def test_graph_export(tmp_path, capsys):
 
 
 def test_the_simulator_does_not_import_torch():
-    code = ("import sys, taskgraph.cli, taskgraph.simulation, taskgraph.tracing.writer; "
+    code = ("import sys, taskgraph.cli, taskgraph.sim.simulate, taskgraph.tracing.writer; "
             "from taskgraph.cli import main; main(['simulate', 'scenarios/tiny.yaml', '--json']);"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -216,7 +216,7 @@ def test_the_protobuf_trace_carries_the_json_trace_event_by_event(tmp_path):
     nest inside each other on their threads: the .pftrace, read back with the protobuf
     messages, holds what the .json holds."""
     pytest.importorskip("perfetto")
-    from taskgraph.execution import execute_scenario
+    from taskgraph.exec.execute import execute_scenario
 
     sc = tiny(workload={"gen_len": 2})
     runs = [simulate_scenario(tiny(schedule=s, workload={"gen_len": 2})).trace_run(f"{s} sim")

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from taskgraph.builder import make_plan  # noqa: E402
-from taskgraph.compiled import compile_plan  # noqa: E402
+from taskgraph.dag.builder import make_plan  # noqa: E402
+from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.exec.dispatch import CudaDevice, execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels.reference import reference_forward  # noqa: E402

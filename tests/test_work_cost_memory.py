@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from taskgraph.builder import make_plan
-from taskgraph.cost import CostModel, hrm_bound
+from taskgraph.dag.builder import make_plan
+from taskgraph.perf.cost import CostModel, hrm_bound
 from taskgraph.errors import MemoryFitError
-from taskgraph.memory import check_fits, memory_footprint
+from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import load_scenario
 from taskgraph.specs import ImplementationSpec, KindEffect
-from taskgraph.work import WeightLayout
+from taskgraph.dag.work import WeightLayout
 
 MU, S = 36, 100
 

@@ -31,20 +31,20 @@ from typing import Any, Callable
 
 import numpy as np
 
-from taskgraph.builder import make_plan
-from taskgraph.compiled import Program, compile_plan
-from taskgraph.cost import cost_model
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.compiled import Program, compile_plan
+from taskgraph.perf.cost import cost_model
 from taskgraph.kinds import KIND_NAMES
-from taskgraph.limits import hardware_limit_tok_s
+from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.files import atomic_path
-from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.report import Shown, queue_rows, simulate_table, warnings_of
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.output.report import Shown, queue_rows, simulate_table, warnings_of
 from taskgraph.serving.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
-from taskgraph.schedules import SCHEDULES
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize
-from taskgraph.simulation import check_size
+from taskgraph.sim.simulate import check_size
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path, plain_text, read_text
-from taskgraph.report import Shown, batch_table
+from taskgraph.output.report import Shown, batch_table
 from taskgraph.specs import MAX_REQUESTS
 
 #: Lengths beyond any model's context: a file that holds them is a mistake, not a workload.

@@ -1,9 +1,7 @@
-"""Studies over many runs: schedules side by side (`compare`), the policy search (`search`),
-sweeps of it across hardware or workload values (`sweep`), and executions against simulations
-(`validate`).
+"""Studies over many runs: schedules side by side (``compare``), the policy
+search (``search``), sweeps across hardware or workload values (``sweep``), executions against
+simulations (``validate``), profiles fitted to published measurements (``fit``, reading
+``measurements``), and the jobs they all run, on this machine's cores or Ray (``jobs``).
 
-These sit above the simulator (`taskgraph.simulation`, `taskgraph.serving`) and the executor,
-and below the Python API (`taskgraph.api`) and the command line; they import downward only.
-(They live here so that `taskgraph.compare`, `.search`, `.sweep` and `.validate` are the
-API's functions.)
-"""
+They sit above the simulator, the queue and the executor, and below the API and the CLI; they
+import downward only."""

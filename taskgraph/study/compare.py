@@ -12,8 +12,8 @@ from typing import Callable
 
 from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.expect import Check, evaluate
-from taskgraph.report import Shown, check_table, compare_table, warnings_of
-from taskgraph.schedules import SCHEDULES
+from taskgraph.output.report import Shown, check_table, compare_table, warnings_of
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced
 
@@ -103,7 +103,7 @@ def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool 
     are added to the comparison and must fit. A schedule named here must fit; one chosen by
     default is left out, with the reason, when it does not. `keep_runs`: keep a request list's
     task times for traces; `keep_steps`: the decode steps a long run keeps them for
-    (:func:`~taskgraph.simulation.simulate_scenario`)."""
+    (:func:`~taskgraph.sim.simulate.simulate_scenario`)."""
     # each once: the table has a row per schedule (S1,S1,... 5,000 times simulated each)
     names = list(dict.fromkeys(schedules)) if schedules is not None else list(SCHEDULES)
     if not names:
@@ -139,10 +139,10 @@ def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
     """Simulate `names` on a mean-length scenario. Every schedule's memory is checked before
     any is simulated; one that does not fit fails the comparison if it is `required`, and is
     left out, with the reason, if not. Ctrl-C ends the comparison after the schedule it hit."""
-    from taskgraph.builder import make_plan
-    from taskgraph.memory import check_fits, memory_footprint
+    from taskgraph.dag.builder import make_plan
+    from taskgraph.perf.memory import check_fits, memory_footprint
     from taskgraph.scenario import for_schedule
-    from taskgraph.simulation import simulate_scenario
+    from taskgraph.sim.simulate import simulate_scenario
 
     out, adapted = Comparison(scenario.name), {}
     for name in names:

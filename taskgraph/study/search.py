@@ -3,12 +3,12 @@ by simulation.
 
 The grid is enumerated per (schedule, mu, r_w, r_c), vectorised over the number of micro-batches
 (N = n * mu), filtered by the one memory model and ranked by the HRM prediction of end-to-end
-throughput (:mod:`taskgraph.predict`). Attention placement picks the schedule: CPU attention runs
+throughput (:mod:`taskgraph.perf.predict`). Attention placement picks the schedule: CPU attention runs
 the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4, and GPU
 attention with the routed experts on the CPU (F_g = 0) runs S5.
 
 Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`SimJob`) for
-:func:`taskgraph.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
+:func:`taskgraph.study.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
 ``--verify`` and ``--brute-force`` there or on a Ray cluster.
 """
 
@@ -22,15 +22,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from taskgraph.builder import build_segment, make_plan
-from taskgraph.cost import CostModel, cost_model
+from taskgraph.dag.builder import build_segment, make_plan
+from taskgraph.perf.cost import CostModel, cost_model
 from taskgraph.errors import ScheduleError, TgError
-from taskgraph.jobs import LOCAL, Backend, run_jobs
-from taskgraph.limits import hardware_limit_tok_s
-from taskgraph.memory import GB, memory_items
-from taskgraph.predict import ROWS, predict_micro_batches
-from taskgraph.report import Shown, brute_force_table, search_table
-from taskgraph.schedules import SCHEDULES, Schedule
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.perf.limits import hardware_limit_tok_s
+from taskgraph.perf.memory import GB, memory_items
+from taskgraph.perf.predict import ROWS, predict_micro_batches
+from taskgraph.output.report import Shown, brute_force_table, search_table
+from taskgraph.dag.schedules import SCHEDULES, Schedule
 from taskgraph.specs import PolicySpec, Scenario
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -290,7 +290,7 @@ class SimJob:
             from taskgraph.serving.queue import simulate_queue
 
             return simulate_queue(self.scenario).summary
-        from taskgraph.simulation import simulate_scenario
+        from taskgraph.sim.simulate import simulate_scenario
 
         return simulate_scenario(self.scenario).summary
 

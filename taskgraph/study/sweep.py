@@ -2,7 +2,7 @@
 
 A sweep is a list of independent :class:`SweepJob` values, each one point's varied settings and
 the scenario they make, loaded (and so checked) before anything runs. Each job's ``run()``
-returns one plain row, and :func:`taskgraph.jobs.run_jobs` runs the list on this machine's cores
+returns one plain row, and :func:`taskgraph.study.jobs.run_jobs` runs the list on this machine's cores
 or on a Ray cluster; a job carries its scenario, so no node needs the scenario's files.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.jobs import LOCAL, Backend, run_jobs
-from taskgraph.report import Shown, sweep_table
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.output.report import Shown, sweep_table
 from taskgraph.specs import Scenario
 
 # Points of one sweep (the product of every --vary's values): each loads a scenario and runs a
@@ -35,7 +35,7 @@ class SweepJob:
     scenario: Scenario
 
     def run(self) -> dict[str, Any]:
-        from taskgraph.limits import hardware_limit_tok_s
+        from taskgraph.perf.limits import hardware_limit_tok_s
         from taskgraph.study.search import search
 
         row: dict[str, Any] = {k: v for k, v in self.point}
@@ -145,7 +145,7 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
 
 
 def _plot(rows, vary, path: Path) -> Path:
-    from taskgraph.plots import _pyplot, save
+    from taskgraph.output.plots import _pyplot, save
 
     plt = _pyplot()
     x_key, x_vals = vary[0]

@@ -7,7 +7,7 @@ hardware profile, normally one `tg calibrate` wrote for this machine. The execut
 every pair once per round, so that a machine whose speed drifts during validation shifts every
 pair alike rather than whichever ran last. The spread of a pair's repeats says which differences
 between schedules the measurement resolves at all. Executions measure this machine, so they run
-here; the simulations are jobs for any backend (:mod:`taskgraph.jobs`).
+here; the simulations are jobs for any backend (:mod:`taskgraph.study.jobs`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from taskgraph.compiled import KIND_NAMES
+from taskgraph.dag.compiled import KIND_NAMES
 from taskgraph.errors import TgError
-from taskgraph.jobs import LOCAL, Backend, run_jobs
-from taskgraph.report import Shown, validate_table
-from taskgraph.schedules import SCHEDULES
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.output.report import Shown, validate_table
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
@@ -145,7 +145,7 @@ def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
         # has started its threads is unsafe.
         backend = Backend(workers=1)
     sims = run_jobs([_Simulate(sc) for sc in pairs], backend)
-    from taskgraph.execution import execute_scenario
+    from taskgraph.exec.execute import execute_scenario
 
     runs: list[list] = [[] for _ in pairs]
     for r in range(repeats):
@@ -161,7 +161,7 @@ class _Simulate:
     scenario: Scenario
 
     def run(self):
-        from taskgraph.simulation import simulate_scenario
+        from taskgraph.sim.simulate import simulate_scenario
 
         # every task's times: each kind's durations are matched to the executed run's
         return simulate_scenario(self.scenario, self.scenario.schedule, keep_steps=None)
@@ -240,7 +240,7 @@ def _speed_shift(kind_errors: list[float]) -> float | None:
 def parity_plot(results: list[PairResult], out: str | Path) -> Path:
     """Predicted vs measured decode-layer latency, one point per pair (the bar: the fastest and
     slowest of its repeats), y = x and a ±10% band."""
-    from taskgraph.plots import _pyplot, save
+    from taskgraph.output.plots import _pyplot, save
 
     plt = _pyplot()
     meas = np.array([r.measured["decode_layer_ms"] for r in results])

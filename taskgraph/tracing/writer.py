@@ -29,7 +29,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
-from taskgraph.compiled import Program
+from taskgraph.dag.compiled import Program
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
 from taskgraph.kinds import KIND_NAMES, MOVES, PAGED, WEIGHT_SECTIONS
@@ -68,11 +68,11 @@ class TraceRun:
     # What the PyTorch profiler saw inside the run (taskgraph.exec.profiling.ProfiledOp: a
     # track, a name, a category, ns on the run's clock), drawn on tracks of their own.
     ops: list[Any] = field(default_factory=list)
-    # The host's shared pools (taskgraph.cost.POOLS) the run was priced with: a track's name ->
+    # The host's shared pools (taskgraph.perf.cost.POOLS) the run was priced with: a track's name ->
     # the bytes each task drew from the pool, in global id order.
     pools: dict[str, np.ndarray] = field(default_factory=dict)
     # A run too long to hold whole keeps the task times of prefill and this many decode steps
-    # (taskgraph.simulation.simulate_scenario's keep_steps); None: every step.
+    # (taskgraph.sim.simulate.simulate_scenario's keep_steps); None: every step.
     kept_steps: int | None = None
 
 
@@ -108,7 +108,7 @@ class Traced:
 
     def write_gantt(self, path: str | Path) -> Path:
         """Two layers of decode step 2, one row per stream, to a PNG (needs matplotlib)."""
-        from taskgraph.plots import gantt
+        from taskgraph.output.plots import gantt
 
         return gantt(self.gantt_runs(), path)
 

@@ -20,10 +20,10 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
-from taskgraph.builder import Plan, build_segment, lookahead_steps
+from taskgraph.dag.builder import Plan, build_segment, lookahead_steps
 from taskgraph.kinds import KIND_NAMES, PAGED
-from taskgraph.schedules import RESOURCES, STREAM_RESOURCE
-from taskgraph.work import Load
+from taskgraph.dag.schedules import RESOURCES, STREAM_RESOURCE
+from taskgraph.dag.work import Load
 
 
 
@@ -117,7 +117,7 @@ class Program:
 
     def pool_bytes(self, cost) -> np.ndarray:
         """(pools x tasks): the bytes each task draws from each of the host's shared pools
-        (:data:`taskgraph.cost.POOLS`), in global id order; none for a skipped task."""
+        (:data:`taskgraph.perf.cost.POOLS`), in global id order; none for a skipped task."""
         _, nbytes, idle = self.work()
         nbytes[idle] = 0.0
         return cost.pool_bytes(self.column("resource"), self.column("kind"), nbytes)

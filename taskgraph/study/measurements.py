@@ -24,7 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text
-from taskgraph.schedules import SCHEDULES
+from taskgraph.dag.schedules import SCHEDULES
 
 
 class CellPolicy(BaseModel):
@@ -122,9 +122,9 @@ class Cell(BaseModel):
     def memory_note(self) -> str | None:
         """What is over, if the policy needs more memory than the machine has under tg's memory
         model: the run happened, so a term of the model is wrong (None: it fits)."""
-        from taskgraph.builder import make_plan
+        from taskgraph.dag.builder import make_plan
         from taskgraph.errors import MemoryFitError
-        from taskgraph.memory import check_fits, memory_footprint
+        from taskgraph.perf.memory import check_fits, memory_footprint
 
         try:
             check_fits(memory_footprint(make_plan(self.scenario())), self.schedule)
@@ -161,7 +161,7 @@ def _quote(value: Any, limit: int = 60) -> str:
 
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
-    from taskgraph.builder import make_plan
+    from taskgraph.dag.builder import make_plan
     from taskgraph.scenario import _read_yaml
 
     path = Path(path)

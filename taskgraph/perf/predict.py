@@ -2,8 +2,8 @@
 
 The policy search evaluates tens of thousands of policies, too many to build a graph for each.
 The tasks of one layer are counted from the schedule's launch-order description, the data the
-builder uses, and priced with the same work (:mod:`taskgraph.work`) and cost
-(:mod:`taskgraph.cost`) models the simulator uses. A decode layer at context ``s`` is predicted to
+builder uses, and priced with the same work (:mod:`taskgraph.dag.work`) and cost
+(:mod:`taskgraph.perf.cost`) models the simulator uses. A decode layer at context ``s`` is predicted to
 take ``max`` over resources of the time its tasks need there (Eq. 12-14: perfect overlap), summed
 over every decode step's context. Prefill layers likewise. The simulator's ``hrm_layer_ms`` is
 the same bound taken over a whole simulated run.
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.cost import POOLS, CostModel, cost_model
+from taskgraph.perf.cost import POOLS, CostModel, cost_model
 from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, PAGED, TP_PARTS
-from taskgraph.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
+from taskgraph.dag.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.specs import PolicySpec, Scenario
-from taskgraph.work import TaskWork, WeightLayout
+from taskgraph.dag.work import TaskWork, WeightLayout
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from rich.console import Console, ConsoleOptions, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from taskgraph.cost import POOL_NAMES
+from taskgraph.perf.cost import POOL_NAMES
 from taskgraph.expect import Check
 
 

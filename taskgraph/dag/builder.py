@@ -45,10 +45,10 @@ import networkx as nx
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
                              TP_PARTS, WEIGHT_SECTIONS)
-from taskgraph.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
+from taskgraph.dag.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
                                  Schedule)
 from taskgraph.specs import Scenario
-from taskgraph.work import TaskWork, WeightLayout
+from taskgraph.dag.work import TaskWork, WeightLayout
 
 
 class TaskKey(NamedTuple):
@@ -259,10 +259,6 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
 # --- launch order ----------------------------------------------------------------------------
 
 _STREAM_ORDER: tuple[str, ...] = ("gpu", "cpu", "h2d", "h2d_kv", "d2h", "pin", "peer")
-
-
-def segment_count(plan: Plan) -> int:
-    return plan.G + 1
 
 
 def launch_sequence(plan: Plan, d: int) -> list[TaskKey]:
@@ -572,7 +568,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                         if later is None:
                             later = set(cur[pos:]) | set(launch_sequence(plan, d + 1))
                         _missing(plan, key, dep, dep in later)
-                    _add_edge(g, plan, dep, where, prev, key, "data")
+                    _add_edge(g, plan, dep, where, key, "data")
                 if old >= 0:
                     # The last reader on each stream: readers on different streams can finish
                     # in any order.
@@ -584,7 +580,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
                             "the one before.")
                     for where in last.values():
                         src = prev[where[1]] if where[0] < 0 else cur[where[1]]
-                        _add_edge(g, plan, src, where, prev, key, "reuse:" + ring.name)
+                        _add_edge(g, plan, src, where, key, "reuse:" + ring.name)
             launched[key] = (seg, pos)
             if slot is not None:
                 overwritten[slot] = key
@@ -611,8 +607,8 @@ def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool)
                bytes_per_ctx=work.bytes_per_ctx)
 
 
-def _add_edge(g: nx.DiGraph, plan: Plan, dep: TaskKey, where: tuple[int, int],
-              prev: list[TaskKey], key: TaskKey, why: str) -> None:
+def _add_edge(g: nx.DiGraph, plan: Plan, dep: TaskKey, where: tuple[int, int], key: TaskKey,
+              why: str) -> None:
     if dep.name not in g:
         _add_node(g, plan, dep, where[1], external=True)
     g.add_edge(dep.name, key.name, why=why)

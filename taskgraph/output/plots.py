@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from taskgraph.builder import make_plan
-from taskgraph.cost import CostModel
+from taskgraph.dag.builder import make_plan
+from taskgraph.perf.cost import CostModel
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.schedules import RESOURCES
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.specs import Scenario
 
 

@@ -2,7 +2,7 @@
 
 A schedule says which tasks to launch, in which order, on which stream. It says nothing about
 dependencies: those follow from what each task reads and writes, and the one generic builder
-(:mod:`taskgraph.builder`) derives them for every schedule alike.
+(:mod:`taskgraph.dag.builder`) derives them for every schedule alike.
 
 Launch order is given by loops of :class:`Op`. In the decode body an op is launched for every
 layer ``i`` and micro-batch ``j``; ``ahead`` and ``layer`` shift the task it launches forward

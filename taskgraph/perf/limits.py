@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from taskgraph.memory import GB
+from taskgraph.perf.memory import GB
 from taskgraph.specs import Scenario
 
 

@@ -14,13 +14,13 @@ from typing import Any, Callable
 from pydantic import ValidationError
 from rich.text import Text
 
-from taskgraph.builder import make_plan
-from taskgraph.compiled import compile_plan
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
-from taskgraph.memory import check_fits, memory_footprint
-from taskgraph.report import Shown, execute_queue_table, execute_table, warnings_of
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
-from taskgraph.simulation import Simulation
+from taskgraph.sim.simulate import Simulation
 from taskgraph.specs import ModelSpec, Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
@@ -206,7 +206,7 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
     prompts padded to the longest, as many decode steps as the longest request needs, as many
     micro-batches as the schedule needs. Returns it with each sequence slot's request (None: a
     filler sequence, whose output is dropped)."""
-    from taskgraph.schedules import SCHEDULES
+    from taskgraph.dag.schedules import SCHEDULES
 
     needed = SCHEDULES[schedule or scenario.schedule].min_micro_batches
     n = max(len(batch), needed)

@@ -9,14 +9,14 @@ belong to its implementation profile (FlexGen's kernels are the same software on
 L4; how many threads MoE-Lightning's processes run with is its own). Everything else comes from
 datasheets or from public measurements cited where they are used (taskgraph.presets).
 
-Least squares on log(predicted / measured). The HRM predictor (:mod:`taskgraph.predict`), fast
+Least squares on log(predicted / measured). The HRM predictor (:mod:`taskgraph.perf.predict`), fast
 enough to call thousands of times, drives the inner loop; each outer round simulates every cell
 and corrects the predictor by its ratio to the simulation, so the fit converges on what the
 simulator says. The reported numbers are simulations. Leave-one-out: refit without a cell, then
 simulate it.
 
 The simulations of a round, and the leave-one-out refits, are independent jobs
-(:func:`taskgraph.jobs.run_jobs`): on this machine's cores by default, or on a Ray cluster. Each
+(:func:`taskgraph.study.jobs.run_jobs`): on this machine's cores by default, or on a Ray cluster. Each
 job is deterministic, so the backend never changes the numbers.
 """
 
@@ -33,9 +33,9 @@ import numpy as np
 from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.jobs import LOCAL, Backend, run_jobs
-from taskgraph.report import Shown, fit_table
-from taskgraph.calibration.measurements import Cell
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.output.report import Shown, fit_table
+from taskgraph.study.measurements import Cell
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,8 @@ def _scenario(cell: Cell, machines, impls):
 
 
 def predicted_tok_s(cell: Cell, machines, impls) -> float:
-    from taskgraph.predict import predict
-    from taskgraph.schedules import SCHEDULES
+    from taskgraph.perf.predict import predict
+    from taskgraph.dag.schedules import SCHEDULES
 
     return float(predict(_scenario(cell, machines, impls),
                          SCHEDULES[cell.schedule]).throughput_tok_s[0])
@@ -161,7 +161,7 @@ def simulate_cell(cell: Cell, machines, impls) -> dict[str, Any]:
     """The cell simulated on the given profiles: its throughput, what binds each phase and
     what share of each the host's shared pools were in use. A policy over the machine's memory
     under tg's model is simulated all the same: it ran."""
-    from taskgraph.simulation import simulate_scenario
+    from taskgraph.sim.simulate import simulate_scenario
 
     s = simulate_scenario(_scenario(cell, machines, impls), over_memory=True).summary
     return {k: s[k] for k in ("throughput_tok_s", "prefill_s", "decode_s", "bound_by",
@@ -468,7 +468,7 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
 def parity_plot(report: FitReport, path: Path) -> Path:
     """Simulated (fitted and leave-one-out) and datasheet-only predictions against measured
     throughput, log-log, with y = x and a ±15% band."""
-    from taskgraph.plots import _pyplot, save
+    from taskgraph.output.plots import _pyplot, save
 
     plt = _pyplot()
     meas = np.array([r.cell.measured_tok_s for r in report.cells])

@@ -48,7 +48,7 @@ class MemoryReport:
 
 
 def memory_footprint(plan) -> MemoryReport:
-    """Peak GPU and CPU memory of a plan (a :class:`taskgraph.builder.Plan`)."""
+    """Peak GPU and CPU memory of a plan (a :class:`taskgraph.dag.builder.Plan`)."""
     sc, p = plan.scenario, plan.scenario.policy
     gpu, cpu = memory_items(sc, plan.schedule, p.N, p.mu, p.r_w, p.r_c, plan.layout.n_pages)
     hw = sc.hardware
