@@ -6,6 +6,7 @@ This is the library entry point behind `tg execute`. It needs PyTorch.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from rich.text import Text
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
+from taskgraph.files import atomic_path
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
@@ -32,6 +34,8 @@ class Execution(Simulation):
 
     ops: list = field(default_factory=list)
     weights: Any = None           # what ran: the reference forward can be re-run on them
+    # the router's decisions (taskgraph.dag.routing.RoutingTrace), with record_routing
+    routing: Any = None
 
     def trace_run(self, label: str = "measured") -> TraceRun:
         run = super().trace_run(label)
@@ -50,10 +54,40 @@ class Execution(Simulation):
     def write_outputs(self, path: str) -> None:
         _write_outputs(self.summary, path)
 
+    def write_routing(self, path: str | Path) -> None:
+        write_routing(self.routing, path)
+
     @property
     def failure(self) -> BaseException | None:
         """The exception a task raised, if one did (the run stopped there)."""
         return self.run.failure
+
+
+def write_routing(trace: Any, path: str | Path) -> None:
+    """A run's router decisions as a routing trace file (``tg-routing/1``, the format
+    ``workload.routing.trace`` reads: :mod:`taskgraph.dag.routing`), written whole or not at
+    all."""
+    if trace is None:
+        raise TgError("This run recorded no routing: it was executed without record_routing, "
+                      "or stopped before its end.")
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(trace.to_dict(), f, separators=(",", ":"))
+        f.write("\n")
+
+
+def _recorded_routing(ref: Any, m: ModelSpec, slots: list | None, lens: Any, P: int) -> Any:
+    """The reference forward's router decisions as a routing trace: step 0 the prefill, every
+    real prompt token of each sequence (its padding left out), sequence after sequence; then
+    each decode step, one token per sequence. Filler sequences (slots without a request) are
+    left out: their one-token prompts stand in for nothing the user asked for."""
+    from taskgraph.dag.routing import RoutingTrace
+
+    torch = _torch()
+    seqs = [i for i in range(ref.tokens.shape[0]) if slots is None or slots[i] is not None]
+    pre = ref.prefill_experts                                   # [L, N, P, k]
+    step0 = torch.cat([pre[:, i, :P if lens is None else int(lens[i])] for i in seqs], dim=1)
+    steps = [step0] + [step[:, seqs] for step in ref.decode_experts]     # each [L, tokens, k]
+    return RoutingTrace(m.E, m.k, m.L, tuple(step.numpy() for step in steps))
 
 
 def _write_outputs(summary: dict[str, Any], path: str) -> None:
@@ -266,12 +300,13 @@ class _Prompts:
 def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
                      weights_path: str | None, seed: int, progress, zero_copy: bool,
                      check: bool, profile: bool, processes: bool, warnings: list[str],
-                     shared: _Prompts) -> Execution:
+                     shared: _Prompts, record_routing: bool = False) -> Execution:
     """More prompts than the policy's N sequences: N at a time, in the file's order, each batch
     the schedule's micro-batches, so memory is one batch's whatever the file's length (one
     batch of every prompt grew its graph, and the time to build it, with the square of the
     micro-batches: 2,000 prompts took 4.2 GB). The result is the first batch's run (its trace)
-    with every request's tokens; makespan, throughput, tasks and the check cover all batches."""
+    with every request's tokens; makespan, throughput, tasks and the check cover all batches.
+    `record_routing` records the first batch's router decisions only."""
     t0 = time.perf_counter()
     requests, per = shared.requests, scenario.policy.N
     starts = range(0, len(requests), per)
@@ -281,7 +316,8 @@ def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
         shared.requests = requests[start:start + per]
         ex = execute_scenario(scenario, schedule, device, weights_path, seed,
                               zero_copy=zero_copy, check=check, profile=profile and b == 0,
-                              processes=processes, shared=shared)
+                              processes=processes, shared=shared,
+                              record_routing=record_routing and b == 0)
         s = ex.summary
         first = first or ex
         outputs += s.pop("outputs", None) or []
@@ -343,7 +379,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      prompts_path: str | None = None, zero_copy: bool = False,
                      check: bool = True, profile: bool = False,
                      batch: list[list] | None = None, processes: bool = False,
-                     shared: _Prompts | None = None) -> Execution:
+                     shared: _Prompts | None = None, record_routing: bool = False
+                     ) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
     (unless `check` is False: calibration runs only want the timings). `profile` runs it under
     the PyTorch profiler and keeps the ops it saw (:mod:`taskgraph.exec.profiling`). With
@@ -354,7 +391,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     (:class:`taskgraph.exec.runtime.Runtime`). `processes` runs each GPU of a multi-GPU plan as
     a process of its own over torch.distributed (:mod:`taskgraph.exec.distributed`). More
     prompts than the policy's N sequences run N at a time (:func:`_execute_prompts`); `shared`
-    is one such batch."""
+    is one such batch. `record_routing` keeps the router's decisions in ``result.routing``
+    (:func:`_recorded_routing`; the first batch's, if there are several; None if the run stopped
+    before its end), which needs `check`."""
     torch = _torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
     from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
@@ -363,6 +402,9 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     from taskgraph.kernels.weights import load_mixtral_safetensors
 
     t0 = time.perf_counter()
+    if record_routing and not check:
+        raise TgError("Recording the routing needs the check against the reference forward: "
+                      "the router's decisions are taken from it.")
     dev = pick_device(device)
     if zero_copy and dev != "cpu":
         raise TgError("--zero-copy makes the CPU backend a CPU inference engine (host and "
@@ -380,7 +422,8 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         if len(requests) > scenario.policy.N:
             return _execute_prompts(scenario, schedule, device, weights_path, seed, progress,
                                     zero_copy, check, profile, processes, warnings,
-                                    _Prompts(requests, tokenizer, eos_ids(weights_path)))
+                                    _Prompts(requests, tokenizer, eos_ids(weights_path)),
+                                    record_routing)
         scenario, slots = _for_requests(scenario, schedule, requests)
     elif shared is not None:
         tokenizer = shared.tokenizer
@@ -473,8 +516,17 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     summary["measured"] = True
     summary["zero_copy"] = zero_copy
     summary["max_abs_err"] = summary["tokens_match"] = None
+    routing = None
     if check and not run.interrupted:
-        ref = reference_forward(w, prompts, p.mu, plan.G, lens)   # on the host, sequentially
+        # on the host, sequentially. The router's decisions are recorded here, not in the run:
+        # the reference is one loop over every layer and token whatever the schedule, while the
+        # run routes in other places per schedule (on the GPU, in the CPU's Route task, per
+        # tensor-parallel shard, in other processes) and in threads, micro-batches interleaved;
+        # the run's tokens are compared with the reference's just below, and any difference is
+        # said in a warning.
+        ref = reference_forward(w, prompts, p.mu, plan.G, lens, record=record_routing)
+        if record_routing:
+            routing = _recorded_routing(ref, m, slots, lens, P)
         tokens, logits, _ = (ranks or runtime).outputs()
         # final logits where each micro-batch ran to its end
         full = list(range(p.N)) if last_steps is None else [
@@ -507,11 +559,14 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                 summary["outputs"].append(row)
     if slots is not None:
         summary["requests"] = sum(r is not None for r in slots)
+    if routing is not None and summary["tokens_match"] is False:
+        warnings.append("the routing recorded is the reference forward's, and the run's tokens "
+                        "differ from it.")
     summary["warnings"] = warnings
     if profile:
         summary["profiled_ops"] = len(ops)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(plan, program, memory, run, summary, ops, w)
+    return Execution(plan, program, memory, run, summary, ops, w, routing)
 
 
 @dataclass
@@ -533,6 +588,14 @@ class QueueExecution(Shown, Traced):
         _write_outputs(self.summary, path)
 
     @property
+    def routing(self) -> Any:
+        """The first batch's router decisions, if recorded."""
+        return self.batches[0].routing if self.batches else None
+
+    def write_routing(self, path: str | Path) -> None:
+        write_routing(self.routing, path)
+
+    @property
     def failure(self) -> BaseException | None:
         return next((ex.failure for ex in self.batches if ex.failure is not None), None)
 
@@ -552,13 +615,15 @@ class QueueExecution(Shown, Traced):
 
 def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | None = None,
                   seed: int = 0, progress: Callable[[int, int], None] | None = None,
-                  zero_copy: bool = False, check: bool = True) -> QueueExecution:
+                  zero_copy: bool = False, check: bool = True, record_routing: bool = False
+                  ) -> QueueExecution:
     """Execute the scenario's request list (``workload.requests`` or ``workload.lengths``) in
     the batches the simulator packs it into (:func:`taskgraph.serving.requests.pack_scenario`:
     Algorithm 2, or padded), each request a prompt of random token ids of its own length that
     generates its own ``gen_len`` tokens (the first from prefill, as ``max_new_tokens`` counts
     them). With `check`, each request's tokens are compared with the reference forward run on
-    that request alone: batching, padding and neighbours must not change what it generates."""
+    that request alone: batching, padding and neighbours must not change what it generates.
+    `record_routing` records the first batch's router decisions (``result.routing``)."""
     torch = _torch()
     from taskgraph.exec.prompts import Request as Prompt
     from taskgraph.kernels.reference import reference_forward
@@ -580,7 +645,8 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
     for b, batch in enumerate(packing.batches):
         mbs = [[prompts[r.id] for r in mb.requests] for mb in batch]
         runs.append(execute_scenario(scenario, None, device, weights_path, seed,
-                                     zero_copy=zero_copy, check=check, batch=mbs))
+                                     zero_copy=zero_copy, check=check, batch=mbs,
+                                     record_routing=record_routing and b == 0))
         if progress:
             progress(b + 1, len(packing.batches))
         if runs[-1].run.interrupted:

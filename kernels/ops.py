@@ -8,6 +8,7 @@ straddles the two is stitched together; every other one is a view, no copy.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -177,10 +178,30 @@ def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
 
 def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The router: each token's top-k experts [T, k] and their gates [T, k]. The softmax runs in
-    fp32 over all experts, then the top k are renormalised, as transformers does."""
+    fp32 over all experts, then the top k are renormalised, as transformers does. Inside
+    :func:`routes_seen`, the experts are also kept."""
     probs = (x @ W["router"].T).float().softmax(-1)
     top, idx = probs.topk(m.k, dim=-1)
+    seen = getattr(_routes, "seen", None)
+    if seen is not None:
+        seen.append(idx.detach().cpu())
     return idx, (top / top.sum(-1, keepdim=True)).to(x.dtype)
+
+
+_routes = threading.local()
+
+
+@contextmanager
+def routes_seen() -> Iterator[list[torch.Tensor]]:
+    """Keep the experts :func:`route` picks during the block on this thread: a list of each
+    call's [T, k] expert ids, in call order (`tg execute --record-routing`). Per thread, so the
+    executor's streams, which run on threads of their own, are never mixed in."""
+    before = getattr(_routes, "seen", None)
+    _routes.seen = seen = []
+    try:
+        yield seen
+    finally:
+        _routes.seen = before
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerView,

@@ -127,10 +127,15 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             overrides: Overrides = None, device: str = "auto", steps: int | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
             zero_copy: bool = False, profile: bool = False, processes: bool = False,
-            progress: Progress = None):
+            record_routing: str | Path | None = None, progress: Progress = None):
     """`tg execute`: run a schedule for real (PyTorch) and check its tokens against the
     sequential reference. `weights`: a Mixtral safetensors folder (default: synthetic, seeded);
-    `prompts`: a JSON-lines file of requests, whose tokens go to `out` when given. A scenario
+    `prompts`: a JSON-lines file of requests, whose tokens go to `out` when given.
+    `record_routing`: a JSON file to write the router's decisions to (``tg-routing/1``, what
+    ``workload.routing.trace`` replays; the first batch's when the run has several), taken
+    from the reference forward the tokens are checked against; ``result.routing`` holds them
+    (:class:`~taskgraph.dag.routing.RoutingTrace`) and ``summary["routing"]`` names the file. A
+    run that stops before its end writes none and says so in its warnings. A scenario
     with a request list runs in the simulator's batches
     (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
     :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
@@ -148,16 +153,27 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
         if processes:
             raise TgError("--processes does not combine with a request list; run one batch "
                           "(or --prompts).")
-        result = execute_queue(s, device, weights, progress=progress, zero_copy=zero_copy)
+        result = execute_queue(s, device, weights, progress=progress, zero_copy=zero_copy,
+                               record_routing=record_routing is not None)
     else:
         if out and not prompts:
             raise TgError("--out writes each request's generated tokens; give --prompts FILE "
                           "or a scenario with a request list.")
         result = execute_scenario(s, None, device, weights, progress=progress,
                                   prompts_path=prompts, zero_copy=zero_copy, profile=profile,
-                                  processes=processes)
+                                  processes=processes, record_routing=record_routing is not None)
     if out and result.summary.get("outputs") is not None:
         result.write_outputs(out)       # in the file, not repeated in the JSON
+    if record_routing is not None:
+        if result.routing is not None:
+            result.write_routing(record_routing)
+            result.summary["routing"] = str(record_routing)
+        elif result.failure is not None or result.summary.get("interrupted"):
+            result.summary["warnings"].append(
+                f"no routing written to {record_routing}: the run stopped before its end, and "
+                "the router's decisions are recorded by the reference forward that follows it.")
+        else:       # every finished run records: never an empty file
+            raise TgError(f"The run recorded no routing; {record_routing} was not written.")
     return result
 
 

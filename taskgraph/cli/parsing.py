@@ -67,6 +67,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--processes", action="store_true", help="several GPUs: each GPU its own "
                    "process, collectives and pipeline sends over torch.distributed (gloo on "
                    "the CPU backend; NCCL with --device cuda, a CUDA device per process)")
+    c.add_argument("--record-routing", metavar="FILE.json", help="write the router's top-k "
+                   "experts of every layer and token here (tg-routing/1, what "
+                   "workload.routing.trace replays): the prefill's for each request's prompt "
+                   "tokens, then one token per request each decode step (filler sequences left "
+                   "out), taken from the reference forward the tokens are checked against. A "
+                   "run of several batches (more prompts than policy.N, or a request list) "
+                   "records its first batch only")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -168,8 +175,9 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
 
 
 # Where each command writes, and what it must be: (argument, a folder?, required suffixes).
-_OUTPUTS = {"trace": (False, (".json", ".json.gz", ".pftrace")), "gantt": (False, (".png",)), "plot": (False, (".png",)),
-            "csv": (False, (".csv",))}
+_OUTPUTS = {"trace": (False, (".json", ".json.gz", ".pftrace")), "gantt": (False, (".png",)),
+            "plot": (False, (".png",)), "csv": (False, (".csv",)),
+            "record_routing": (False, (".json",))}
 _OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
         "calibrate": (False, (".yaml", ".yml")), "graph": (False, (".json", ".dot")),
         "execute": (False, ())}
@@ -186,7 +194,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     written: dict[Path, str] = {}
     for arg, (folder, suffixes) in wanted.items():
         text = getattr(args, arg)
-        flag = f"--{arg}"
+        flag = f"--{arg.replace('_', '-')}"
         if not text.strip():
             raise TgError(f"{flag} is empty; give a path.")
         path = Path(text)

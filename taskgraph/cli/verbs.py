@@ -73,7 +73,12 @@ def execute(args: argparse.Namespace) -> int:
                    "batches" if batches else "segments") as tick:
         result = api.execute(scenario, device=args.device, weights=args.weights,
                              prompts=args.prompts, out=args.out, zero_copy=args.zero_copy,
-                             profile=args.profile, processes=args.processes, progress=tick)
+                             profile=args.profile, processes=args.processes,
+                             record_routing=args.record_routing, progress=tick)
+    if result.summary.get("routing") and not args.json:
+        steps = len(result.routing.experts)
+        _console().print(Text(f"wrote {args.record_routing}: the router's experts of the "
+                              f"prefill and {steps - 1} decode steps"))
     traced = _outputs(args, result)
     if result.failure is not None:
         failure = result.failure
@@ -175,9 +180,9 @@ def _load(args: argparse.Namespace, schedule: str | None = None, extra: list[str
     """The scenario of the command line, with `schedule` chosen; `policy: auto` is replaced by
     the search's best, which is said."""
     scenario, found = api.load(args.scenario, [*args.overrides, *extra], schedule)
-    for flag in ("trace", "gantt", "csv", "out", "plot"):   # now that its files have been read
-        if getattr(args, flag, None):
-            refuse_input(getattr(args, flag), f"--{flag}")
+    for flag in ("trace", "gantt", "csv", "out", "plot", "record_routing"):   # now that its
+        if getattr(args, flag, None):                                       # files have been read
+            refuse_input(getattr(args, flag), f"--{flag.replace('_', '-')}")
     if found is not None and not getattr(args, "json", False):
         p = found.best.policy
         _console().print(f"policy: auto -> {found.best.schedule} N={p['N']} mu={p['mu']} "

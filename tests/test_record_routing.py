@@ -1,0 +1,258 @@
+"""`tg execute --record-routing FILE`: the router's decisions of a run, written in the format
+``workload.routing.trace`` replays (taskgraph.dag.routing, ``tg-routing/1``).
+
+Checked end to end through the command line: the file round-trips through the trace reader
+with the model's shapes; its experts are those Hugging Face transformers' own Mixtral picks on
+the same prompts and generated tokens (an implementation this project did not write); the
+simulator's distinct-expert count at the recorded batch is the recording's own; a random
+router records near-uniform counts; and a trace of another model's shape is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from taskgraph.cli import main  # noqa: E402
+from taskgraph.dag.routing import Routing, trace_from_dict  # noqa: E402
+from taskgraph.scenario import load_scenario, scenario_from_dict  # noqa: E402
+
+TINY = "scenarios/tiny.yaml"          # h=256, L=4, E=8, k=2; N=8 sequences of 16 tokens
+STEPS = 16                            # decode steps recorded: 64 (step, layer) samples
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """One `tg execute` of the tiny scenario on synthetic weights, its routing recorded."""
+    path = tmp_path_factory.mktemp("routing") / "tiny-routing.json"
+    assert main(["execute", TINY, "--steps", str(STEPS), "--record-routing", str(path),
+                 "--json"]) == 0
+    return path
+
+
+def yaml_of(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _distinct_per_step_and_layer(doc: dict) -> np.ndarray:
+    """From the raw JSON, with plain Python sets: distinct experts of each decode step's layer."""
+    return np.array([[len({e for token in layer for e in token}) for layer in step]
+                     for step in doc["steps"][1:]], dtype=float)
+
+
+def test_the_file_round_trips_with_the_models_shapes(recorded, capsys):
+    capsys.readouterr()
+    doc = json.loads(recorded.read_text())
+    trace = trace_from_dict(doc, "x")                # the reader the simulator uses accepts it
+    m, w = load_scenario(TINY).model, load_scenario(TINY).workload
+    assert doc["format"] == "tg-routing/1"
+    assert (trace.E, trace.k, trace.L) == (m.E, m.k, m.L) == (8, 2, 4)
+    assert len(trace.experts) == 1 + STEPS           # the prefill, then every decode step
+    N, P = 8, w.context_prompt                       # synthetic prompts: N of P tokens
+    assert trace.experts[0].shape == (m.L, N * P, m.k)
+    assert all(step.shape == (m.L, N, m.k) for step in trace.decode)
+    for step in trace.experts:                       # top-k: k different experts per token
+        assert (np.sort(step, axis=-1)[..., 1:] != np.sort(step, axis=-1)[..., :-1]).all()
+    # the routing is not one fixed choice: different tokens route differently
+    assert len({tuple(t) for t in trace.experts[0][0].tolist()}) > 4
+
+
+def test_the_output_path_is_checked_before_any_work(tmp_path, capsys):
+    scen = tmp_path / "s.yaml"
+    scen.write_text(Path(TINY).read_text())
+    for bad, said in ((tmp_path / "r.txt", "must end in .json"),
+                      (tmp_path / "d.json", "is a folder")):
+        if said == "is a folder":
+            bad.mkdir()
+        assert main(["execute", str(scen), "--record-routing", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "--record-routing" in err and said in err and "Traceback" not in err
+    # an input of the run (here the routing trace the scenario itself reads) is never replaced
+    trace = tmp_path / "t.json"
+    assert main(["execute", str(scen), "--steps", "1", "--record-routing", str(trace),
+                 "--json"]) == 0
+    before = trace.read_text()
+    assert main(["execute", str(scen), "--set", "workload.routing.kind=trace", "--set",
+                 f"workload.routing.trace={trace}", "--record-routing", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "--record-routing" in err and "is an input of this run" in err
+    assert trace.read_text() == before
+
+
+def test_recording_needs_the_reference_check():
+    from taskgraph.errors import TgError
+    from taskgraph.exec.execute import execute_scenario
+
+    with pytest.raises(TgError, match="needs the check against the reference"):
+        execute_scenario(load_scenario(TINY), device="cpu", check=False, record_routing=True)
+
+
+def test_the_simulators_distinct_count_is_the_recordings_own(recorded):
+    doc = json.loads(recorded.read_text())
+    counts = _distinct_per_step_and_layer(doc)
+    batch = len(doc["steps"][1][0])                  # tokens of a decode step: N = 8
+    assert batch == 8 and counts.shape == (STEPS, 4)
+    sc = scenario_from_dict({**yaml_of(TINY), "workload": {
+        **yaml_of(TINY)["workload"], "routing": {"kind": "trace", "trace": str(recorded)}}})
+    routing = Routing.of(sc)
+    assert routing.distinct(batch) == pytest.approx(counts.mean(), abs=1e-12)
+    # the same through --set on the command line's loader
+    sc2 = load_scenario(TINY, ["workload.routing.kind=trace",
+                               f"workload.routing.trace={recorded}"])
+    assert Routing.of(sc2).distinct(batch) == pytest.approx(counts.mean(), abs=1e-12)
+    # A random router is near uniform, E(1 - (1 - k/E)^t) = 7.199 at t = 8 of E = 8, k = 2.
+    # The tolerance is 4 standard errors of that mean under uniform routing: the exact
+    # per-layer spread (Routing.distinct_std, 0.68 here) over the 64 (step, layer) samples,
+    # 0.34. Measured: 7.172 with 16 steps, 7.219 with 32 (0.03 and 0.02 off). A recording that
+    # mixed up layers, steps or tokens (e.g. one sequence's consecutive tokens, which reuse
+    # experts, or repeated rows) lands far outside it: a batch of 8 identical tokens touches
+    # 2, and the prefill rows taken 8 consecutive tokens of one sequence at a time touch 6.3
+    # on average here (measured on this recording).
+    E, k = doc["E"], doc["k"]
+    uniform = Routing.uniform(sc.model)
+    expected = E * (1 - (1 - k / E) ** batch)
+    assert uniform.distinct(batch) == pytest.approx(expected)
+    tolerance = 4 * uniform.distinct_std(batch) / np.sqrt(counts.size)
+    assert 0.3 < tolerance < 0.4
+    assert abs(counts.mean() - expected) < tolerance, (counts.mean(), expected, tolerance)
+
+
+def test_a_trace_of_another_shape_is_one_clear_error(recorded, tmp_path, capsys):
+    doc = json.loads(recorded.read_text())
+    for field, value in (("E", 16), ("k", 3)):
+        bad = dict(doc, **{field: value})
+        if field == "k":      # shapes must still parse: every token's k ids
+            bad["steps"] = [[[t + [0] for t in layer] for layer in step] for step in doc["steps"]]
+        path = tmp_path / f"bad-{field}.json"
+        path.write_text(json.dumps(bad))
+        capsys.readouterr()
+        rc = main(["simulate", TINY, "--set", "workload.routing.kind=trace", "--set",
+                   f"workload.routing.trace={path}"])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert "Traceback" not in err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("tg simulate: error:"), err
+        assert "workload.routing.trace" in err and f"{field} = {value}" in err
+    # and the good one simulates
+    assert main(["simulate", TINY, "--set", "workload.routing.kind=trace", "--set",
+                 f"workload.routing.trace={recorded}", "--json"]) == 0
+
+
+# --- against transformers' Mixtral ---------------------------------------------------------
+
+def _hf_topk(model, ids: list[int]) -> list[list[set[int]]]:
+    """Each layer's top-k expert set of every position, by transformers' own router."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return [[set(row.tolist()) for row in logits.topk(k, dim=-1).indices]
+            for logits in out.router_logits]
+
+
+def test_the_recorded_experts_are_transformers_own(tmp_path, capsys):
+    """A random Mixtral checkpoint, three prompts of different lengths in a batch of N = 4 (one
+    filler sequence, padded prompts): step 0 holds each prompt's real tokens, prompt after
+    prompt, and every decode step one token per prompt, each token's experts those
+    transformers' router picks at that position of prompt + generated tokens."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from tests.test_transformers_parity import make_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    model = make_checkpoint(ckpt, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                            layers=3)
+    assert isinstance(model, transformers.MixtralForCausalLM)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n"
+                                              for i, p in enumerate(prompts)))
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {ckpt / 'config.json'}}}\nhardware: t4\n"
+                    "workload: {prompt_len: 8, gen_len: 5}\npolicy: {N: 4, mu: 2}\n"
+                    "schedule: S1\n")
+    out, rec = tmp_path / "o.jsonl", tmp_path / "routing.json"
+    assert main(["execute", str(scen), "--weights", str(ckpt), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(out), "--record-routing", str(rec),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tokens_match"] and summary["routing"] == str(rec)
+    generated = {row["id"]: row["output_ids"]
+                 for row in map(json.loads, out.read_text().splitlines())}
+    doc = json.loads(rec.read_text())
+    trace = trace_from_dict(doc, "x")
+    cfg = model.config
+    assert (trace.E, trace.k, trace.L) == (cfg.num_local_experts, cfg.num_experts_per_tok,
+                                           cfg.num_hidden_layers) == (4, 2, 3)
+    assert len(doc["steps"]) == 1 + 4                # 5 new tokens: prefill's + 4 decode steps
+    # step 0: the prompts' real tokens, prompt after prompt (no padding, no filler)
+    assert trace.experts[0].shape == (3, sum(map(len, prompts)), 2)
+    start = 0
+    compared = 0
+    for i, p in enumerate(prompts):
+        hf = _hf_topk(model, p)
+        for layer in range(3):
+            got = [set(t) for t in doc["steps"][0][layer][start:start + len(p)]]
+            assert got == hf[layer], f"prompt {i} layer {layer}"
+            compared += len(p)
+        start += len(p)
+    # decode step s: one token per prompt, the one generated at step s - 1, at position
+    # len(prompt) + s - 1; transformers run over prompt + generated tokens, read at the end
+    for s in range(1, 5):
+        assert trace.experts[s].shape == (3, 3, 2)
+        for i, p in enumerate(prompts):
+            hf = _hf_topk(model, p + generated[i][:s])
+            for layer in range(3):
+                assert set(doc["steps"][s][layer][i]) == hf[layer][-1], \
+                    f"step {s} prompt {i} layer {layer}"
+                compared += 1
+    assert compared == 3 * sum(map(len, prompts)) + 4 * 3 * 3
+
+
+def test_a_run_of_several_batches_records_its_first(tmp_path, capsys):
+    """Five prompts with policy.N = 4: two batches, the first one recorded."""
+    g = torch.Generator().manual_seed(5)
+    lens = (3, 6, 2, 5, 4)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in lens]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
+                                              for p in prompts))
+    rec = tmp_path / "r.json"
+    assert main(["execute", TINY, "--set", "policy.N=4", "--steps", "3", "--prompts",
+                 str(tmp_path / "p.jsonl"), "--record-routing", str(rec), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["batches"] == 2 and summary["tokens_match"]
+    trace = trace_from_dict(json.loads(rec.read_text()), "x")
+    assert trace.experts[0].shape == (4, sum(lens[:4]), 2)
+    assert [s.shape for s in trace.decode] == [(4, 4, 2)] * 2     # 3 new tokens: 2 decode steps
+
+
+def test_a_run_that_stops_writes_no_routing(tmp_path, monkeypatch, capsys):
+    """The routing comes from the reference forward that runs after the run; a run stopped by a
+    failed task has none, so no file is written (not an empty one) and the warnings say so."""
+    from taskgraph import api
+    from taskgraph.exec.runtime import Runtime
+
+    real_run = Runtime.run
+
+    def boom(self, step, kind, layer, index, gpu=-1):
+        if (step, kind, layer) == (1, "PostAttn", 2):
+            raise RuntimeError("a kernel failed (simulated)")
+        real_run(self, step, kind, layer, index, gpu)
+
+    monkeypatch.setattr(Runtime, "run", boom)
+    rec = tmp_path / "r.json"
+    result = api.execute(TINY, device="cpu", record_routing=rec)
+    assert result.failure is not None and result.routing is None and not rec.exists()
+    assert any("no routing written" in w for w in result.summary["warnings"])
+    assert "routing" not in result.summary
+    assert main(["execute", TINY, "--record-routing", str(rec)]) == 2
+    assert "a kernel failed" in capsys.readouterr().err and not rec.exists()
+    assert not list(tmp_path.iterdir())          # no partial file either
