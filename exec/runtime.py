@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from taskgraph.dag.builder import Plan
+from taskgraph.errors import TgError
 from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, experts,
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS, TP_ONLY,
-                             WEIGHT_SECTIONS)
+from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS,
+                             SIMULATED_ONLY, TP_ONLY, WEIGHT_SECTIONS)
 
 
 class Runtime:
@@ -52,6 +53,11 @@ class Runtime:
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
                  zero_copy: bool = False, last_steps: list[int] | None = None,
                  shard: Any = None):
+        if plan.schedule.ffn in ("split", "cache"):
+            raise TgError(f"Schedule {plan.schedule.name} ({plan.schedule.title}) runs in the "
+                          "simulator only so far: the executor has no kernels for experts "
+                          "placed or cached on the GPU (docs/experts.md). Simulate it, or "
+                          "execute S5 (every expert on the CPU).")
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
@@ -89,7 +95,7 @@ class Runtime:
         # One device: no tensor-parallel parts or collectives to run (sends only between
         # pipeline stages, below).
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
+                       if kind not in COLLECTIVES | SENDS | TP_ONLY | SIMULATED_ONLY}
         # Pipeline stages in one process share the device: what a send carries is already there
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})

@@ -218,7 +218,9 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "schedule_title": plan.schedule.title,
         "model": sc.model.name,
         "hardware": sc.hardware.name,
-        "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c},
+        "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
+                   **({"experts_gpu": p.experts_gpu, "eviction": p.eviction}
+                      if plan.schedule.ffn in ("split", "cache") else {})},
         "throughput_tok_s": _r(throughput),
         "hardware_limit_tok_s": _r(limit),
         "hardware_limit_fraction": _r(throughput / limit),
@@ -227,6 +229,9 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "overlap_s": _r(overlap),
         "makespan_s": _r(makespan),
         "decode_layer_ms": _r(layer_s * 1e3),
+        # what one sequence sees: its first token at the end of prefill, then one a step
+        "ttft_s": _r(prefill_end),
+        "token_latency_ms": _r(decode_s / max(steps_done, 1) * 1e3),
         "hrm_layer_ms": _r(bound_s * 1e3),
         "hrm_binding": binding,
         "bound_by": {"prefill": max(prefill_busy, key=prefill_busy.__getitem__),
@@ -240,12 +245,35 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
+        **({"experts": experts_summary(plan)} if plan.schedule.ffn in ("split", "cache")
+           else {}),
         "steps": steps_done,
         "layers": L,
         "tasks": t.tasks,
         "interrupted": run.interrupted,
         "wall_s": round(run.wall_s, 3),
     }
+
+
+def experts_summary(plan) -> dict[str, Any]:
+    """Which experts a decode step touches (taskgraph.dag.routing), for the expert-level
+    schedules: distinct experts a micro-batch routes to in a layer (mean and spread), and the
+    share held on the GPU: EP's placed experts' share of the token-expert pairs, EC's cache hit
+    rate layer by layer."""
+    work, p = plan.work, plan.scenario.policy
+    routing = work.routing
+    out = {"routing": plan.scenario.workload.routing.kind,
+           "distinct_per_layer": _r(float(routing.distinct(p.mu))),
+           "distinct_std": _r(routing.distinct_std(p.mu))}
+    if plan.schedule.ffn == "split":
+        share, on_gpu, on_cpu = routing.split(p.mu, p.experts_gpu)
+        out.update(gpu_share=_r(share), distinct_on_gpu=_r(float(on_gpu)),
+                   distinct_on_cpu=_r(float(on_cpu)))
+    else:
+        hits = work.cache_hits()
+        out.update(hit_rate=_r(float(np.mean(hits))),
+                   hit_rate_by_layer=[_r(float(h)) for h in hits])
+    return out
 
 
 def _reported(prog) -> tuple[str, ...]:

@@ -38,18 +38,23 @@ KINDS: dict[str, str] = {
     # Pipeline parallelism (several GPUs): each GPU runs a stage of consecutive layers.
     "Send": "a micro-batch's hidden state to the next pipeline stage's GPU, over the interconnect",
     "SendTokens": "a micro-batch's sampled tokens from the last pipeline stage to the first",
+    # Expert-level offloading (EP, EC): some experts of a layer are held on the GPU.
+    "GPUFFN": "the top-k SwiGLU experts a micro-batch routes to that the GPU holds (placed or "
+              "cached), on the GPU",
+    "ExpertIn": "the experts a micro-batch routes to that the GPU's expert cache misses, "
+                "CPU -> GPU",
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "AllReduce", "GatherLogits",
-                       "Send", "SendTokens"})
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "AllReduce",
+                       "GatherLogits", "Send", "SendTokens"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
                                    "PrefillAttn": "qkv", "Route": "route", "OProj": "o",
                                    "MoE": "moe"}
 #: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
 EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce",
-                           "Send", "OProj", "AllReduceAttn", "MoE"})
+                           "Send", "OProj", "AllReduceAttn", "MoE", "GPUFFN", "ExpertIn"})
 #: Kinds indexed by weight page rather than by micro-batch.
 PAGED = frozenset({"D3", "W_CtoPin"})
 #: Kinds that run on the host (its cores, its memory copies): on several GPUs, each GPU's
@@ -83,6 +88,10 @@ KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 KIND_INDEX: dict[str, int] = {k: i for i, k in enumerate(KIND_NAMES)}
 #: Kinds that copy between host and device memory (the link, or the host's pinned staging):
 #: what the CPU backend's zero copy makes no-ops.
-HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "KVOut", "W_CtoPin"})
+HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "KVOut",
+                                "W_CtoPin"})
 #: Kinds that move data rather than compute (a trace draws them as copies).
 MOVES = TRANSFERS | {"W_CtoPin"}
+#: Kinds only the simulator runs so far: the executor has no kernels for experts held on the GPU
+#: (EP, EC) and refuses their schedules.
+SIMULATED_ONLY = frozenset({"GPUFFN", "ExpertIn"})

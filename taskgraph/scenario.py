@@ -85,6 +85,7 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     except ValidationError as err:
         raise TgError(_explain(err, source)) from None
     scenario._requests = requests
+    scenario._routing_trace = _routing_trace(scenario, source, base_dir)
     _check_schedule_names(scenario, source)
     scenario._policy_auto = auto
     scenario._pins = _pins(doc, source) if pins is None else dict(pins)
@@ -190,6 +191,25 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
     w.update(prompt_len=max(1, round(s["prompt_mean"])), max_prompt_len=s["prompt_max"],
              gen_len=s["gen_max"] if w.get("padded") else max(1, round(s["gen_mean"])))
     return requests
+
+
+def _routing_trace(scenario: Scenario, source: str, base_dir: Path):
+    """The router decisions ``workload.routing.trace`` names, checked against the model: a trace
+    recorded from another model shape would price experts the model does not have."""
+    from taskgraph.dag.routing import trace_from_dict
+
+    where = scenario.workload.routing.trace
+    if where is None:
+        return None
+    field = f"workload.routing.trace '{where}'"
+    trace = trace_from_dict(read_json(_resolve_path(where, base_dir), field), field)
+    m = scenario.model
+    for name, got, want in (("E", trace.E, m.E), ("k", trace.k, m.k), ("L", trace.L, m.L)):
+        if got != want:
+            raise TgError(f"Invalid scenario {source}: {field} was recorded from a model with "
+                          f"{name} = {got}; this scenario's model has {name} = {want}. Record "
+                          "it from this model (`tg execute --record-routing FILE`).")
+    return trace
 
 
 def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:

@@ -380,6 +380,42 @@ class LengthsSpec(BaseModel):
         return self
 
 
+class RoutingSpec(BaseModel):
+    """Which experts tokens route to (taskgraph.dag.routing): ``uniform`` (any k of E alike),
+    ``skewed`` (in proportion to ``popularity``, one weight per expert, or to rank^-``zipf``),
+    or ``trace`` (a file of a real run's router decisions, `tg execute --record-routing`).
+    ``seed`` draws the synthetic steps an expert cache is replayed on."""
+
+    model_config = _STRICT
+
+    kind: Literal["uniform", "skewed", "trace"] = "uniform"
+    popularity: list[float] | None = Field(default=None, min_length=1, max_length=4096)
+    zipf: float | None = Field(default=None, gt=0.0, le=10.0)
+    trace: str | None = None
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+
+    @field_validator("popularity")
+    @classmethod
+    def _positive(cls, weights: list[float] | None) -> list[float] | None:
+        if weights is not None and not all(0 < w <= 1e9 for w in weights):
+            raise ValueError("every popularity weight must be positive (at most 1e9)")
+        return weights
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RoutingSpec":
+        given = [f for f in ("popularity", "zipf", "trace") if getattr(self, f) is not None]
+        wants = {"uniform": [], "trace": ["trace"]}.get(self.kind)
+        if wants is None:
+            if len(given) != 1 or given[0] == "trace":
+                raise ValueError("skewed routing needs one of popularity (a weight per expert) "
+                                 "or zipf (an exponent)")
+        elif given != wants:
+            extra = sorted(set(given) - set(wants))
+            raise ValueError(f"{self.kind} routing takes no {', '.join(extra)}" if extra else
+                             f"{self.kind} routing needs {', '.join(wants)} (a file)")
+        return self
+
+
 class WorkloadSpec(BaseModel):
     """Offline batch decoding. With ``padded`` every prompt counts as ``max_prompt_len`` tokens
     (FlexGen's padding); otherwise prompts count at their mean length, as variable-length batching
@@ -399,6 +435,12 @@ class WorkloadSpec(BaseModel):
     # One continuous batch: a finished request's slot goes to the next in the queue, its prompt
     # prefilled within the next decode step (MoE-Lens). Needs a request list, unpadded.
     refill: bool = False
+    routing: RoutingSpec = RoutingSpec()
+
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _routing_kind(cls, value):
+        return {"kind": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _max(self) -> "WorkloadSpec":
@@ -433,6 +475,11 @@ class PolicySpec(BaseModel):
     F_g: Literal[0, 1] = 1
     r_w: float = Field(default=0.0, ge=0.0, le=1.0)   # default: every weight streamed
     r_c: float = Field(default=0.0, ge=0.0, le=1.0)   # default: the whole KV cache on the CPU
+    # Expert-level schedules (EP, EC): experts of each layer held on the GPU, a fixed set of the
+    # most popular (EP) or a cache (EC) that keeps the most recently used (lru) or the most
+    # popular (popular).
+    experts_gpu: int = Field(default=0, ge=0, le=4096)
+    eviction: Literal["lru", "popular"] = "lru"
 
     @field_validator("mu")
     @classmethod
@@ -491,6 +538,24 @@ class Scenario(BaseModel):
     _pins: dict[str, tuple[str, bool]] = PrivateAttr(default_factory=dict)
     # The request list of `workload.requests` or `workload.lengths` (None: mean lengths only).
     _requests: list | None = PrivateAttr(default=None)
+    # The router decisions of `workload.routing.trace` (taskgraph.dag.routing.RoutingTrace).
+    _routing_trace: object = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _experts_fit_the_model(self) -> "Scenario":
+        E, routing = self.model.E, self.workload.routing
+        if routing.popularity is not None and len(routing.popularity) != E:
+            raise ValueError(f"workload.routing.popularity has {len(routing.popularity)} "
+                             f"weights; the model has E = {E} experts, one weight each")
+        if self.policy.experts_gpu > E:
+            raise ValueError(f"policy.experts_gpu = {self.policy.experts_gpu} exceeds the "
+                             f"model's E = {E} experts per layer")
+        return self
+
+    @property
+    def routing_trace(self):
+        """The recorded router decisions `workload.routing.trace` names (None otherwise)."""
+        return self._routing_trace
 
     @property
     def requests(self) -> list | None:

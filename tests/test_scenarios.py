@@ -148,7 +148,7 @@ def test_a_schedule_chosen_on_the_command_line_sets_its_placement(capsys, argv):
 
 @pytest.mark.parametrize("argv, words", [
     (["--schedule", "S4", "--set", "policy.A_g=0"], ["--set policy.A_g=0", "S4", "S1, S2, S3"]),
-    (["--set", "policy.A_g=1"], ["--set policy.A_g=1", "schedule S1", "(S4, DS, S5, PP)"]),
+    (["--set", "policy.A_g=1"], ["--set policy.A_g=1", "schedule S1", "(S4, DS, S5, PP, EP, EC)"]),
     (["--schedule", "S1", "--set", "policy.r_c=0.25"], ["--set policy.r_c=0.25", "KV cache"]),
 ])
 def test_an_explicit_conflicting_set_names_both(capsys, argv, words):

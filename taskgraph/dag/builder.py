@@ -48,6 +48,7 @@ from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, S
 from taskgraph.dag.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
                                  Schedule)
 from taskgraph.specs import Scenario
+from taskgraph.dag.routing import Routing
 from taskgraph.dag.work import TaskWork, WeightLayout
 
 
@@ -175,7 +176,8 @@ class Plan:
     @cached_property
     def work(self) -> TaskWork:
         s = self.scenario
-        return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp)
+        return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp,
+                        routing=Routing.of(s), ffn=self.schedule.ffn)
 
     def items(self, kind: str) -> int:
         """Tasks of a kind per layer and group: pages, or the group's micro-batches."""
@@ -233,7 +235,7 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
                 f"Schedule {s.name} ({s.title}) decides {PLACEMENT_MEANS[key]}: policy.{key} "
                 f"must be {value:g}, not {getattr(p, key):g} (scenario.for_schedule sets it).")
     gpus = scenario.hardware.gpu.count
-    if gpus > 1 and s.ffn == "cpu":
+    if gpus > 1 and s.experts_on_host:
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) runs on one GPU; hardware.gpu.count is {gpus}. "
             "Choose a one-GPU machine, or a schedule with the FFN on the GPUs.")
@@ -445,10 +447,10 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     L, sched = plan.L, plan.schedule
     K = TaskKey
     # What ends a layer: the MoE FFN's output back in the hidden state.
-    cpu_ffn = sched.ffn == "cpu"
-    end = "Merge" if cpu_ffn else "PostAttn"
-    prefill_end = "Merge" if cpu_ffn else "Prefill"
-    prefill_attn = "PrefillAttn" if cpu_ffn else "Prefill"
+    routed = sched.experts_on_host              # the GPU routes, the experts run apart
+    end = {"gpu": "PostAttn", "cache": "GPUFFN"}.get(sched.ffn, "Merge")
+    prefill_end = "Prefill" if not routed else end
+    prefill_attn = "PrefillAttn" if routed else "Prefill"
     if kind in ("Prefill", "PrefillAttn"):
         deps = [K(0, prefill_end, l - 1, j)] if l else []
     elif kind == "KVOut":
@@ -467,7 +469,11 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     elif kind == "D6":
         deps = [K(s, "CPUFFN", l, j)]
     elif kind == "Merge":
-        deps = [K(s, "D6", l, j)]
+        deps = [K(s, "D6", l, j)] + ([K(s, "GPUFFN", l, j)] if sched.ffn == "split" else [])
+    elif kind == "ExpertIn":
+        deps = [K(s, "Route", l, j)]           # which experts to copy: the router's choice
+    elif kind == "GPUFFN":
+        deps = [K(s, "Route", l, j)] + ([K(s, "ExpertIn", l, j)] if sched.ffn == "cache" else [])
     elif kind == "D1":
         deps = [K(s, "PreAttn", l, j)]
     elif kind == "CPUAttn":

@@ -57,6 +57,7 @@ _STREAMS = {
     "W_CtoPin": "pin",
     "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
     "D6": "h2d",
+    "GPUFFN": "gpu", "ExpertIn": "h2d",
     "OProj": "gpu", "MoE": "gpu", "AllReduceAttn": "peer",
     "AllReduce": "peer", "GatherLogits": "peer", "Send": "peer", "SendTokens": "peer",
 }
@@ -89,9 +90,13 @@ class Schedule:
     # Streamed weights a GPU holds at once, in parameters (0: a double buffer of two layers'
     # streamed weights).
     live_params: int = 0
-    # Where the routed experts run: "gpu" (their weights cross the link) or "cpu" (F_g = 0:
-    # they stay in host memory and the CPU computes them).
-    ffn: Literal["gpu", "cpu"] = "gpu"
+    # Where the routed experts run: "gpu" (their weights cross the link with the layer's),
+    # "cpu" (F_g = 0: they stay in host memory and the CPU computes them), "split" (the
+    # policy's experts_gpu most popular of each layer stay on the GPU and run there, the rest
+    # run on the CPU) or "cache" (on the GPU, from a cache of experts_gpu experts a layer; the
+    # misses cross the link once the router has chosen them). Under all but "gpu" the layer's
+    # other weights are what r_w and the pages cover.
+    ffn: Literal["gpu", "cpu", "split", "cache"] = "gpu"
     # How several GPUs share the work: "tensor" shards every layer across them (MoE-Lightning);
     # "pipeline" gives each GPU a stage of consecutive layers and splits the batch into one
     # group per stage, so the stages work on different groups at once (FlexGen); "data" gives
@@ -102,9 +107,14 @@ class Schedule:
     def __post_init__(self) -> None:
         # A group's buffers are its GPU's; pinned staging and experts on the host would be
         # shared by all groups, which the builder does not model.
-        if self.grouped and (self.staging or self.ffn == "cpu"):
+        if self.grouped and (self.staging or self.ffn != "gpu"):
             raise ValueError(f"schedule {self.name}: a {self.parallel}-parallel schedule "
                              "neither stages weights nor runs the FFN on the CPU")
+
+    @property
+    def experts_on_host(self) -> bool:
+        """The experts live in host memory, not in the layer's streamed weights."""
+        return self.ffn != "gpu"
 
     @property
     def grouped(self) -> bool:
@@ -244,6 +254,45 @@ S5 = Schedule(
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
+# Expert-level offloading for small batches: attention on the GPU (with as much of the KV cache
+# and of the other weights as r_c and r_w keep there: at batch 1, all of both), and each layer's
+# experts placed one by one. A micro-batch's tasks run in order (at batch 1 there is no other
+# micro-batch to overlap); the next layer's streamed weights, if any, cross ahead as in S4.
+_GPU_LAYER = {"A_g": 1, "F_g": 0}
+_EXPERT_PREFILL_START = (Loop("once", (Op("D3"),)),)
+_NEXT_LAYER = Op("D3", layer=1, when="first")
+
+EP = Schedule(
+    name="EP", title="Experts placed (llama.cpp -ot, Fiddler)",
+    summary="each layer's experts_gpu most popular experts stay on the GPU and run there, the "
+            "others run on the CPU where their weights lie, at the same time; only hidden "
+            "states cross the link",
+    attention="gpu", paged=False, staging=False, ffn="split", placement=_GPU_LAYER,
+    prefill=(*_EXPERT_PREFILL_START,
+             Loop("layers", (_NEXT_LAYER, Op("PrefillAttn"), Op("KVOut"), Op("Route"),
+                             Op("D5"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"),
+                             _LMHEAD))),
+    decode_prologue=(),
+    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"), Op("D5"),
+            Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"), _LMHEAD),
+    streams=dict(_STREAMS, D4="h2d_kv"),
+)
+
+EC = Schedule(
+    name="EC", title="Expert cache (Mixtral-offloading, MoE-Infinity)",
+    summary="a cache of experts_gpu experts a layer on the GPU (LRU, or the most popular); once "
+            "the router has chosen, the experts it misses cross the link and every chosen "
+            "expert runs on the GPU",
+    attention="gpu", paged=False, staging=False, ffn="cache", placement=_GPU_LAYER,
+    prefill=(*_EXPERT_PREFILL_START,
+             Loop("layers", (_NEXT_LAYER, Op("PrefillAttn"), Op("KVOut"), Op("Route"),
+                             Op("ExpertIn"), Op("GPUFFN"), _LMHEAD))),
+    decode_prologue=(),
+    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"), Op("ExpertIn"),
+            Op("GPUFFN"), _LMHEAD),
+    streams=dict(_STREAMS, D4="h2d_kv"),
+)
+
 # FlexGen's dist_flex_opt.py: each stage runs S4's order over its own layers for one group of
 # micro-batches at a time (its `num_inner_iterations`, one group per stage by default), reloading
 # the stage's weights for every group, and sends the group's hidden states to the next stage; the
@@ -261,4 +310,4 @@ PP = Schedule(
     streams=S4.streams,
 )
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5, PP)}
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5, PP, EP, EC)}

@@ -19,6 +19,7 @@ from typing import Union
 
 import numpy as np
 
+from taskgraph.dag.routing import Routing
 from taskgraph.kinds import EITHER_PHASE, SHARDED
 from taskgraph.specs import ModelSpec, PolicySpec, WorkloadSpec
 
@@ -119,13 +120,21 @@ class TaskWork:
     the router, which every GPU runs whole."""
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
-                 layout: WeightLayout, load: Load | None = None, tp: int = 1):
+                 layout: WeightLayout, load: Load | None = None, tp: int = 1,
+                 routing: Routing | None = None, ffn: str = "gpu"):
         self.m, self.p, self.w, self.layout, self.tp = model, policy, workload, layout, tp
+        self.ffn = ffn          # where the schedule runs the experts (Schedule.ffn)
         p = workload.context_prompt
         self.load = load or Load(policy.mu, policy.mu * p, policy.mu * p * p)
+        self.routing = routing or Routing.uniform(model)
 
     def with_load(self, load: Load) -> "TaskWork":
-        return TaskWork(self.m, self.p, self.w, self.layout, load, self.tp)
+        return TaskWork(self.m, self.p, self.w, self.layout, load, self.tp, self.routing,
+                        self.ffn)
+
+    def distinct(self, tokens: Number) -> Number:
+        """Distinct experts `tokens` tokens route to in a layer (taskgraph.dag.routing)."""
+        return self.routing.distinct(tokens)
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         work = self._whole(kind, prefill)
@@ -149,8 +158,10 @@ class TaskWork:
             tokens = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
             return Work(bytes=(1 - self.p.r_c) * tokens * self.m.kv_bytes_per_token)
         if kind in EITHER_PHASE:
-            return getattr(self, "_" + kind)(
-                self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted)
+            tokens = self.load.prompt_tokens if prefill else self.load.seqs + self.load.admitted
+            if kind == "ExpertIn":
+                return self._ExpertIn(tokens, prefill)
+            return getattr(self, "_" + kind)(tokens)
         return getattr(self, "_" + kind)()
 
     # Decode, one micro-batch of `seqs` sequences, one layer.
@@ -188,7 +199,7 @@ class TaskWork:
         return Work(
             flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
             + 6 * tokens * m.k * m.h * m.h_i,
-            bytes=m.o_bytes + m.router_bytes + m.experts_hit(tokens) * m.expert_bytes
+            bytes=m.o_bytes + m.router_bytes + self.distinct(tokens) * m.expert_bytes
             + b * tokens * (4 * m.h + 2 * m.k * m.h_i),
         )
 
@@ -212,9 +223,44 @@ class TaskWork:
         return Work(bytes=t * (self.m.dtype_bytes * (self.m.h + self.m.k) + 8 * self.m.k))
 
     def _CPUFFN(self, t: Number) -> Work:
+        share, _, distinct = self._placed(t)
+        return self._experts(t, 1.0 - share, distinct)
+
+    # Expert-level schedules (EP, EC): the experts the GPU holds, and a cache's misses.
+    def _GPUFFN(self, t: Number) -> Work:
+        if self.ffn == "split":
+            share, distinct, _ = self._placed(t)
+            return self._experts(t, share, distinct)
+        return self._experts(t, 1.0, self.distinct(t))     # a cache: every chosen expert
+
+    def _ExpertIn(self, t: Number, prefill: bool) -> Work:
+        """The experts a layer's cache misses: in prefill (every expert chosen) those beyond
+        the cache's; in decode the share a replay of the routing finds absent."""
+        distinct, cap = self.distinct(t), self.p.experts_gpu
+        if prefill:
+            misses = np.maximum(distinct - cap, 0.0)
+        else:
+            misses = distinct * (1.0 - float(np.mean(self.cache_hits())))
+        return Work(bytes=misses * self.m.expert_bytes)
+
+    def cache_hits(self) -> np.ndarray:
+        """Per layer, the share of a decode step's chosen experts the cache holds (EC)."""
+        return self.routing.cache_hits(self.p.N, self.p.experts_gpu, self.p.eviction)
+
+    def _placed(self, t: Number) -> tuple[float, Number, Number]:
+        """With the policy's experts_gpu most popular experts of each layer on the GPU (EP): the
+        share of token-expert pairs they take, and the distinct experts touched on the GPU and
+        on the CPU. Otherwise (S5) every expert is the CPU's."""
+        if self.ffn != "split":
+            return 0.0, 0.0, self.distinct(t)
+        return self.routing.split(t, self.p.experts_gpu)
+
+    def _experts(self, t: Number, share: float, distinct: Number) -> Work:
+        """`share` of a micro-batch's token-expert pairs through `distinct` experts, with the
+        residual: SwiGLU's three products per pair, each expert's weights read once."""
         m, b = self.m, self.m.dtype_bytes
-        return Work(flops=6 * t * m.k * m.h * m.h_i,
-                    bytes=m.experts_hit(t) * m.expert_bytes + b * t * (2 * m.h + 2 * m.k * m.h_i))
+        return Work(flops=6 * t * m.k * share * m.h * m.h_i,
+                    bytes=distinct * m.expert_bytes + b * t * (2 * m.h + 2 * m.k * share * m.h_i))
 
     def _D6(self, t: Number) -> Work:
         return Work(bytes=self.m.dtype_bytes * t * self.m.h)
@@ -231,7 +277,7 @@ class TaskWork:
     def _MoE(self, t: Number) -> Work:
         m, b = self.m, self.m.dtype_bytes
         return Work(flops=2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i,
-                    bytes=m.router_bytes + m.experts_hit(t) * m.expert_bytes
+                    bytes=m.router_bytes + self.distinct(t) * m.expert_bytes
                     + b * t * (3 * m.h + 2 * m.k * m.h_i))
 
     def _AllReduce(self, t: Number) -> Work:
@@ -267,5 +313,5 @@ class TaskWork:
                  + 2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i
                  + 2 * self.load.prompt_sq * m.q_dim)  # causal attention: half of 4*p^2*q_dim
         return Work(flops=flops,
-                    bytes=m.layer_bytes - (m.E - m.experts_hit(t)) * m.expert_bytes
+                    bytes=m.layer_bytes - (m.E - self.distinct(t)) * m.expert_bytes
                     + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))

@@ -68,6 +68,10 @@ def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table
     if "bound_by" in r and not r.get("measured"):
         t.add_row("bound by", f"prefill {r['bound_by']['prefill']}, decode "
                               f"{r['bound_by']['decode']}")
+    if "experts" in r:
+        t.add_row("latency", f"first token {r['ttft_s']:.2f} s, then "
+                             f"{r['token_latency_ms']:.1f} ms a token")
+        t.add_row("experts", _experts(r["experts"], r["policy"]))
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "
                              f"CPU {m['cpu_peak_gb']:.1f} of {m['cpu_usable_gb']:.1f} GB")
@@ -77,6 +81,16 @@ def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table
     t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
     return t
+
+
+def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:
+    touched = (f"{x['distinct_per_layer']:.2f} ± {x['distinct_std']:.2f} distinct a layer and "
+               f"micro-batch ({x['routing']} routing)")
+    if "gpu_share" in x:
+        return (f"{touched}; the {policy['experts_gpu']} placed on the GPU take "
+                f"{x['gpu_share']:.0%} of the tokens' experts")
+    return (f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits "
+            f"{x['hit_rate']:.0%}")
 
 
 def queue_rows(r: dict[str, Any]) -> list[tuple[str, str]]:

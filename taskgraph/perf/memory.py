@@ -71,8 +71,11 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     prompt = w.context_prompt
     context = prompt + sc.decode_steps
     kv_all = N * m.L * context * m.kv_bytes_per_token
-    # With the FFN on the CPU the experts never leave host memory; r_w covers the rest.
-    experts_on_cpu = m.E * m.expert_bytes if schedule.ffn == "cpu" else 0
+    # With the FFN on the CPU the experts never leave host memory; r_w covers the rest. The
+    # expert-level schedules hold experts_gpu of each layer's on the GPU besides.
+    experts_on_cpu = m.E * m.expert_bytes if schedule.experts_on_host else 0
+    experts_on_gpu = (sc.policy.experts_gpu * m.L * m.expert_bytes
+                      if schedule.ffn in ("split", "cache") else 0)
     extent = m.layer_bytes - experts_on_cpu
     streamed = (1 - r_w) * extent
 
@@ -92,6 +95,9 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
         "activations (one micro-batch)": float(max(decode_act, prefill_act)) * copies,
         "hidden states (N sequences)": 2 * b * N * m.h,
     }
+    if experts_on_gpu:
+        gpu[("expert cache" if schedule.ffn == "cache" else "experts placed on the GPU")
+            + " (experts_gpu)"] = float(experts_on_gpu)
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
         gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token) * copies
@@ -125,6 +131,8 @@ def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> l
         ("CPU", report.cpu, report.cpu_capacity, report.cpu_physical, "hardware.cpu",
          "policy.N or workload.gen_len, raise policy.r_w"),
     ):
+        if any("(experts_gpu)" in item for item in items):
+            knobs = "policy.experts_gpu, " + knobs
         need = sum(items.values())
         cap, rule = ((usable, f"{spec}.memory_gb x {spec}.usable_fraction") if planning else
                      (physical, f"{spec}.memory_gb - {spec}.reserve_gb"))

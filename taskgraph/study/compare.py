@@ -88,10 +88,12 @@ def parse_entry(entry: str) -> tuple[str, str | None]:
 
 def default_schedules(scenario: Scenario) -> list[str]:
     """The schedules worth comparing on this machine: S5 runs its experts on one host for one
-    GPU, and PP on one GPU is S4."""
+    GPU, and PP on one GPU is S4. The expert-level schedules (EP, EC), made for small batches,
+    are compared where named (docs/experts.md)."""
     one = scenario.hardware.gpu.count == 1
     return [n for n, s in SCHEDULES.items()
-            if (s.parallel != "pipeline" or not one) and (one or s.ffn == "gpu")]
+            if (s.parallel != "pipeline" or not one) and (one or s.ffn == "gpu")
+            and s.ffn not in ("split", "cache")]
 
 
 def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool = False,

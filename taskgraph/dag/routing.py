@@ -1,0 +1,267 @@
+"""Which experts a batch's tokens route to, and so which experts' bytes a schedule must move or
+read (docs/experts.md).
+
+At the batch sizes CGOPipe and FlexGen run, every expert of a layer is touched at every step;
+at batch 1 Mixtral touches 2 of 8. A :class:`Routing` holds, per layer, the chance that a token
+picks each expert (its *inclusion* probability ``q``, which sums to ``k`` over a layer's
+experts), from one of three sources (``workload.routing``):
+
+* ``uniform``: each token's ``k`` experts are any ``k`` of ``E`` alike, ``q = k/E``;
+* ``skewed``: drawn without replacement in proportion to a popularity (``popularity``, or
+  ``rank^-zipf``), the same for every layer;
+* ``trace``: the router decisions a real checkpoint made (``tg execute --record-routing``),
+  replayed.
+
+Tokens are independent, so ``t`` tokens touch ``sum_e 1 - (1 - q_e)^t`` distinct experts on
+average. For uniform routing that is ``E(1 - (1 - k/E)^t)`` and its variance is exact; for the
+others the variance treats experts as independent. A recorded trace keeps what independence
+loses (tokens of one sequence reuse experts, and experts co-occur): at the batch it was recorded
+with, its own distinct counts are used, and an expert cache's hit rate is measured by replaying
+it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from taskgraph.errors import TgError
+from taskgraph.specs import ModelSpec, Scenario
+
+#: Decode steps an expert cache is replayed for when the routing is synthetic (after as many
+#: again to warm it): enough for a hit rate within about a percent.
+CACHE_STEPS = 400
+#: Draws that estimate a skewed routing's inclusion probabilities (exact for uniform).
+_DRAWS = 200_000
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """Router decisions of a run: for each recorded step (0: prefill, then decode steps), each
+    layer's experts per token, ``experts[step]`` an int array of shape (L, tokens, k)."""
+
+    E: int
+    k: int
+    L: int
+    experts: tuple[np.ndarray, ...]
+
+    @property
+    def decode(self) -> tuple[np.ndarray, ...]:
+        return self.experts[1:]
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "E": self.E, "k": self.k, "L": self.L,
+                "steps": [e.tolist() for e in self.experts]}
+
+
+FORMAT = "tg-routing/1"
+
+
+def trace_from_dict(obj: object, where: str) -> RoutingTrace:
+    """A routing trace read from JSON, every field checked (a clear error naming it)."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise TgError(f"{where} is not a routing trace: its 'format' must be '{FORMAT}' (write "
+                      "one with `tg execute --record-routing FILE`).")
+    for field in ("E", "k", "L"):
+        if not isinstance(obj.get(field), int) or isinstance(obj.get(field), bool) \
+                or obj[field] < 1:
+            raise TgError(f"{where}: '{field}' must be a positive integer.")
+    E, k, L = obj["E"], obj["k"], obj["L"]
+    steps = obj.get("steps")
+    if not isinstance(steps, list) or len(steps) < 2:
+        raise TgError(f"{where}: 'steps' must list the prefill and at least one decode step.")
+    experts = []
+    for i, step in enumerate(steps):
+        try:
+            a = np.asarray(step, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):
+            raise TgError(f"{where}: steps[{i}] is not an array of expert ids.") from None
+        if a.ndim != 3 or a.shape[0] != L or a.shape[2] != k or a.shape[1] < 1:
+            raise TgError(f"{where}: steps[{i}] must be {L} layers x tokens x {k} expert ids, "
+                          f"not shape {list(a.shape)}.")
+        if a.min() < 0 or a.max() >= E:
+            raise TgError(f"{where}: steps[{i}] holds an expert id outside 0..{E - 1}.")
+        experts.append(a)
+    return RoutingTrace(E, k, L, tuple(experts))
+
+
+class Routing:
+    """A layer's inclusion probabilities ``q`` (shape (L, E), each row summing to k), and what
+    follows from them for ``t`` tokens."""
+
+    def __init__(self, q: np.ndarray, k: int, weights: np.ndarray | None = None,
+                 uniform: bool = False, trace: RoutingTrace | None = None, seed: int = 0):
+        self.q, self.k, self.uniform, self.trace, self.seed = q, k, uniform, trace, seed
+        self.L, self.E = q.shape
+        # what synthetic steps are drawn in proportion to (a popularity per layer)
+        self.weights = weights if weights is not None else q / k
+        self._hits: dict[tuple, np.ndarray] = {}
+
+    @classmethod
+    def uniform(cls, model: ModelSpec, seed: int = 0) -> "Routing":
+        return cls(np.full((model.L, model.E), model.k / model.E), model.k, uniform=True,
+                   seed=seed)
+
+    @classmethod
+    def of(cls, scenario: Scenario) -> "Routing":
+        m, spec = scenario.model, scenario.workload.routing
+        if spec.kind == "trace":
+            trace = scenario.routing_trace
+            counts = np.zeros((trace.L, trace.E))
+            for step in trace.experts:
+                for layer in range(trace.L):
+                    counts[layer] += np.bincount(step[layer].ravel(), minlength=trace.E)
+            q = counts / counts.sum(axis=1, keepdims=True) * trace.k
+            return cls(q, m.k, trace=trace, seed=spec.seed)
+        if spec.kind == "uniform":
+            return cls.uniform(m, spec.seed)
+        weights = np.asarray(spec.popularity if spec.popularity is not None
+                             else np.arange(1, m.E + 1, dtype=float) ** -spec.zipf, dtype=float)
+        weights = weights / weights.sum()
+        q = _inclusion(weights, m.k, spec.seed)
+        return cls(np.tile(q, (m.L, 1)), m.k, weights=np.tile(weights, (m.L, 1)), seed=spec.seed)
+
+    # --- distinct experts ------------------------------------------------------------------
+    def distinct(self, tokens) -> np.ndarray | float:
+        """Expected distinct experts `tokens` tokens touch in a layer, the mean over layers
+        (`tokens` a number or an array). At the batch a trace was recorded with, its own
+        count."""
+        if self.uniform:      # E(1 - (1 - k/E)^t), as every schedule has always priced it
+            return self.E * (1.0 - (1.0 - self.k / self.E) ** tokens)
+        t = np.asarray(tokens, dtype=float)
+        out = self.E - np.mean(np.sum((1.0 - self.q[:, :, None]) ** t.reshape(-1), axis=1),
+                               axis=0)
+        measured = self._measured_distinct
+        if measured:
+            for batch, count in measured.items():
+                out = np.where(t.reshape(-1) == batch, count, out)
+        out = out.reshape(t.shape)
+        return float(out) if out.ndim == 0 else out
+
+    def distinct_std(self, tokens: float) -> float:
+        """Standard deviation of the distinct experts `tokens` tokens touch in one layer: exact
+        for uniform routing (from pairs of experts both missed), experts taken as independent
+        otherwise."""
+        t = float(tokens)
+        if self.uniform:
+            E, k = self.E, self.k
+            a = (1 - k / E) ** t
+            b = ((E - k) * (E - k - 1) / (E * (E - 1))) ** t if E > 1 else 0.0
+            var = E * a * (1 - a) + E * (E - 1) * (b - a * a)
+        else:
+            miss = (1.0 - self.q) ** t
+            var = float(np.mean(np.sum(miss * (1 - miss), axis=1)))
+        return float(np.sqrt(max(var, 0.0)))
+
+    @cached_property
+    def _measured_distinct(self) -> dict[int, float]:
+        """A trace's own mean distinct count per layer and decode step, at its batch."""
+        if self.trace is None:
+            return {}
+        sizes = {step.shape[1] for step in self.trace.decode}
+        if len(sizes) != 1:
+            return {}
+        counts = [len(np.unique(step[layer])) for step in self.trace.decode
+                  for layer in range(self.trace.L)]
+        return {sizes.pop(): float(np.mean(counts))}
+
+    # --- experts held on the GPU -----------------------------------------------------------
+    def popular(self, n: int) -> np.ndarray:
+        """The `n` most popular experts of each layer (shape (L, n)): what a static placement
+        keeps on the GPU (llama.cpp's -ot, Fiddler)."""
+        return np.argsort(-self.q, axis=1, kind="stable")[:, :n]
+
+    def split(self, tokens, n: int) -> tuple[float, float, float]:
+        """With each layer's `n` most popular experts on the GPU: the share of token-expert
+        pairs they take, and the expected distinct experts touched on the GPU and off it."""
+        t = np.asarray(tokens, dtype=float)
+        on = np.zeros_like(self.q, dtype=bool)
+        np.put_along_axis(on, self.popular(n), True, axis=1)
+        share = float(np.mean(np.sum(self.q * on, axis=1))) / self.k
+        touched = 1.0 - (1.0 - self.q[:, :, None]) ** t.reshape(-1)
+        gpu = np.mean(np.sum(touched * on[:, :, None], axis=1), axis=0).reshape(t.shape)
+        cpu = np.mean(np.sum(touched * ~on[:, :, None], axis=1), axis=0).reshape(t.shape)
+        return share, _scalar(gpu), _scalar(cpu)
+
+    def cache_hits(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
+        """Per layer, the share of the experts a decode step touches that an expert cache of
+        `capacity` experts per layer already holds: LRU (most recently used kept) or
+        ``popular`` (the most popular, fixed). Measured by replaying the trace's decode steps,
+        or CACHE_STEPS steps drawn from the routing after as many to warm the cache."""
+        key = (tokens, capacity, eviction)
+        if key not in self._hits:
+            self._hits[key] = self._replay(tokens, capacity, eviction)
+        return self._hits[key]
+
+    def _replay(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
+        if capacity <= 0:
+            return np.zeros(self.L)
+        if capacity >= self.E:
+            return np.ones(self.L)
+        if self.trace is None and self.uniform_layers:       # every layer alike: replay one
+            return np.full(self.L, self._replay_layers(tokens, capacity, eviction, 1)[0])
+        return self._replay_layers(tokens, capacity, eviction, self.L)
+
+    def _replay_layers(self, tokens: int, capacity: int, eviction: str, layers: int
+                       ) -> np.ndarray:
+        steps = self._steps(tokens, layers)
+        warm = 0 if self.trace is not None else CACHE_STEPS
+        hits = np.zeros(layers)
+        for layer in range(layers):
+            if eviction == "popular":
+                held = set(self.popular(capacity)[layer].tolist())
+            else:
+                cache: OrderedDict[int, None] = OrderedDict()
+            hit = need = 0
+            for i, step in enumerate(steps):
+                wanted = np.unique(step[layer]).tolist()
+                if eviction == "popular":
+                    found = sum(e in held for e in wanted)
+                else:
+                    found = sum(e in cache for e in wanted)
+                    for e in wanted:
+                        cache.pop(e, None)
+                        cache[e] = None
+                    while len(cache) > capacity:
+                        cache.popitem(last=False)
+                if i >= warm:
+                    hit, need = hit + found, need + len(wanted)
+            hits[layer] = hit / need if need else 1.0
+        return hits
+
+    def _steps(self, tokens: int, layers: int) -> list[np.ndarray]:
+        if self.trace is not None:
+            return list(self.trace.decode)
+        rng = np.random.default_rng(self.seed)
+        return [_draw(rng, self.weights[:layers], self.k, int(tokens))
+                for _ in range(2 * CACHE_STEPS)]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer routes alike (synthetic routing)."""
+        return bool(np.all(self.weights == self.weights[0]))
+
+
+def _inclusion(p: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """Per-token inclusion probabilities of k experts drawn without replacement in proportion to
+    `p`: estimated from _DRAWS draws (exact for k = 1)."""
+    if k == 1:
+        return p.copy()
+    rng = np.random.default_rng(seed)
+    picks = _draw(rng, p[None, :], k, _DRAWS)[0]
+    return np.bincount(picks.ravel(), minlength=len(p)) / _DRAWS
+
+
+def _draw(rng: np.random.Generator, p: np.ndarray, k: int, tokens: int) -> np.ndarray:
+    """Each of `tokens` tokens' k experts in each layer (rows of `p`), drawn without replacement
+    in proportion to `p` (Gumbel top-k): shape (layers, tokens, k)."""
+    gumbel = rng.gumbel(size=(p.shape[0], tokens, p.shape[1]))
+    keys = np.log(np.maximum(p, 1e-300))[:, None, :] + gumbel
+    return np.argsort(-keys, axis=2)[:, :, :k]
+
+
+def _scalar(a: np.ndarray) -> float | np.ndarray:
+    return float(a) if a.ndim == 0 else a

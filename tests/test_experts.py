@@ -1,0 +1,169 @@
+"""Which experts a batch touches (taskgraph.dag.routing) and the expert-level schedules (EP, EC):
+the closed forms against draws made another way (numpy's own sampler), the large-batch numbers
+unchanged, the small-batch ones where the experts' bytes say they must be, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from taskgraph.dag.routing import Routing
+from taskgraph.scenario import for_schedule, load_scenario
+from taskgraph.sim.simulate import simulate_scenario
+
+T4 = "scenarios/t4.yaml"
+TINY = "scenarios/tiny.yaml"
+
+
+def _draws(p: np.ndarray, k: int, tokens: int, trials: int, seed: int) -> np.ndarray:
+    """Distinct experts `tokens` tokens touch, in `trials` trials, each token's k experts drawn
+    without replacement in proportion to p by numpy's Generator.choice (not the Gumbel top-k
+    the code uses)."""
+    rng = np.random.default_rng(seed)
+    out = np.empty(trials)
+    for i in range(trials):
+        seen = set()
+        for _ in range(tokens):
+            seen.update(rng.choice(len(p), size=k, replace=False, p=p).tolist())
+        out[i] = len(seen)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 32])
+def test_uniform_distinct_experts_mean_and_spread_match_draws(tokens):
+    sc = load_scenario(T4)                     # Mixtral: 2 of 8
+    routing = Routing.of(sc)
+    d = _draws(np.full(8, 1 / 8), 2, tokens, 4000, seed=tokens)
+    assert routing.distinct(tokens) == pytest.approx(d.mean(), abs=4 * d.std() / 63 + 1e-9)
+    assert routing.distinct_std(tokens) == pytest.approx(d.std(), abs=0.05)
+    assert routing.distinct(1) == 2.0 and routing.distinct(10_000) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_skewed_distinct_experts_match_draws(tokens):
+    sc = load_scenario(T4, ["workload.routing.kind=skewed", "workload.routing.zipf=1.2"])
+    routing = Routing.of(sc)
+    p = np.arange(1, 9, dtype=float) ** -1.2
+    d = _draws(p / p.sum(), 2, tokens, 4000, seed=100 + tokens)
+    assert routing.distinct(tokens) == pytest.approx(d.mean(), abs=4 * d.std() / 63 + 0.01)
+    # skew makes a batch touch fewer experts than uniform routing does
+    if tokens > 1:
+        assert routing.distinct(tokens) < Routing.of(load_scenario(T4)).distinct(tokens)
+
+
+def test_an_lru_cache_of_c_experts_hits_c_of_e_under_uniform_routing():
+    """At batch 1 under uniform routing each chosen expert is any of E alike, so whatever the
+    cache holds, c of E of them are in it."""
+    routing = Routing.of(load_scenario(T4))
+    for c in (2, 4, 6):
+        assert np.mean(routing.cache_hits(1, c, "lru")) == pytest.approx(c / 8, abs=0.03)
+    assert np.all(routing.cache_hits(1, 8, "lru") == 1.0)
+    assert np.all(routing.cache_hits(1, 0, "lru") == 0.0)
+
+
+def test_a_cache_of_the_most_popular_experts_hits_their_share():
+    sc = load_scenario(T4, ["workload.routing.kind=skewed",
+                            "workload.routing.popularity=[8,4,2,1,1,1,1,1]"])
+    routing = Routing.of(sc)
+    # at batch 1 a popular cache of c holds each chosen expert with the top c's share of the
+    # token-expert pairs
+    share, on_gpu, on_cpu = routing.split(1, 3)
+    assert np.mean(routing.cache_hits(1, 3, "popular")) == pytest.approx(share, abs=0.03)
+    assert on_gpu + on_cpu == pytest.approx(routing.distinct(1))
+    assert share == pytest.approx(np.sort(routing.q[0])[::-1][:3].sum() / 2)
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S2", "S3", "S4"])
+def test_at_large_batches_the_routing_changes_nothing(schedule):
+    """CGOPipe and FlexGen batches touch every expert whatever the routing: a skewed router
+    moves their throughput by under 0.1%."""
+    base = ["workload.gen_len=4"]
+    uniform = _run(schedule, base)
+    skewed = _run(schedule, base + ["workload.routing.kind=skewed", "workload.routing.zipf=1.0"])
+    assert skewed["throughput_tok_s"] == pytest.approx(uniform["throughput_tok_s"], rel=1e-3)
+
+
+def _run(schedule: str, sets: list[str]) -> dict:
+    sc = for_schedule(load_scenario(T4, sets), schedule)[0]
+    return simulate_scenario(sc, schedule).summary
+
+
+def _small(schedule: str, *more: str) -> dict:
+    return _run(schedule, ["policy.N=1", "policy.mu=1", "workload.gen_len=8", *more])
+
+
+def test_at_batch_1_an_expert_cache_is_bound_by_its_misses_on_the_link():
+    """EC at batch 1 with no cache copies both chosen experts of every layer: a decode layer
+    takes at least their bytes over the link, and a cache of c experts saves c/8 of that."""
+    sc = load_scenario(T4)
+    m, link = sc.model, sc.hardware.link.h2d_gbps * 1e9        # the peak: a lower bound
+    cold = _small("EC", "policy.experts_gpu=0")
+    assert cold["decode_layer_ms"] >= 2 * m.expert_bytes / link * 1e3
+    assert cold["experts"]["hit_rate"] == 0.0 and cold["bound_by"]["decode"] == "h2d"
+    warm = _small("EC", "policy.experts_gpu=1")
+    assert warm["experts"]["hit_rate"] == pytest.approx(1 / 8, abs=0.03)
+    assert warm["decode_layer_ms"] < cold["decode_layer_ms"]
+
+
+def test_at_batch_1_placed_experts_run_on_the_cpu_at_its_memory_bandwidth():
+    """EP with nothing placed reads both chosen experts from host memory on the CPU."""
+    sc = load_scenario(T4)
+    m, cpu = sc.model, sc.hardware.cpu
+    s = _small("EP", "policy.experts_gpu=0")
+    assert s["bound_by"]["decode"] == "cpu"
+    assert s["decode_layer_ms"] >= 2 * m.expert_bytes / (cpu.mem_gbps * 1e9) * 1e3
+    assert s["experts"]["gpu_share"] == 0.0
+
+
+def test_cgopipe_wins_at_its_batch_and_expert_offloading_at_batch_1():
+    """The crossover exists on t4: at batch 1 running experts where they lie (EP) beats
+    streaming every layer's weights (S1, S4); at CGOPipe's own batch it is the other way."""
+    small = {s: _small(s, "policy.experts_gpu=0")["token_latency_ms"] for s in ("EP",)}
+    small["S4"] = _small("S4")["token_latency_ms"]
+    assert small["EP"] < small["S4"] / 5
+    s1 = _run("S1", ["workload.gen_len=4"])["throughput_tok_s"]
+    ep = _run("EP", ["workload.gen_len=4"])["throughput_tok_s"]
+    assert s1 > 1.5 * ep
+
+
+def _tg(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "taskgraph.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sets, field", [
+    (["workload.routing.kind=skewed", "workload.routing.popularity=[1,2,3]"],
+     "popularity"),
+    (["workload.routing.kind=skewed"], "popularity"),
+    (["workload.routing.kind=uniform", "workload.routing.zipf=1"], "zipf"),
+    (["workload.routing.kind=trace"], "trace"),
+    (["policy.experts_gpu=99"], "experts_gpu"),
+])
+def test_bad_routing_and_expert_fields_are_one_clear_error(sets, field):
+    run = _tg("simulate", TINY, "--schedule", "EC", *[a for s in sets for a in ("--set", s)])
+    assert run.returncode == 2, run.stderr
+    assert field in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_cache_larger_than_gpu_memory_names_the_field():
+    run = _tg("simulate", T4, "--schedule", "EC", "--set", "policy.N=1", "--set", "policy.mu=1",
+              "--set", "policy.experts_gpu=8")
+    assert run.returncode == 2 and "GPU memory" in run.stderr, run.stderr
+    assert "policy.experts_gpu" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_routing_trace_of_another_model_is_refused(tmp_path):
+    sc = load_scenario(TINY)
+    m = sc.model
+    steps = [np.zeros((m.L, 3, m.k), dtype=int).tolist()] * 2
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps({"format": "tg-routing/1", "E": m.E + 1, "k": m.k, "L": m.L,
+                               "steps": steps}))
+    run = _tg("simulate", TINY, "--set", "workload.routing.kind=trace", "--set",
+              f"workload.routing.trace={bad}")
+    assert run.returncode == 2 and "workload.routing.trace" in run.stderr, run.stderr
+    assert f"E = {m.E + 1}" in run.stderr and "Traceback" not in run.stderr
