@@ -1,6 +1,7 @@
 """tg: one task graph for offloaded MoE inference, simulated and executed.
 
-The Python API (:mod:`taskgraph.api`): ``simulate``, ``compare``, ``search``, ``execute``,
+The Python API (:mod:`taskgraph.api`): ``simulate``, ``compare`` (and ``crossover``, its
+across-batch-sizes form), ``search``, ``execute``,
 ``fit``, ``sweep``, ``batch``, ``validate``, ``calibrate``, ``roofline`` and ``graph`` do what
 the `tg` verbs of the same names do and return typed results whose ``to_dict()`` is the verb's
 ``--json``; ``load`` reads a scenario.
@@ -9,8 +10,8 @@ the `tg` verbs of the same names do and return typed results whose ``to_dict()``
 __version__ = "0.1.0"
 
 from taskgraph.api import (  # noqa: E402
-    batch, calibrate, compare, execute, fit, graph, load, roofline, search, simulate, sweep,
-    validate)
+    batch, calibrate, compare, crossover, execute, fit, graph, load, roofline, search, simulate,
+    sweep, validate)
 
-__all__ = ["load", "simulate", "compare", "search", "execute", "fit", "sweep", "batch",
-           "validate", "calibrate", "roofline", "graph", "__version__"]
+__all__ = ["load", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
+           "batch", "validate", "calibrate", "roofline", "graph", "__version__"]

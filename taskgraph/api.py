@@ -110,6 +110,21 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
                keep_steps=keep_steps)
 
 
+def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
+              batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
+              backend: str = "pool", ray_address: str | None = None,
+              progress: Progress = None):
+    """`tg compare --batch-sizes`: each schedule (default S1, S4, S5, EP, EC) at each batch
+    size, at the policy that fills its GPU, simulated; where the batch schedules overtake the
+    expert-level ones. Returns a :class:`~taskgraph.study.crossover.Crossover`."""
+    from taskgraph.study.crossover import crossover as run
+
+    s, _ = load(scenario, overrides, auto=False)
+    return run(s, None if schedules is None else list(schedules),
+               None if batch_sizes is None else list(batch_sizes),
+               _backend(backend, ray_address), progress)
+
+
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
            verify: bool = False, brute_force: bool = False, backend: str = "pool",
            ray_address: str | None = None, progress: Progress = None):

@@ -47,6 +47,10 @@ _GPUS: dict[str, dict[str, Any]] = {
     "A100-80G": dict(memory_gb=80, mem_gbps=2039, tflops=312, flops_eff=0.7, mem_eff=0.85),
     "H100-SXM": dict(memory_gb=80, mem_gbps=3350, tflops=989, flops_eff=0.6, mem_eff=0.85),
     "H200": dict(memory_gb=141, mem_gbps=4800, tflops=989, flops_eff=0.6, mem_eff=0.85),
+    # Consumer and workstation cards (datasheet figures, not fitted): dense fp16 tensor rate
+    # with fp32 accumulation, as PyTorch's GEMMs run it.
+    "RTX4090": dict(memory_gb=24, mem_gbps=1008, tflops=165, flops_eff=0.5, mem_eff=0.85),
+    "RTXA5000": dict(memory_gb=24, mem_gbps=768, tflops=111, flops_eff=0.5, mem_eff=0.85),
 }
 
 _LINKS: dict[str, dict[str, Any]] = {
@@ -100,6 +104,12 @@ _HOSTS: dict[str, dict[str, Any]] = {
                      tflops=4.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=40),
     "xeon-112c": dict(name="2x Xeon 56-core", cores=112, memory_gb=2048, mem_gbps=600,
                       tflops=8.0, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=50),
+    # A desktop (Ryzen 9 7950X class): 16 cores, dual-channel DDR5-5600 (89.6 GB/s), 192 GB
+    # (four 48 GB modules: Mixtral 8x7B's 93 GB of fp16 weights and a KV cache); fp32 AVX-512
+    # at ~4.5 GHz. Datasheet figures, not measured.
+    "desktop-16c": dict(name="desktop 16-core, DDR5-5600 x2", cores=16, memory_gb=192,
+                        mem_gbps=89.6, tflops=2.3, flops_eff=0.5, mem_eff=0.75,
+                        memcpy_gbps=25),
     # An H100 cloud slice with few host cores: the "weak CPU" case the reviewers asked about.
     "weak-16c": dict(name="16 vCPU", cores=16, memory_gb=512, mem_gbps=100,
                      tflops=0.8, flops_eff=0.5, mem_eff=0.7, memcpy_gbps=15),
@@ -146,6 +156,10 @@ HARDWARE: dict[str, dict[str, Any]] = {
     "a100-80g": _machine("1xA100-80G", "A100-80G", 1, "pcie4", "epyc-64c"),
     "2xa100-80g": _machine("2xA100-80G", "A100-80G", 2, "pcie4", "epyc-64c", "nvlink3"),
     "h100": _machine("1xH100", "H100-SXM", 1, "pcie5", "xeon-112c"),
+    # Small-batch machines (docs/experts.md): a gaming PC, and the workstation card
+    # MoE-Infinity's README measured on (PCIe 4.0 at ~24 GB/s, as its paper states).
+    "rtx4090": _machine("1xRTX4090", "RTX4090", 1, "pcie4", "desktop-16c"),
+    "a5000": _machine("1xRTXA5000", "RTXA5000", 1, "pcie4", "xeon-24c"),
     "h100-weak-host": _machine("1xH100, weak host", "H100-SXM", 1, "pcie5", "weak-16c"),
     "h200": _machine("1xH200", "H200", 1, "pcie5", "xeon-112c"),
 }

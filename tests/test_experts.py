@@ -167,3 +167,36 @@ def test_a_routing_trace_of_another_model_is_refused(tmp_path):
               f"workload.routing.trace={bad}")
     assert run.returncode == 2 and "workload.routing.trace" in run.stderr, run.stderr
     assert f"E = {m.E + 1}" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_across_batch_sizes_expert_offloading_wins_small_and_cgopipe_large(tmp_path):
+    """tg compare --batch-sizes on t4: every point at a policy that fits, an expert-level
+    schedule best at batch 1, CGOPipe best at its own batch, and the crossover between."""
+    from taskgraph import crossover
+    from taskgraph.perf.memory import check_fits, memory_footprint
+    from taskgraph.dag.builder import make_plan
+    from taskgraph.study.crossover import EXPERT_LEVEL, policy_for
+    from tests.helpers import assert_drawn
+
+    c = crossover(T4, ["S1", "S4", "EP", "EC"], [1, 16, 504])
+    assert len(c.rows) == 12
+    assert c.best(1, c.schedules)["schedule"] in EXPERT_LEVEL
+    assert c.best(504, c.schedules)["schedule"] == "S1"
+    assert 1 < c.crossover["N"] <= 504
+    sc = load_scenario(T4)
+    assert [r["N"] for r in c.rows if "error" in r] == [1]       # S1 needs two sequences
+    for r in (r for r in c.rows if "error" not in r):
+        placed = policy_for(sc, r["schedule"], r["N"])
+        assert placed.policy.N == r["N"]
+        check_fits(memory_footprint(make_plan(placed, r["schedule"])), r["schedule"])
+    assert json.loads(json.dumps(c.to_dict()))["crossover"]["N"] == c.crossover["N"]
+    assert_drawn(c.plot(tmp_path / "x.png"))
+
+
+def test_the_greedy_policy_fills_the_gpu_with_experts():
+    """At batch 1 on a 24 GB L4, one expert a layer (11.3 GB) fits beside the rest, two do not:
+    the greedy choice takes exactly one."""
+    from taskgraph.study.crossover import policy_for
+
+    sc = policy_for(load_scenario("scenarios/l4.yaml"), "EC", 1)
+    assert (sc.policy.r_w, sc.policy.r_c, sc.policy.experts_gpu) == (1.0, 1.0, 1)

@@ -43,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
                         f"machine: {','.join(SCHEDULES)}; S5 on one GPU only, PP on several)")
     c.add_argument("--check", action="store_true",
                    help="enforce the scenario's `expect` section; exit 1 if any check fails")
+    c.add_argument("--batch-sizes", metavar="N,N,...", help="compare across these batch sizes "
+                   "instead, each schedule at the policy that fills its GPU (default schedules: "
+                   "S1,S4,S5,EP,EC); 'default' for 1,2,4,...,256,504 (docs/experts.md)")
+    c.add_argument("--plot", metavar="PNG", help="with --batch-sizes: draw throughput and "
+                   "per-token latency against batch size")
+    _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

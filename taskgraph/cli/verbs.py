@@ -42,6 +42,10 @@ def compare(args: argparse.Namespace) -> int:
         if not names:
             raise TgError(f"--schedules names no schedule; known schedules: "
                           f"{', '.join(SCHEDULES)}.")
+    if args.batch_sizes is not None:
+        return _crossover(args, names)
+    if args.plot:
+        raise TgError("--plot draws a comparison across batch sizes; give --batch-sizes.")
     first = api.parse_entry(names[0])[0] if names else None
     scenario = _load(args, first)
     with _progress(not args.json, "simulating") as tick:
@@ -57,6 +61,28 @@ def compare(args: argparse.Namespace) -> int:
             "failed: " + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got "
                                    f"{c.actual}" for c in result.failed) + "."
         )
+    return 0
+
+
+def _crossover(args: argparse.Namespace, names: list[str] | None) -> int:
+    if args.check or args.trace or args.gantt:
+        raise TgError("--batch-sizes runs many policies; --check, --trace and --gantt take one "
+                      "scenario's: drop them, or --batch-sizes.")
+    sizes = None
+    if args.batch_sizes.strip() != "default":
+        try:
+            sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise TgError(f"--batch-sizes must be comma-separated integers or 'default', not "
+                          f"'{args.batch_sizes}'.") from None
+    with _progress(not args.json, "simulating", "points") as tick:
+        result = api.crossover(_load(args), names, sizes, backend=args.backend,
+                               ray_address=args.ray_address, progress=tick)
+    if args.plot:
+        result.plot(args.plot)
+        if not args.json:
+            _console().print(Text(f"wrote {args.plot}"))
+    _show(args, result)
     return 0
 
 

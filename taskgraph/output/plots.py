@@ -15,7 +15,7 @@ from taskgraph.dag.builder import make_plan
 from taskgraph.perf.cost import CostModel
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.dag.schedules import RESOURCES
+from taskgraph.dag.schedules import RESOURCES, SCHEDULES
 from taskgraph.specs import Scenario
 
 
@@ -166,4 +166,34 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     axes[-1, 0].set_xlabel("ms from the window's first task")
     fig.legend(list(seen.values()), list(seen), loc="upper right", fontsize=7, ncol=6)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return save(fig, out)
+
+
+def crossover_plot(c, out: str | Path) -> Path:
+    """Throughput and per-token latency of each schedule against batch size (log-log), with
+    the batch from which the batch schedules win marked."""
+    plt = _pyplot()
+    fig, (tput, lat) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    for name in c.schedules:
+        rows = [r for r in c.rows if r["schedule"] == name and "error" not in r]
+        if not rows:
+            continue
+        n = [r["N"] for r in rows]
+        style = "--" if SCHEDULES[name].experts_on_host else "-"
+        tput.plot(n, [r["throughput_tok_s"] for r in rows], style, marker="o", ms=3, label=name)
+        lat.plot(n, [r["token_latency_ms"] for r in rows], style, marker="o", ms=3, label=name)
+    x = c.crossover
+    for ax, label in ((tput, "tokens/s (all sequences)"), (lat, "ms per token (one sequence)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size N (sequences)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.25)
+        if x and x.get("N"):
+            ax.axvline(x["N"], color="grey", ls=":", lw=1.2)
+    tput.legend(fontsize=8)
+    fig.suptitle(f"{c.scenario} on {c.hardware}: schedules across batch sizes"
+                 + (f" (streaming whole layers wins from N = {x['N']})" if x and x.get("N")
+                    else ""),
+                 fontsize=10)
     return save(fig, out)

@@ -389,3 +389,47 @@ def batch_table(scenario: Any, packing: Any) -> Table:
     t.add_row("aborted", f"{len(aborted)}" + (f": {shown}" + (", ..." if len(aborted) > 5
                                                               else "") if aborted else ""))
     return t
+
+
+def crossover_table(c) -> Table:
+    """Schedules across batch sizes: a row per batch size, each schedule's tokens per second
+    and milliseconds per token (latency), the best in bold; then where the sides cross."""
+    t = Table(title=f"tg compare {c.scenario} on {c.hardware} across batch sizes: tokens/s "
+                    "of the batch / ms a token of one sequence", title_justify="left",
+              caption=_crossover_caption(c.crossover), caption_justify="left")
+    t.add_column("N", justify="right")
+    for name in c.schedules:
+        t.add_column(name, justify="right")
+    t.add_column("best (bound by)")
+    for N in c.batch_sizes:
+        rows = {r["schedule"]: r for r in c.rows if r["N"] == N}
+        best = c.best(N, c.schedules)
+        cells = []
+        for name in c.schedules:
+            r = rows[name]
+            if "error" in r:
+                cells.append(Text("n/a", style="dim"))
+                continue
+            text = f"{_num(r['throughput_tok_s'])} / {_num(r['token_latency_ms'])}"
+            cells.append(Text(text, style="bold" if r is best else ""))
+        t.add_row(str(N), *cells, f"{best['schedule']} ({best['bound_by']})" if best else "-")
+    return t
+
+
+def _num(x: float) -> str:
+    """Three significant digits, without exponents: 0.0623, 4.62, 57.3, 15,932."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _crossover_caption(x: dict[str, Any] | None) -> str:
+    if x is None:
+        return ""
+    if x["N"] is None:
+        return x["note"] + "."
+    if "note" in x:
+        return x["note"] + "."
+    b, e, below = x["batch"], x["expert"], x["below"]
+    return (f"From N = {x['N']} streaming whole layers wins: {b['schedule']} "
+            f"{b['throughput_tok_s']:.3g} tok/s, {b['bound_by']}-bound, against "
+            f"{e['schedule']} {e['throughput_tok_s']:.3g} tok/s, {e['bound_by']}-bound. At N = "
+            f"{x['below_N']} {below['schedule']} still led, placing experts ({below['bound_by']}-bound).")
