@@ -219,8 +219,9 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "model": sc.model.name,
         "hardware": sc.hardware.name,
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
-                   **({"experts_gpu": p.experts_gpu, "eviction": p.eviction}
-                      if plan.schedule.ffn in ("split", "cache") else {})},
+                   **({"experts_gpu": p.experts_gpu} if plan.schedule.ffn in ("split", "cache")
+                      else {}),
+                   **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {})},
         "throughput_tok_s": _r(throughput),
         "hardware_limit_tok_s": _r(limit),
         "hardware_limit_fraction": _r(throughput / limit),

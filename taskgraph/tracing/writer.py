@@ -292,6 +292,10 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     copies = [kind in MOVES for kind in KIND_NAMES]
     tags = ["p" if kind in PAGED else "m" for kind in KIND_NAMES]
     idx_keys = ["page" if kind in PAGED else "micro_batch" for kind in KIND_NAMES]
+    # An expert cache's misses carry their layer's hit rate (the share of the chosen experts the
+    # cache held), so a trace shows where the cache works.
+    cache = prog.plan.work.cache_hits().tolist() if prog.plan.schedule.ffn == "cache" else None
+    expert_in = KIND_NAMES.index("ExpertIn")
     columns = zip(ids.tolist(), cols["kind"][ids].tolist(), cols["stream"][ids].tolist(),
                   prog.step[ids].tolist(), cols["layer"][ids].tolist(),
                   cols["index"][ids].tolist(), start_ns[ids].tolist(), end_ns[ids].tolist(),
@@ -301,6 +305,8 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
         nb = int(nb)
         work = (f'"memory bandwidth (GB/s)":{round(nb / max(t1 - t0, 1), 3)!r}'
                 if copies[kind_i] else f'"flops":{int(fl)}')
+        if cache is not None and kind_i == expert_in and st > 0:     # decode steps
+            work += f',"cache hit rate":{round(cache[layer], 4)!r}'
         args = (f'{{"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
                 f'"layer":{layer},"{idx_keys[kind_i]}":{index},"bytes":{nb},{work}}}')
         yield ("slice", pid, tids[sid], kind, cats[sid], t0, t1, args, flows, gid)
