@@ -13,13 +13,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from taskgraph.perf.cost import CostModel
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.errors import TgError
 from taskgraph.exec.microbench import base_profile, measure
 from taskgraph.output.report import Shown, calibrate_table
-from taskgraph.dag.schedules import RESOURCES
+from taskgraph.perf.cost import CostModel
 from taskgraph.specs import HardwareSpec, Scenario
-
 
 #: Policies the fit runs: several micro-batch sizes so that task sizes vary, and every schedule,
 #: so that every task kind is seen both alone (S3 overlaps little) and overlapped (S1 overlaps
@@ -85,10 +84,10 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     another stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
     price the kinds whose sizes do not vary."""
     from taskgraph.dag.compiled import KIND_NAMES
-    from taskgraph.exec.execute import execute_scenario
-    from taskgraph.sim.interference import busy_fractions
-    from taskgraph.scenario import for_schedule
     from taskgraph.dag.schedules import SCHEDULES
+    from taskgraph.exec.execute import execute_scenario
+    from taskgraph.scenario import for_schedule
+    from taskgraph.sim.interference import busy_fractions
 
     base_cost = CostModel(HardwareSpec.model_validate(base))
     samples: dict[str, _Samples] = {}

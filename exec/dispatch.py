@@ -36,8 +36,8 @@ from taskgraph.dag.builder import TaskKey
 from taskgraph.dag.compiled import Program
 from taskgraph.exec.profiling import ORIGIN
 from taskgraph.exec.runtime import Runtime
-from taskgraph.kinds import KIND_NAMES
 from taskgraph.kernels.ops import one_thread
+from taskgraph.kinds import KIND_NAMES
 from taskgraph.sim.engine import SimRun
 
 HOST_STREAMS = frozenset({"cpu", "pin"})

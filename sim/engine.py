@@ -28,8 +28,8 @@ import numpy as np
 import simpy
 
 from taskgraph.dag.compiled import Program
-from taskgraph.perf.cost import CostModel
 from taskgraph.errors import ScheduleError
+from taskgraph.perf.cost import CostModel
 
 
 @dataclass

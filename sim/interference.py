@@ -26,8 +26,8 @@ import numpy as np
 
 from taskgraph.dag.builder import lookahead_steps
 from taskgraph.dag.compiled import Program
-from taskgraph.perf.cost import CostModel
 from taskgraph.dag.schedules import RESOURCES
+from taskgraph.perf.cost import CostModel
 from taskgraph.sim.contention import pool_speed
 from taskgraph.sim.engine import Recorder, SimRun, simulate
 

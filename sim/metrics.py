@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from taskgraph.dag.compiled import Program
-from taskgraph.perf.cost import POOLS, CostModel, hrm_bound
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.kinds import KIND_NAMES
+from taskgraph.perf.cost import POOLS, CostModel, hrm_bound
 from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.perf.memory import MemoryReport
-from taskgraph.dag.schedules import RESOURCES
 from taskgraph.sim.engine import Recorder, SimRun
 
 

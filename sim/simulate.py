@@ -15,9 +15,9 @@ import numpy as np
 from taskgraph.dag.builder import Plan, make_plan
 from taskgraph.dag.compiled import Program, compile_plan
 from taskgraph.errors import MemoryFitError, TgError
+from taskgraph.output.report import Shown, simulate_table, warnings_of
 from taskgraph.perf.cost import POOL_NAMES, POOLS, cost_model
 from taskgraph.perf.memory import MemoryReport, check_fits, memory_footprint
-from taskgraph.output.report import Shown, simulate_table, warnings_of
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference, slowdown_matrix
 from taskgraph.sim.metrics import Summarizing, summarize

@@ -219,7 +219,8 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     axis, a second one line each); writes sweep.csv and sweep.png into `out`. The scenario is
     a file (each point is a job that reads it). Returns a
     :class:`~taskgraph.study.sweep.Sweep`."""
-    from taskgraph.study.sweep import parse_vary, sweep as run
+    from taskgraph.study.sweep import parse_vary
+    from taskgraph.study.sweep import sweep as run
 
     items = ([f"{k}={','.join(str(v) for v in values)}" for k, values in vary.items()]
              if isinstance(vary, Mapping) else list(vary))
@@ -259,7 +260,6 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     any scenario can use. Returns a :class:`~taskgraph.exec.calibrate.Calibration`."""
     from taskgraph.exec.calibrate import calibrate_to
     from taskgraph.exec.execute import pick_device
-
     from taskgraph.files import refuse_input
 
     dev = pick_device(device)
@@ -272,7 +272,8 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
              ) -> dict[str, Any]:
     """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG); returns its turning
     points, the intensity of each task kind, and where each belongs."""
-    from taskgraph.output.plots import roofline as draw, roofline_points
+    from taskgraph.output.plots import roofline as draw
+    from taskgraph.output.plots import roofline_points
 
     s, _ = load(scenario, overrides)
     draw(s, out)

@@ -21,7 +21,6 @@ from typing import Any, Iterator
 
 from taskgraph.errors import TgError
 
-
 # Every file this run has read (resolved): no output may replace one of them.
 _INPUTS: set[Path] = set()
 

@@ -20,9 +20,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
+from taskgraph.dag.routing import trace_from_dict
+from taskgraph.dag.schedules import PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text, read_json, read_text
-from taskgraph.specs import Scenario
+from taskgraph.serving.requests import generate_requests, read_requests, summary
+from taskgraph.specs import LengthsSpec, Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
              "name")
@@ -70,8 +73,6 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     impl = raw.get("implementation")
     if isinstance(impl, dict) and not {"preset", "file", "name"} & impl.keys():
         # `--set implementation.kinds...` alone: start from the schedule's own software
-        from taskgraph.dag.schedules import SCHEDULES
-
         own = SCHEDULES.get(str(raw.get("schedule", "S1")))
         raw["implementation"] = {"preset": own.implementation if own else "ideal", **impl}
     for section in _PRESETS:
@@ -97,8 +98,6 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
     (``Schedule.placement``: where attention, the KV cache and the FFN live) set, and a note
     saying what that changed. A field the user gave explicitly with another value is an error
     naming both: a ``--set`` binds every schedule, a value in the file only the file's own."""
-    from taskgraph.dag.schedules import PLACEMENT_MEANS, SCHEDULES
-
     s = SCHEDULES[schedule]
     policy, changes = scenario.policy, {}
     for key, value in s.placement.items():
@@ -148,9 +147,6 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
     """The request list of ``workload.requests`` (a file) or ``workload.lengths`` (generated,
     from explicit figures or a workload preset's), with the workload's mean-length fields set
     from it, replacing any given (they are the fast path every model of the run uses)."""
-    from taskgraph.serving.requests import generate_requests, read_requests, summary
-    from taskgraph.specs import LengthsSpec
-
     w = raw.get("workload")
     if not isinstance(w, dict) or not {"requests", "lengths"} & w.keys():
         return None
@@ -196,8 +192,6 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
 def _routing_trace(scenario: Scenario, source: str, base_dir: Path):
     """The router decisions ``workload.routing.trace`` names, checked against the model: a trace
     recorded from another model shape would price experts the model does not have."""
-    from taskgraph.dag.routing import trace_from_dict
-
     where = scenario.workload.routing.trace
     if where is None:
         return None
@@ -418,8 +412,6 @@ def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict
 
 
 def _check_schedule_names(scenario: Scenario, source: str) -> None:
-    from taskgraph.dag.schedules import SCHEDULES
-
     names = [("schedule", scenario.schedule)]
     if scenario.expect is not None:
         names += [("expect", n) for n in scenario.expect.schedules()]

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from taskgraph.dag.schedules import RESOURCES
+from taskgraph.kinds import KINDS
 
 # No NaN or infinity anywhere: every figure must be a number a run can use.
 _STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -307,8 +308,6 @@ class ImplementationSpec(BaseModel):
     @field_validator("kinds")
     @classmethod
     def _known_kinds(cls, value: dict[str, KindEffect]) -> dict[str, KindEffect]:
-        from taskgraph.kinds import KINDS
-
         for kind in value:
             if kind not in KINDS:
                 raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
@@ -346,8 +345,6 @@ class HardwareSpec(BaseModel):
     @field_validator("task_overhead_us", "task_gbps")
     @classmethod
     def _known_kinds(cls, value: dict[str, float], info) -> dict[str, float]:
-        from taskgraph.kinds import KINDS
-
         for kind, x in value.items():
             if not math.isfinite(x):
                 raise ValueError(f"{kind}: {x} is not a finite number")

@@ -8,8 +8,8 @@ from typing import Callable
 
 from taskgraph import __version__
 from taskgraph.cli import verbs
-from taskgraph.errors import TgError
 from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.errors import TgError
 from taskgraph.tracing.writer import require_perfetto
 
 

@@ -13,9 +13,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from taskgraph import api
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import CheckFailed, TgError
 from taskgraph.files import refuse_input
-from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.output.report import stderr_console
 from taskgraph.tracing.writer import Window
 

@@ -42,14 +42,14 @@ from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 
 import networkx as nx
 
+from taskgraph.dag.routing import Routing
+from taskgraph.dag.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
+                                     Schedule)
+from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
                              TP_PARTS, WEIGHT_SECTIONS)
-from taskgraph.dag.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
-                                 Schedule)
 from taskgraph.specs import Scenario
-from taskgraph.dag.routing import Routing
-from taskgraph.dag.work import TaskWork, WeightLayout
 
 
 class TaskKey(NamedTuple):

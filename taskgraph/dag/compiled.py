@@ -21,10 +21,9 @@ import networkx as nx
 import numpy as np
 
 from taskgraph.dag.builder import Plan, build_segment, lookahead_steps
-from taskgraph.kinds import KIND_NAMES, PAGED
 from taskgraph.dag.schedules import RESOURCES, STREAM_RESOURCE
 from taskgraph.dag.work import Load
-
+from taskgraph.kinds import KIND_NAMES, PAGED
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from taskgraph.dag.builder import make_plan
-from taskgraph.perf.cost import CostModel
+from taskgraph.dag.schedules import RESOURCES, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.dag.schedules import RESOURCES, SCHEDULES
+from taskgraph.perf.cost import CostModel
 from taskgraph.specs import Scenario
 
 

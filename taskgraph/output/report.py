@@ -10,8 +10,8 @@ from rich.console import Console, ConsoleOptions, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from taskgraph.perf.cost import POOL_NAMES
 from taskgraph.expect import Check
+from taskgraph.perf.cost import POOL_NAMES
 
 
 def _policy(p: dict[str, Any]) -> str:

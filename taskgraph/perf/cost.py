@@ -27,8 +27,9 @@ import math
 
 import numpy as np
 
+from taskgraph.dag.schedules import RESOURCES, SCHEDULES
 from taskgraph.kinds import KIND_INDEX, KINDS, SENDS
-from taskgraph.dag.schedules import RESOURCES
+from taskgraph.presets import IMPLEMENTATIONS
 from taskgraph.specs import HardwareSpec, ImplementationSpec, Scenario
 
 #: What the GPUs of one host share (hardware.shared): host memory bandwidth, and the PCIe lanes
@@ -166,9 +167,6 @@ class CostModel:
 
 def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
     """The scenario's implementation, or the one `schedule` stands for by default."""
-    from taskgraph.presets import IMPLEMENTATIONS
-    from taskgraph.dag.schedules import SCHEDULES
-
     if scenario.implementation is not None:
         return scenario.implementation
     return ImplementationSpec.model_validate(IMPLEMENTATIONS[SCHEDULES[schedule].implementation])
@@ -178,8 +176,6 @@ def cost_model(scenario: Scenario, schedule: str) -> CostModel:
     """The cost model a simulation of `schedule` in `scenario` runs on: the scenario's machine,
     priced for the implementation that runs it. A schedule that stages weights through pinned
     buffers (W_CtoPin) copies them from pinned memory whatever the software's habit."""
-    from taskgraph.dag.schedules import SCHEDULES
-
     impl = implementation_for(scenario, schedule)
     if SCHEDULES[schedule].staging and impl.pageable_weights:
         impl = impl.model_copy(update={"pageable_weights": False})

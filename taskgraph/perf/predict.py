@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.perf.cost import POOLS, CostModel, cost_model
-from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, PAGED, TP_PARTS
 from taskgraph.dag.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
-from taskgraph.specs import PolicySpec, Scenario
 from taskgraph.dag.work import TaskWork, WeightLayout
+from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, PAGED, TP_PARTS
+from taskgraph.perf.cost import POOLS, CostModel, cost_model
+from taskgraph.specs import PolicySpec, Scenario
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,14 @@ import numpy as np
 
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.compiled import Program, compile_plan
-from taskgraph.perf.cost import cost_model
-from taskgraph.kinds import KIND_NAMES
-from taskgraph.perf.limits import hardware_limit_tok_s
-from taskgraph.files import atomic_path
-from taskgraph.perf.memory import check_fits, memory_footprint
-from taskgraph.output.report import Shown, queue_rows, simulate_table, warnings_of
-from taskgraph.serving.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
 from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.files import atomic_path
+from taskgraph.kinds import KIND_NAMES
+from taskgraph.output.report import Shown, queue_rows, simulate_table, warnings_of
+from taskgraph.perf.cost import cost_model
+from taskgraph.perf.limits import hardware_limit_tok_s
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.serving.requests import BatchLoad, Packing, Refill, Request, pack_scenario, refill
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import summarize

@@ -10,10 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from taskgraph.dag.builder import make_plan
+from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.expect import Check, evaluate
 from taskgraph.output.report import Shown, check_table, compare_table, warnings_of
-from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.scenario import for_schedule
+from taskgraph.serving.queue import simulate_queue
+from taskgraph.serving.requests import with_padding
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced
 
@@ -141,11 +147,6 @@ def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
     """Simulate `names` on a mean-length scenario. Every schedule's memory is checked before
     any is simulated; one that does not fit fails the comparison if it is `required`, and is
     left out, with the reason, if not. Ctrl-C ends the comparison after the schedule it hit."""
-    from taskgraph.dag.builder import make_plan
-    from taskgraph.perf.memory import check_fits, memory_footprint
-    from taskgraph.scenario import for_schedule
-    from taskgraph.sim.simulate import simulate_scenario
-
     out, adapted = Comparison(scenario.name), {}
     for name in names:
         adapted[name], note = for_schedule(scenario, name)
@@ -172,10 +173,6 @@ def compare_queues(scenario: Scenario, entries: list[str], keep_runs: bool,
     paper's headline: unpadded MoE-Lightning against padded FlexGen on the same requests),
     NAME:refill as one continuous batch (MoE-Lens). Returns the comparison, keyed by entry,
     with the runs to trace labelled with their entry."""
-    from taskgraph.scenario import for_schedule
-    from taskgraph.serving.queue import simulate_queue
-    from taskgraph.serving.requests import with_padding
-
     out = Comparison(scenario.name)
     w = scenario.workload
     for entry in entries:

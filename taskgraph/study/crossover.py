@@ -20,8 +20,11 @@ from typing import Any, Callable
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import MemoryFitError, ScheduleError, TgError
+from taskgraph.output.plots import crossover_plot
 from taskgraph.output.report import Shown, crossover_table
 from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.scenario import for_schedule
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import MAX_MICRO_BATCHES, PolicySpec, Scenario
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 
@@ -49,8 +52,6 @@ class PointJob:
     N: int
 
     def run(self) -> dict[str, Any]:
-        from taskgraph.sim.simulate import simulate_scenario
-
         row = {"schedule": self.schedule, "N": self.N}
         try:
             sc = policy_for(self.scenario, self.schedule, self.N)
@@ -65,8 +66,6 @@ class PointJob:
 def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
     """`scenario` running `schedule` with N sequences at the greedy policy (module docstring);
     MemoryFitError if not even the least of it fits."""
-    from taskgraph.scenario import for_schedule
-
     s = SCHEDULES[schedule]
     fixed = s.placement
     n_min = max(s.min_micro_batches, 1)
@@ -156,8 +155,6 @@ class Crossover(Shown):
         yield crossover_table(self)
 
     def plot(self, out: str | Path) -> Path:
-        from taskgraph.output.plots import crossover_plot
-
         return crossover_plot(self, out)
 
 

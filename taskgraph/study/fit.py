@@ -33,8 +33,8 @@ import numpy as np
 from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.output.report import Shown, fit_table
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.study.measurements import Cell
 
 
@@ -150,8 +150,8 @@ def _scenario(cell: Cell, machines, impls):
 
 
 def predicted_tok_s(cell: Cell, machines, impls) -> float:
-    from taskgraph.perf.predict import predict
     from taskgraph.dag.schedules import SCHEDULES
+    from taskgraph.perf.predict import predict
 
     return float(predict(_scenario(cell, machines, impls),
                          SCHEDULES[cell.schedule]).throughput_tok_s[0])

@@ -18,13 +18,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from taskgraph import presets
-from taskgraph.errors import TgError
-from taskgraph.files import plain_text
+from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.errors import MemoryFitError, TgError
+from taskgraph.files import plain_text
+from taskgraph.perf.memory import check_fits, memory_footprint
+from taskgraph.scenario import _read_yaml, scenario_from_dict
 
 
 class CellPolicy(BaseModel):
@@ -112,8 +114,6 @@ class Cell(BaseModel):
     def scenario(self, hardware: dict[str, Any] | None = None,
                  implementation: dict[str, Any] | None = None):
         """The scenario this cell ran (on its machine's and system's presets by default)."""
-        from taskgraph.scenario import scenario_from_dict
-
         return scenario_from_dict(self.scenario_doc(
             hardware or self.machine,
             implementation or presets.IMPLEMENTATIONS[self.implementation_name]),
@@ -122,10 +122,6 @@ class Cell(BaseModel):
     def memory_note(self) -> str | None:
         """What is over, if the policy needs more memory than the machine has under tg's memory
         model: the run happened, so a term of the model is wrong (None: it fits)."""
-        from taskgraph.dag.builder import make_plan
-        from taskgraph.errors import MemoryFitError
-        from taskgraph.perf.memory import check_fits, memory_footprint
-
         try:
             check_fits(memory_footprint(make_plan(self.scenario())), self.schedule)
         except MemoryFitError as err:
@@ -161,9 +157,6 @@ def _quote(value: Any, limit: int = 60) -> str:
 
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
-    from taskgraph.dag.builder import make_plan
-    from taskgraph.scenario import _read_yaml
-
     path = Path(path)
     doc = _read_yaml(path, what="measurements file")
     if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:

@@ -23,15 +23,17 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.dag.builder import build_segment, make_plan
-from taskgraph.perf.cost import CostModel, cost_model
+from taskgraph.dag.schedules import SCHEDULES, Schedule
 from taskgraph.errors import ScheduleError, TgError
-from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.output.report import Shown, brute_force_table, search_table
+from taskgraph.perf.cost import CostModel, cost_model
 from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.perf.memory import GB, memory_items
 from taskgraph.perf.predict import ROWS, predict_micro_batches
-from taskgraph.output.report import Shown, brute_force_table, search_table
-from taskgraph.dag.schedules import SCHEDULES, Schedule
+from taskgraph.serving.queue import simulate_queue
+from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import PolicySpec, Scenario
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
 R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
@@ -287,10 +289,7 @@ class SimJob:
 
     def run(self) -> dict[str, Any]:
         if self.scenario.requests is not None:
-            from taskgraph.serving.queue import simulate_queue
-
             return simulate_queue(self.scenario).summary
-        from taskgraph.sim.simulate import simulate_scenario
 
         return simulate_scenario(self.scenario).summary
 

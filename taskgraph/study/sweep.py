@@ -17,9 +17,13 @@ from typing import Any, Callable
 
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
-from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.output.plots import _pyplot, save
 from taskgraph.output.report import Shown, sweep_table
+from taskgraph.perf.limits import hardware_limit_tok_s
+from taskgraph.scenario import load_scenario
 from taskgraph.specs import Scenario
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
+from taskgraph.study.search import search
 
 # Points of one sweep (the product of every --vary's values): each loads a scenario and runs a
 # search, seconds each; more is hours, and a plot no one can read.
@@ -35,9 +39,6 @@ class SweepJob:
     scenario: Scenario
 
     def run(self) -> dict[str, Any]:
-        from taskgraph.perf.limits import hardware_limit_tok_s
-        from taskgraph.study.search import search
-
         row: dict[str, Any] = {k: v for k, v in self.point}
         try:
             result = search(self.scenario, top=1, workers=1)
@@ -72,8 +73,6 @@ def sweep(scenario: str, overrides: list[str], vary: list[tuple[str, list[str]]]
           progress: Callable[[int, int], None] | None = None) -> Sweep:
     """Search the best policy at every combination of the `vary` values (at most two settings:
     the x axis and one line each) and write sweep.csv and sweep.png into `out`."""
-    from taskgraph.scenario import load_scenario
-
     if len(vary) > 2:
         raise TgError("tg sweep plots at most two --vary settings (x axis and one line each).")
     load_scenario(scenario, overrides)          # fail fast on a bad scenario
@@ -104,8 +103,6 @@ def sweep_jobs(scenario: str, overrides: list[str], vary: list[tuple[str, list[s
                ) -> list[SweepJob]:
     """One job per point of the grid. Every point must be a valid scenario before any runs: a
     typo in a value is an error, not a row of the CSV."""
-    from taskgraph.scenario import load_scenario
-
     points = math.prod(len(vals) for _, vals in vary)
     if points > MAX_POINTS:
         raise TgError(f"--vary gives {points:,} sweep points; tg sweeps at most {MAX_POINTS:,} "
@@ -145,8 +142,6 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
 
 
 def _plot(rows, vary, path: Path) -> Path:
-    from taskgraph.output.plots import _pyplot, save
-
     plt = _pyplot()
     x_key, x_vals = vary[0]
     series = vary[1][1] if len(vary) > 1 else [None]

@@ -19,11 +19,11 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.dag.compiled import KIND_NAMES
-from taskgraph.errors import TgError
-from taskgraph.study.jobs import LOCAL, Backend, run_jobs
-from taskgraph.output.report import Shown, validate_table
 from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.errors import TgError
+from taskgraph.output.report import Shown, validate_table
 from taskgraph.specs import Scenario
+from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.tracing.writer import Traced, TraceRun
 
 
