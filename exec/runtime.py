@@ -7,6 +7,10 @@ weights and the KV cache of all sequences; the device holds the resident part of
 between host weights and the device (CGOPipe). Every buffer is allocated once, up front; the task
 graph's buffer-reuse edges are what keep tasks from clobbering each other.
 
+Expert-level schedules keep experts on the device besides: EP the ``experts_gpu`` most popular
+experts of each layer, copied once at start-up; EC a cache of expert slots per layer, filled by
+``ExpertIn`` (:class:`_ExpertCache`).
+
 Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
 elements: an element belongs to the page holding its first byte, so a task never reads a page the
 graph did not make it wait for (checked at start-up).
@@ -15,18 +19,19 @@ graph did not make it wait for (checked at start-up).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from taskgraph.dag.builder import Plan
-from taskgraph.errors import TgError
+from taskgraph.dag.routing import Routing
 from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, experts,
                                    lm_head, post_attention, pre_attention, prefill_attention,
                                    prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS,
-                             SIMULATED_ONLY, TP_ONLY, WEIGHT_SECTIONS)
+from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS, TP_ONLY,
+                             WEIGHT_SECTIONS)
 
 
 class Runtime:
@@ -53,11 +58,6 @@ class Runtime:
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
                  zero_copy: bool = False, last_steps: list[int] | None = None,
                  shard: Any = None):
-        if plan.schedule.ffn in ("split", "cache"):
-            raise TgError(f"Schedule {plan.schedule.name} ({plan.schedule.title}) runs in the "
-                          "simulator only so far: the executor has no kernels for experts "
-                          "placed or cached on the GPU (docs/experts.md). Simulate it, or "
-                          "execute S5 (every expert on the CPU).")
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
@@ -95,7 +95,7 @@ class Runtime:
         # One device: no tensor-parallel parts or collectives to run (sends only between
         # pipeline stages, below).
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS | TP_ONLY | SIMULATED_ONLY}
+                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
         # Pipeline stages in one process share the device: what a send carries is already there
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})
@@ -135,8 +135,10 @@ class Runtime:
         else:
             self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
             self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
-        if plan.schedule.ffn == "cpu":
+        if plan.schedule.experts_on_host:
             self._ffn_buffers(dev, host, zero_copy)
+        if plan.schedule.ffn in ("split", "cache"):
+            self._expert_buffers(dev)
         # Outputs stay on the device until the run ends (reading them back mid-run would stall
         # a stream).
         self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
@@ -247,8 +249,8 @@ class Runtime:
         self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],
                                        self._view(s, l, j), self.m))
 
-    # --- FFN on the CPU (S5): rows are a micro-batch's prompt tokens in prefill, else its
-    # sequences
+    # --- routed FFN apart from attention (S5, EP, EC): rows are a micro-batch's prompt tokens
+    # in prefill, else its sequences
 
     def _ffn_buffers(self, dev, host, zero_copy: bool) -> None:
         m, rows = self.m, self.mu * self.P
@@ -304,9 +306,11 @@ class Runtime:
 
     def _CPUFFN(self, s: int, l: int, j: int) -> None:
         T = self.mu * self.P if s == 0 else self.mu
+        # EP: only the experts the GPU does not hold (S5: every expert)
+        only = self._on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
-            self._host_views[l], self.m))
+            self._host_views[l], self.m, only))
 
     def _D6(self, s: int, l: int, j: int) -> None:
         T = self._hidden(s, j).shape[0]
@@ -314,7 +318,139 @@ class Runtime:
 
     def _Merge(self, s: int, l: int, j: int) -> None:
         x = self._hidden(s, j)
-        x += self.ffn_out[j][:x.shape[0]]
+        T = x.shape[0]
+        if self.plan.schedule.ffn == "split":
+            # The GPU's part and the CPU's summed first, then added to the residual, as the
+            # reference adds the whole sum: with top-2 routing each part holds at most the one
+            # or two terms of a token's sum, so this is the reference's sum bit for bit.
+            x += self.ffn_gpu[j][:T] + self.ffn_out[j][:T]
+        else:
+            x += self.ffn_out[j][:T]
+
+    # --- experts on the GPU (EP: the most popular, placed; EC: a cache) ------------------------
+
+    def _expert_buffers(self, dev) -> None:
+        """EP: each layer's ``experts_gpu`` most popular experts (``Routing.popular``), copied
+        to the device once, here, apart from the forward (as gpt-fast's setup_caches); the
+        other experts are the host's (CPUFFN); a buffer per micro-batch for the GPU's part of
+        the sum. EC: each layer's expert slots on the device and the cache over them.
+
+        Zero copy shares host and device memory: the GPU's experts are read where they lie in
+        host memory (no copy at start-up, none on a miss: ExpertIn is a no-op like every other
+        host-device copy, and EC has no cache to keep)."""
+        m, p, sched = self.m, self.plan.scenario.policy, self.plan.schedule
+        sections = {s.name: s for s in layer_sections(m)}
+        # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector: one block.
+        self._expert_at = [sections[f"w1.{e}"].offset for e in range(m.E)]
+        self._expert_numel = 3 * m.h_i * m.h
+        self.expert_copies = 0                      # experts ExpertIn copied (EC), all layers
+        self.expert_copies_by_layer = [0] * self.L
+        n = min(p.experts_gpu, m.E)
+        if sched.ffn == "split":
+            placed = Routing.of(self.plan.scenario).popular(n)          # (L, n)
+            self.placed = [sorted(int(e) for e in row) for row in placed]
+            self._on_gpu = [frozenset(row) for row in self.placed]
+            self._on_host = [frozenset(range(m.E)) - held for held in self._on_gpu]
+            rows = self.mu * self.P
+            self.ffn_gpu = [dev(rows, m.h) for _ in range(self.n)]
+            if self.zero_copy:
+                self._gpu_experts = self._host_views
+            else:
+                self._gpu_experts = []
+                for l, held in enumerate(self.placed):
+                    area = dev(len(held), self._expert_numel)
+                    for slot, e in enumerate(held):
+                        area[slot].copy_(self._expert_block(l, e))
+                    self._gpu_experts.append(self._slot_views(area, dict(enumerate(held))))
+            return
+        # EC. A micro-batch's chosen experts must all lie on the device while its GPUFFN
+        # runs, and a cache of c slots may be smaller than that (c = 0 included): the device
+        # area of a layer is max(c, the most a micro-batch can choose, min(E, tokens * k)),
+        # its prefill's tokens (mu * P) setting that bound. The cache keeps at most c experts
+        # from one micro-batch to the next; the slots beyond c are staging for the misses of
+        # one micro-batch, which a later miss overwrites and never counts as a hit. (The
+        # memory model counts the c cached experts only.) "popular" holds the c most popular
+        # experts fixed, copied here once like EP's, and its misses go through the staging
+        # slots.
+        self.cache_capacity = n
+        if self.zero_copy:
+            self._caches = None
+            return
+        choose = min(m.E, self.mu * self.P * m.k)
+        popular = p.eviction == "popular"
+        held = ([sorted(int(e) for e in row) for row in Routing.of(self.plan.scenario).popular(n)]
+                if popular else [[] for _ in range(self.L)])
+        slots = n + min(m.E - n, choose) if popular else max(n, choose)
+        self._caches, self._cache_areas, self._cache_slots = [], [], []
+        for l in range(self.L):
+            area = dev(slots, self._expert_numel)
+            for slot, e in enumerate(held[l]):
+                area[slot].copy_(self._expert_block(l, e))
+            self._cache_areas.append(area)
+            self._cache_slots.append([self._expert_views(area[i]) for i in range(slots)])
+            self._caches.append(_ExpertCache(slots, n, held[l]))
+        # which slot holds each chosen expert, per (layer, micro-batch): ExpertIn writes it,
+        # that micro-batch's GPUFFN reads it
+        self._slot_of: dict[tuple[int, int], dict[int, int]] = {}
+
+    def _expert_block(self, l: int, e: int) -> torch.Tensor:
+        """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
+        a = self._expert_at[e]
+        return self.w.layers[l][a:a + self._expert_numel]
+
+    def _expert_views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) of the expert in a flat block, as views."""
+        m, cut = self.m, 2 * self.m.h_i * self.m.h
+        return block[:cut].view(2 * m.h_i, m.h), block[cut:].view(m.h, m.h_i)
+
+    def _slot_views(self, area: torch.Tensor, expert_of: dict[int, int]) -> dict:
+        """What :func:`experts` reads (``w13.{e}``, ``w2.{e}``) over an area's slots."""
+        out = {}
+        for slot, e in expert_of.items():
+            out[f"w13.{e}"], out[f"w2.{e}"] = self._expert_views(area[slot])
+        return out
+
+    def _GPUFFN(self, s: int, l: int, j: int) -> None:
+        T = self._hidden(s, j).shape[0]
+        normed, ids, gates = self.normed[j][:T], self.expert_ids[j][:T], self.gates[j][:T]
+        if self.plan.schedule.ffn == "split":
+            # the experts the GPU holds; the others are the CPU's (CPUFFN), Merge adds both
+            self.ffn_gpu[j][:T].copy_(experts(normed, ids, gates, self._gpu_experts[l], self.m,
+                                              self._on_gpu[l]))
+            return
+        # EC: every chosen expert, from the slots ExpertIn mapped, into the residual
+        if self._caches is None:                     # zero copy: where they lie
+            W = self._host_views[l]
+        else:
+            slots = self._cache_slots[l]
+            W = {}
+            for e, slot in self._slot_of.pop((l, j)).items():
+                W[f"w13.{e}"], W[f"w2.{e}"] = slots[slot]
+        x = self._hidden(s, j)
+        x += experts(normed, ids, gates, W, self.m)
+
+    def _ExpertIn(self, s: int, l: int, j: int) -> None:
+        """The micro-batch's chosen experts the layer's cache misses, host -> device, into the
+        slots the eviction policy frees; records which slot holds each chosen expert. Reading
+        the router's choice on the host: on the CPU backend the ids are host memory already;
+        on CUDA this stream has waited for Route's event, and ``tolist()`` waits for the
+        copy back (a host sync, in this task's time, as a real cache's lookup is).
+
+        A slot it overwrites may have been read by the previous micro-batch's GPUFFN of this
+        layer: the graph orders them through the GPU stream (this task waits for this
+        micro-batch's Route, launched there after that GPUFFN)."""
+        T = self._hidden(s, j).shape[0]
+        wanted = torch.unique(self.expert_ids[j][:T]).tolist()          # sorted
+        mapping, copies = self._caches[l].admit(wanted)
+        for e, slot in copies:
+            self._copy_expert(l, e, slot)
+        self.expert_copies += len(copies)
+        self.expert_copies_by_layer[l] += len(copies)
+        self._slot_of[l, j] = mapping
+
+    def _copy_expert(self, l: int, e: int, slot: int) -> None:
+        """Expert e of layer l, host -> its cache slot: one copy of its w1 | w3 | w2 block."""
+        self._cache_areas[l][slot].copy_(self._expert_block(l, e), non_blocking=True)
 
     def _D3(self, s: int, l: int, index: int) -> None:
         group, page = divmod(index, len(self.pages))
@@ -351,6 +487,52 @@ class Runtime:
                 for p, (lo, hi) in enumerate(self.pages):
                     if lo < b and a < hi and p not in allowed:
                         raise AssertionError(f"{name} reads page {p}, outside {allowed}")
+
+
+class _ExpertCache:
+    """Which expert each of a layer's device slots holds, for EC.
+
+    ``capacity`` experts are cached from one micro-batch to the next: the least recently used
+    go first ("lru"), or a fixed set held in the first slots never goes ("popular", whose other
+    slots only stage a micro-batch's misses). Slots past what is cached are free: a miss lands
+    there, or, when none is free, in the slot of the least recently used cached expert the
+    micro-batch does not need. Which experts stay is what ``taskgraph.dag.routing``'s replay
+    keeps: a micro-batch's experts, in id order, become the most recent, then the cache is cut
+    to ``capacity``."""
+
+    def __init__(self, slots: int, capacity: int, fixed: list[int]):
+        self.capacity = capacity
+        self.fixed = {e: slot for slot, e in enumerate(fixed)}
+        self.lru: OrderedDict[int, int] = OrderedDict()    # expert -> slot, least recent first
+        self.free = list(range(len(fixed), slots))
+
+    def admit(self, wanted: list[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
+        """For a micro-batch's chosen experts (sorted, distinct): the slot of each, and the
+        (expert, slot) copies its misses need."""
+        if self.fixed or not self.capacity:          # "popular" (or nothing kept): staging
+            misses = [e for e in wanted if e not in self.fixed]
+            if len(misses) > len(self.free):
+                raise AssertionError(f"{len(misses)} misses, {len(self.free)} staging slots")
+            copies = list(zip(misses, self.free))
+            return {**{e: self.fixed[e] for e in wanted if e in self.fixed},
+                    **dict(copies)}, copies
+        need, copies = set(wanted), []
+        for e in wanted:
+            if e in self.lru:
+                continue
+            if self.free:
+                slot = self.free.pop()
+            else:
+                victim = next(v for v in self.lru if v not in need)
+                slot = self.lru.pop(victim)
+            self.lru[e] = slot
+            copies.append((e, slot))
+        mapping = {e: self.lru[e] for e in wanted}
+        for e in wanted:
+            self.lru.move_to_end(e)
+        while len(self.lru) > self.capacity:
+            self.free.append(self.lru.popitem(last=False)[1])
+        return mapping, copies
 
 
 def _page_elements(plan: Plan, numel: int) -> tuple[int, list[tuple[int, int]]]:

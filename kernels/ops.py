@@ -205,8 +205,15 @@ def routes_seen() -> Iterator[list[torch.Tensor]]:
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerView,
-            m: ModelSpec) -> torch.Tensor:
-    """The routed SwiGLU experts: x [T, h] with each token's experts and gates -> [T, h]."""
+            m: ModelSpec, only: frozenset[int] | None = None) -> torch.Tensor:
+    """The routed SwiGLU experts: x [T, h] with each token's experts and gates -> [T, h].
+
+    `W` is anything that gives ``w13.{e}`` and ``w2.{e}`` for the experts chosen (a
+    :class:`LayerView`, or a mapping over an expert cache's slots). With `only`, the experts
+    outside it contribute exactly zero and their weights are not read: one part of a sum split
+    between two places (EP: the GPU's experts and the CPU's). Every other expert is computed on
+    the same rows at the same place as without `only`, so for top-2 routing the two parts add up
+    to the whole bit for bit (adding zero is exact and a sum of two terms commutes)."""
     # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
     # instead of a unique() and a nonzero() per expert.
     flat = idx.reshape(-1)
@@ -217,11 +224,13 @@ def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerVie
     ys = torch.empty_like(xs)
     start = 0
     for e, count in enumerate(counts):
-        if count:
+        if count and (only is None or e in only):
             xe = xs[start:start + count]
             g, u = (xe @ W[f"w13.{e}"].T).chunk(2, dim=-1)
             ys[start:start + count] = (F.silu(g) * u) @ W[f"w2.{e}"].T
-            start += count
+        elif count:
+            ys[start:start + count] = 0
+        start += count
     ys *= gates.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, rows, ys)
 

@@ -92,6 +92,3 @@ HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", 
                                 "W_CtoPin"})
 #: Kinds that move data rather than compute (a trace draws them as copies).
 MOVES = TRANSFERS | {"W_CtoPin"}
-#: Kinds only the simulator runs so far: the executor has no kernels for experts held on the GPU
-#: (EP, EC) and refuses their schedules.
-SIMULATED_ONLY = frozenset({"GPUFFN", "ExpertIn"})
