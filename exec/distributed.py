@@ -289,8 +289,12 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
         try:
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
+            # A SIGTERM while a rank is spawned is noted too: raised there, it cut the rank's
+            # start-up data short and the rank died with a traceback (seen under load).
             previous = signal.signal(signal.SIGINT, lambda sig, _: came.append(sig)) if main \
                 else None
+            if main:
+                signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
             try:
                 ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens,
                                                 rendezvous, tmp, delay_s, seed, device,
@@ -299,8 +303,11 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
             finally:
                 if main:
                     signal.signal(signal.SIGINT, previous)
+                    signal.signal(signal.SIGTERM, _terminated)
                 if held:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if signal.SIGTERM in came:
+                raise _Terminated
             if came:
                 raise KeyboardInterrupt
             while not ranks.join():
