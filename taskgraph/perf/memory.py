@@ -98,6 +98,11 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     if experts_on_gpu:
         gpu[("expert cache" if schedule.ffn == "cache" else "experts placed on the GPU")
             + " (experts_gpu)"] = float(experts_on_gpu)
+    if schedule.ffn == "cache":
+        # where a micro-batch's misses land before they run, one area for every layer (a
+        # layer's copies start after the previous layer's experts ran): a decode micro-batch's
+        # chosen experts at most; prefill's, more, pass through it in rounds
+        gpu["expert staging (mu x k)"] = float(np.minimum(m.E, mu * m.k) * m.expert_bytes)
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
         gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token) * copies
