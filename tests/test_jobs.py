@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,19 +16,25 @@ import pytest
 from taskgraph.cli import main
 from taskgraph.errors import TgError
 from taskgraph.study.jobs import Backend, run_jobs
+from tests.helpers import wait_for
 
 TINY = "scenarios/tiny.yaml"
 
 
 @dataclass(frozen=True)
 class Sleepy:
-    """Sleeps, then leaves a file: a job that finishes out of order and shows whether it ran."""
+    """Sleeps, then leaves a file: a job that finishes out of order and shows whether it ran.
+    With `started`, it first leaves its process id there (Ray's workers are not the test's
+    children: the test waits for those processes to end)."""
 
     value: int
     delay: float
     mark: str | None = None
+    started: str | None = None
 
     def run(self) -> int:
+        if self.started:
+            Path(self.started, str(self.value)).write_text(str(os.getpid()))
         time.sleep(self.delay)
         if self.mark:
             Path(self.mark).write_text(str(self.value))
@@ -91,8 +98,11 @@ def test_a_jobs_error_is_raised_as_itself(backend):
 def test_ctrl_c_cancels_the_jobs_not_finished(backend, tmp_path, capsys):
     """The first job to finish raises KeyboardInterrupt in the caller (as Ctrl-C would); the
     slow jobs, running or queued, must never write their files."""
-    jobs = [Sleepy(0, 0.0, str(tmp_path / "0"))]
-    jobs += [Sleepy(i, 2.0, str(tmp_path / str(i))) for i in range(1, 5)]
+    marks, started = tmp_path / "marks", tmp_path / "started"
+    marks.mkdir()
+    started.mkdir()
+    jobs = [Sleepy(0, 0.0, str(marks / "0"))]
+    jobs += [Sleepy(i, 2.0, str(marks / str(i)), str(started)) for i in range(1, 5)]
 
     def interrupt(done, total):
         raise KeyboardInterrupt
@@ -101,13 +111,18 @@ def test_ctrl_c_cancels_the_jobs_not_finished(backend, tmp_path, capsys):
         run_jobs(jobs, backend, progress=interrupt)
     assert "jobs finished; the rest were cancelled" in capsys.readouterr().err
     if backend.kind == "ray":
-        time.sleep(3.0)      # Ray's workers are not ours to join: past any slow job's delay
+        # a cancelled job's worker is killed (queued ones never start): once every slow job
+        # that started has no process left, nothing can write a mark any more
+        pids = [int(f.read_text()) for f in started.iterdir()]
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and
+                                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                                 for pid in pids), 60, "the cancelled jobs' workers to end")
     else:
         # once the pool's workers have exited, nothing can write a mark any more
         for child in multiprocessing.active_children():
             child.join(timeout=30)
         assert not multiprocessing.active_children()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]
+    assert sorted(p.name for p in marks.iterdir()) == ["0"]
 
 
 @pytest.mark.heavy
