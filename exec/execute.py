@@ -515,6 +515,14 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     summary["dtype"] = str(dtype).removeprefix("torch.")
     summary["measured"] = True
     summary["zero_copy"] = zero_copy
+    if plan.schedule.ffn == "cache" and hasattr(runtime, "expert_copies"):
+        # what EC's expert cache really copied (host -> device, misses), beside what the
+        # model expects of it; GPUFFN's share is the later rounds of a micro-batch missing
+        # more experts than the staging area holds (exec.runtime.Runtime._GPUFFN)
+        summary["experts"] = {**summary.get("experts", {}),
+                              "copies": runtime.expert_copies,
+                              "copies_by_layer": list(runtime.expert_copies_by_layer),
+                              "copies_in_gpuffn": runtime.expert_copies_in_gpuffn}
     summary["max_abs_err"] = summary["tokens_match"] = None
     routing = None
     if check and not run.interrupted:

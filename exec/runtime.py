@@ -8,8 +8,10 @@ between host weights and the device (CGOPipe). Every buffer is allocated once, u
 graph's buffer-reuse edges are what keep tasks from clobbering each other.
 
 Expert-level schedules keep experts on the device besides: EP the ``experts_gpu`` most popular
-experts of each layer, copied once at start-up; EC a cache of expert slots per layer, filled by
-``ExpertIn`` (:class:`_ExpertCache`).
+experts of each layer, copied once at start-up; EC a cache of ``experts_gpu`` expert slots per
+layer and one staging area of min(E, mu * k) slots shared by every layer, filled by ``ExpertIn``
+(:class:`_ExpertCache`), a micro-batch that misses more than the staging area holds computed in
+rounds.
 
 Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
 elements: an element belongs to the page holding its first byte, so a task never reads a page the
@@ -20,15 +22,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.dag.routing import Routing
-from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, experts,
-                                   lm_head, post_attention, pre_attention, prefill_attention,
-                                   prefill_layer, rmsnorm, rotate_qkv, route, split_qkv)
+from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, decode_attention, decode_mask,
+                                   experts, lm_head, post_attention, pre_attention,
+                                   prefill_attention, prefill_layer, rmsnorm, rotate_qkv, route,
+                                   split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS, TP_ONLY,
                              WEIGHT_SECTIONS)
@@ -363,35 +367,50 @@ class Runtime:
                         area[slot].copy_(self._expert_block(l, e))
                     self._gpu_experts.append(self._slot_views(area, dict(enumerate(held))))
             return
-        # EC. A micro-batch's chosen experts must all lie on the device while its GPUFFN
-        # runs, and a cache of c slots may be smaller than that (c = 0 included): the device
-        # area of a layer is max(c, the most a micro-batch can choose, min(E, tokens * k)),
-        # its prefill's tokens (mu * P) setting that bound. The cache keeps at most c experts
-        # from one micro-batch to the next; the slots beyond c are staging for the misses of
-        # one micro-batch, which a later miss overwrites and never counts as a hit. (The
-        # memory model counts the c cached experts only.) "popular" holds the c most popular
-        # experts fixed, copied here once like EP's, and its misses go through the staging
-        # slots.
+        # EC. The device holds c = experts_gpu slots per layer (the cache) and ONE staging area
+        # of S = min(E, mu * k) slots shared by every layer: the most a decode micro-batch can
+        # miss (its mu tokens choose at most mu * k distinct experts). That is what the memory
+        # model counts. A micro-batch missing more than S experts (prefill: mu * P tokens choose
+        # up to all E) is computed in rounds of at most S staged experts (_ExpertIn, _GPUFFN).
+        # All slots lie in one pool: [l * c, (l + 1) * c) start as layer l's cache, the last S
+        # as the staging area; a miss the cache keeps may cross through a staging slot, which
+        # then joins the layer's cache while the slot of a hit the cache drops joins the staging
+        # area (a swap of slot numbers, no copy: see _ExpertCache.plan), so a layer's slots and
+        # the staging area's are any c and S of the pool, c and S at all times.
+        #
+        # Sharing the staging area between layers is safe because its writers and readers are
+        # ordered: layer l's ExpertIn waits for layer l's Route (it reads the router's choice),
+        # and the GPU stream runs that Route after the previous layer's GPUFFN, the last reader
+        # of the staging area; micro-batches of one layer likewise (EC's prefill and decode
+        # launch Route(l, j + 1) after GPUFFN(l, j) on the GPU stream: tests/test_expert_exec.py
+        # checks that order on the compiled graph). GPUFFN's own later rounds copy on the GPU
+        # stream, between its computations.
+        #
+        # "popular" holds the c most popular experts fixed, copied here once like EP's; every
+        # miss goes through the staging area.
         self.cache_capacity = n
+        self.staging_slots = min(m.E, self.mu * m.k)
+        self.expert_copies_in_gpuffn = 0            # of those, copied by GPUFFN's later rounds
         if self.zero_copy:
             self._caches = None
             return
-        choose = min(m.E, self.mu * self.P * m.k)
         popular = p.eviction == "popular"
         held = ([sorted(int(e) for e in row) for row in Routing.of(self.plan.scenario).popular(n)]
                 if popular else [[] for _ in range(self.L)])
-        slots = n + min(m.E - n, choose) if popular else max(n, choose)
-        self._caches, self._cache_areas, self._cache_slots = [], [], []
+        slots = n * self.L + self.staging_slots
+        self._expert_pool = dev(slots, self._expert_numel)
+        self._pool_views = [self._expert_views(self._expert_pool[i]) for i in range(slots)]
+        self._caches = []
         for l in range(self.L):
-            area = dev(slots, self._expert_numel)
-            for slot, e in enumerate(held[l]):
-                area[slot].copy_(self._expert_block(l, e))
-            self._cache_areas.append(area)
-            self._cache_slots.append([self._expert_views(area[i]) for i in range(slots)])
-            self._caches.append(_ExpertCache(slots, n, held[l]))
-        # which slot holds each chosen expert, per (layer, micro-batch): ExpertIn writes it,
-        # that micro-batch's GPUFFN reads it
-        self._slot_of: dict[tuple[int, int], dict[int, int]] = {}
+            owned = list(range(l * n, (l + 1) * n))
+            for slot, e in zip(owned, held[l]):
+                self._expert_pool[slot].copy_(self._expert_block(l, e))
+            self._caches.append(_ExpertCache(owned, held[l] if popular else None))
+        # the pool slots that form the staging area now (swaps change which)
+        self._staging = list(range(n * self.L, slots))
+        # each (layer, micro-batch)'s rounds: ExpertIn plans them and runs the first's copies,
+        # that micro-batch's GPUFFN computes them (and copies the later rounds' experts)
+        self._rounds: dict[tuple[int, int], list[_Round]] = {}
 
     def _expert_block(self, l: int, e: int) -> torch.Tensor:
         """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
@@ -411,6 +430,19 @@ class Runtime:
         return out
 
     def _GPUFFN(self, s: int, l: int, j: int) -> None:
+        """EP: the experts the GPU holds. EC: every chosen expert, into the residual, in the
+        rounds ExpertIn planned: the first round's experts (the hits, the misses copied into the
+        cache's slots and up to S staged ones) are on the device when this starts; each later
+        round first copies its up to S misses into the staging area (on this task's stream, so
+        after the previous round's computation read it), then computes them. Each round's
+        outputs fill their rows of one buffer (kernels.ops.ExpertSum) that is weighed and summed
+        once at the end: the reference's sum bit for bit, whatever k.
+
+        Known difference from the simulator's task model: there ExpertIn moves every miss's
+        bytes and GPUFFN computes every chosen expert; here, when a micro-batch misses more than
+        the S staging slots (prefill), GPUFFN performs the later rounds' copies itself. The
+        bytes and flops are the same, split between the two tasks otherwise
+        (``expert_copies_in_gpuffn`` counts those copies)."""
         T = self._hidden(s, j).shape[0]
         normed, ids, gates = self.normed[j][:T], self.expert_ids[j][:T], self.gates[j][:T]
         if self.plan.schedule.ffn == "split":
@@ -418,39 +450,48 @@ class Runtime:
             self.ffn_gpu[j][:T].copy_(experts(normed, ids, gates, self._gpu_experts[l], self.m,
                                               self._on_gpu[l]))
             return
-        # EC: every chosen expert, from the slots ExpertIn mapped, into the residual
-        if self._caches is None:                     # zero copy: where they lie
-            W = self._host_views[l]
-        else:
-            slots = self._cache_slots[l]
-            W = {}
-            for e, slot in self._slot_of.pop((l, j)).items():
-                W[f"w13.{e}"], W[f"w2.{e}"] = slots[slot]
         x = self._hidden(s, j)
-        x += experts(normed, ids, gates, W, self.m)
+        if self._caches is None:                     # zero copy: where they lie
+            x += experts(normed, ids, gates, self._host_views[l], self.m)
+            return
+        parts = ExpertSum(normed, ids, gates, self.m)
+        for r, round_ in enumerate(self._rounds.pop((l, j))):
+            if r:
+                for e, slot in round_.copies:
+                    self._copy_expert(l, e, slot)
+            W = {}
+            for e, slot in round_.compute.items():
+                W[f"w13.{e}"], W[f"w2.{e}"] = self._pool_views[slot]
+            parts.add(W, sorted(round_.compute))
+        x += parts.result()
 
     def _ExpertIn(self, s: int, l: int, j: int) -> None:
-        """The micro-batch's chosen experts the layer's cache misses, host -> device, into the
-        slots the eviction policy frees; records which slot holds each chosen expert. Reading
-        the router's choice on the host: on the CPU backend the ids are host memory already;
-        on CUDA this stream has waited for Route's event, and ``tolist()`` waits for the
-        copy back (a host sync, in this task's time, as a real cache's lookup is).
+        """The micro-batch's chosen experts the layer's cache misses, host -> device: those the
+        cache keeps into its slots, the others into the shared staging area, in rounds of at
+        most S when there are more (:meth:`_ExpertCache.plan`); this task copies the first
+        round's, GPUFFN the later rounds' (see :meth:`_GPUFFN`). Each miss is copied once per
+        micro-batch. Reading the router's choice on the host: on the CPU backend the ids are
+        host memory already; on CUDA this stream has waited for Route's event, and ``tolist()``
+        waits for the copy back (a host sync, in this task's time, as a real cache's lookup is).
 
         A slot it overwrites may have been read by the previous micro-batch's GPUFFN of this
-        layer: the graph orders them through the GPU stream (this task waits for this
-        micro-batch's Route, launched there after that GPUFFN)."""
+        layer, or (staging) by the previous layer's: the graph orders them through the GPU
+        stream (this task waits for this micro-batch's Route, launched there after that
+        GPUFFN)."""
         T = self._hidden(s, j).shape[0]
         wanted = torch.unique(self.expert_ids[j][:T]).tolist()          # sorted
-        mapping, copies = self._caches[l].admit(wanted)
-        for e, slot in copies:
+        rounds = self._caches[l].plan(wanted, self._staging)
+        for e, slot in rounds[0].copies:
             self._copy_expert(l, e, slot)
-        self.expert_copies += len(copies)
-        self.expert_copies_by_layer[l] += len(copies)
-        self._slot_of[l, j] = mapping
+        copies = sum(len(r.copies) for r in rounds)
+        self.expert_copies += copies
+        self.expert_copies_by_layer[l] += copies
+        self.expert_copies_in_gpuffn += copies - len(rounds[0].copies)
+        self._rounds[l, j] = rounds
 
     def _copy_expert(self, l: int, e: int, slot: int) -> None:
-        """Expert e of layer l, host -> its cache slot: one copy of its w1 | w3 | w2 block."""
-        self._cache_areas[l][slot].copy_(self._expert_block(l, e), non_blocking=True)
+        """Expert e of layer l, host -> a pool slot: one copy of its w1 | w3 | w2 block."""
+        self._expert_pool[slot].copy_(self._expert_block(l, e), non_blocking=True)
 
     def _D3(self, s: int, l: int, index: int) -> None:
         group, page = divmod(index, len(self.pages))
@@ -489,50 +530,86 @@ class Runtime:
                         raise AssertionError(f"{name} reads page {p}, outside {allowed}")
 
 
+@dataclass
+class _Round:
+    """One round of a micro-batch's experts (EC): the (expert, pool slot) copies that bring
+    its misses in, then the experts computed, each from its slot."""
+
+    copies: list[tuple[int, int]]
+    compute: dict[int, int]
+
+
 class _ExpertCache:
-    """Which expert each of a layer's device slots holds, for EC.
+    """Which expert each of a layer's c cache slots holds, for EC, and where a micro-batch's
+    chosen experts are read from.
 
-    ``capacity`` experts are cached from one micro-batch to the next: the least recently used
-    go first ("lru"), or a fixed set held in the first slots never goes ("popular", whose other
-    slots only stage a micro-batch's misses). Slots past what is cached are free: a miss lands
-    there, or, when none is free, in the slot of the least recently used cached expert the
-    micro-batch does not need. Which experts stay is what ``taskgraph.dag.routing``'s replay
-    keeps: a micro-batch's experts, in id order, become the most recent, then the cache is cut
-    to ``capacity``."""
+    "lru" (``fixed`` None): the least recently used go first. Which experts stay is what
+    ``taskgraph.dag.routing``'s replay keeps: a micro-batch's experts, in id order, become the
+    most recent, then the cache is cut to c. "popular": the fixed experts in the c slots never
+    go, and every miss is staged."""
 
-    def __init__(self, slots: int, capacity: int, fixed: list[int]):
-        self.capacity = capacity
-        self.fixed = {e: slot for slot, e in enumerate(fixed)}
+    def __init__(self, slots: list[int], fixed: list[int] | None):
+        self.capacity = len(slots)
+        self.fixed = dict(zip(fixed, slots)) if fixed is not None else None
         self.lru: OrderedDict[int, int] = OrderedDict()    # expert -> slot, least recent first
-        self.free = list(range(len(fixed), slots))
+        self.free = [] if fixed is not None else list(slots)
 
-    def admit(self, wanted: list[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
-        """For a micro-batch's chosen experts (sorted, distinct): the slot of each, and the
-        (expert, slot) copies its misses need."""
-        if self.fixed or not self.capacity:          # "popular" (or nothing kept): staging
-            misses = [e for e in wanted if e not in self.fixed]
-            if len(misses) > len(self.free):
-                raise AssertionError(f"{len(misses)} misses, {len(self.free)} staging slots")
-            copies = list(zip(misses, self.free))
-            return {**{e: self.fixed[e] for e in wanted if e in self.fixed},
-                    **dict(copies)}, copies
-        need, copies = set(wanted), []
-        for e in wanted:
-            if e in self.lru:
-                continue
-            if self.free:
-                slot = self.free.pop()
-            else:
-                victim = next(v for v in self.lru if v not in need)
-                slot = self.lru.pop(victim)
-            self.lru[e] = slot
-            copies.append((e, slot))
-        mapping = {e: self.lru[e] for e in wanted}
-        for e in wanted:
-            self.lru.move_to_end(e)
-        while len(self.lru) > self.capacity:
-            self.free.append(self.lru.popitem(last=False)[1])
-        return mapping, copies
+    def plan(self, wanted: list[int], staging: list[int]) -> list[_Round]:
+        """The rounds of a micro-batch whose chosen experts are `wanted` (sorted, distinct),
+        given the pool slots of the shared staging area (S of them; updated in place when a
+        slot changes hands). Round 0 computes every hit from its cache slot, the misses the
+        cache keeps that fit in a slot free now (empty, or holding an expert this micro-batch
+        neither needs nor keeps) from that slot, and up to S other misses from the staging
+        area; each later round up to S more staged misses, in id order. A miss the cache keeps
+        that found no free slot (the only ones left hold hits the cut drops, read in round 0)
+        is staged, and after its round the two slots swap roles: the miss stays in the cache
+        where it was copied, the dropped hit's slot joins the staging area. Each miss is copied
+        once, and no slot is written while an expert in it is still to be read."""
+        if self.fixed is not None:                        # "popular": every miss staged
+            hits = {e: self.fixed[e] for e in wanted if e in self.fixed}
+            return _rounds(hits, [], [e for e in wanted if e not in self.fixed], staging)
+        need = set(wanted)
+        hits = {e: self.lru[e] for e in wanted if e in self.lru}
+        order = [e for e in self.lru if e not in need] + wanted
+        keep = set(order[max(0, len(order) - self.capacity):]) if self.capacity else set()
+        dropped = [e for e in self.lru if e not in keep]
+        free_now = self.free + [self.lru[e] for e in dropped if e not in need]
+        free_later = [self.lru[e] for e in dropped if e in need]
+        stay = [e for e in wanted if e not in hits and e in keep]
+        direct = list(zip(stay, free_now))
+        slot_of = dict(direct)                            # where each kept miss will lie
+        staged = [e for e in wanted if e not in hits and e not in slot_of]
+        # the kept misses left over are as many as the dropped hits' slots at most: the cache's
+        # c slots hold what it keeps
+        assert len(stay) - len(direct) <= len(free_later)
+        swaps = dict(zip(stay[len(direct):], free_later))
+        rounds = _rounds(hits, direct, staged, staging, swaps, slot_of)
+        self.free = free_now[len(direct):] + free_later[len(swaps):]
+        self.lru = OrderedDict((e, slot_of[e] if e in slot_of else self.lru[e])
+                               for e in order if e in keep)
+        return rounds
+
+
+def _rounds(hits: dict[int, int], direct: list[tuple[int, int]], staged: list[int],
+            staging: list[int], swaps: dict[int, int] | None = None,
+            slot_of: dict[int, int] | None = None) -> list[_Round]:
+    """Round 0: the hits and the misses copied straight into cache slots (`direct`), then the
+    `staged` misses S at a time into the staging area. A staged miss in `swaps` takes its
+    staging slot into the cache (``slot_of``) and gives the staging area the slot named, from
+    the next round on."""
+    S, swaps = len(staging), swaps or {}
+    rounds = [_Round(list(direct), {**hits, **dict(direct)})]
+    for r in range(0, len(staged), S):
+        if r:
+            rounds.append(_Round([], {}))
+        now = rounds[-1]
+        for i, e in enumerate(staged[r:r + S]):
+            now.copies.append((e, staging[i]))
+            now.compute[e] = staging[i]
+        for i, e in enumerate(staged[r:r + S]):
+            if e in swaps:
+                slot_of[e], staging[i] = staging[i], swaps[e]
+    return rounds
 
 
 def _page_elements(plan: Plan, numel: int) -> tuple[int, list[tuple[int, int]]]:

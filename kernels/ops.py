@@ -214,25 +214,53 @@ def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerVie
     between two places (EP: the GPU's experts and the CPU's). Every other expert is computed on
     the same rows at the same place as without `only`, so for top-2 routing the two parts add up
     to the whole bit for bit (adding zero is exact and a sum of two terms commutes)."""
-    # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
-    # instead of a unique() and a nonzero() per expert.
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=m.E).tolist()
-    rows = order // m.k
-    xs = x[rows]
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, count in enumerate(counts):
-        if count and (only is None or e in only):
-            xe = xs[start:start + count]
-            g, u = (xe @ W[f"w13.{e}"].T).chunk(2, dim=-1)
-            ys[start:start + count] = (F.silu(g) * u) @ W[f"w2.{e}"].T
-        elif count:
-            ys[start:start + count] = 0
-        start += count
-    ys *= gates.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, rows, ys)
+    parts = ExpertSum(x, idx, gates, m)
+    parts.add(W, parts.chosen if only is None else [e for e in parts.chosen if e in only])
+    return parts.result()
+
+
+class ExpertSum:
+    """:func:`experts` computed a few experts at a time, from weights that need not all be there
+    at once (EC's rounds: a staging area smaller than a micro-batch's misses is refilled between
+    them). Each :meth:`add` computes the named experts' outputs for the tokens that chose them
+    into their rows of one buffer; :meth:`result` then weighs and sums every token's experts in
+    one pass, as :func:`experts` does, so the sum is :func:`experts`' bit for bit whatever the
+    rounds and whatever k (an expert never added contributes exactly zero)."""
+
+    def __init__(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, m: ModelSpec):
+        # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
+        # instead of a unique() and a nonzero() per expert.
+        flat = idx.reshape(-1)
+        self.order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=m.E).tolist()
+        self._rows: dict[int, slice] = {}
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                self._rows[e] = slice(start, start + count)
+            start += count
+        self.chosen = list(self._rows)            # the experts some token chose, in id order
+        self.rows = self.order // m.k
+        self.x, self.gates = x, gates
+        self.xs = x[self.rows]
+        self.ys = torch.empty_like(self.xs)
+        self._done: set[int] = set()
+
+    def add(self, W, which) -> None:
+        """The outputs of the experts `which` (each chosen by some token) from weights `W`."""
+        for e in which:
+            rows = self._rows[e]
+            g, u = (self.xs[rows] @ W[f"w13.{e}"].T).chunk(2, dim=-1)
+            self.ys[rows] = (F.silu(g) * u) @ W[f"w2.{e}"].T
+            self._done.add(e)
+
+    def result(self) -> torch.Tensor:
+        """Each token's gated sum over its experts [T, h]; those never added count zero."""
+        for e, rows in self._rows.items():
+            if e not in self._done:
+                self.ys[rows] = 0
+        self.ys *= self.gates.reshape(-1)[self.order].unsqueeze(-1)
+        return torch.zeros_like(self.x).index_add_(0, self.rows, self.ys)
 
 
 def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,
