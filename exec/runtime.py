@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from taskgraph.dag.builder import Plan
+from taskgraph.errors import TgError
 from taskgraph.dag.routing import Routing
 from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, decode_attention, decode_mask,
                                    experts, lm_head, post_attention, pre_attention,
@@ -62,6 +63,10 @@ class Runtime:
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
                  zero_copy: bool = False, last_steps: list[int] | None = None,
                  shard: Any = None):
+        if any(op.kind == "ExpertAhead" for op in plan.schedule.decode):
+            raise TgError(f"Schedule {plan.schedule.name} ({plan.schedule.title}) runs in the "
+                          "simulator only so far: the executor has no expert predictor to "
+                          "prefetch with. Execute EC (the same cache, no prefetch).")
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
@@ -99,7 +104,7 @@ class Runtime:
         # One device: no tensor-parallel parts or collectives to run (sends only between
         # pipeline stages, below).
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
+                       if kind not in COLLECTIVES | SENDS | TP_ONLY | {"ExpertAhead"}}
         # Pipeline stages in one process share the device: what a send carries is already there
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})

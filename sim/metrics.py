@@ -221,7 +221,8 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
                    **({"experts_gpu": p.experts_gpu} if plan.schedule.ffn in ("split", "cache")
                       else {}),
-                   **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {})},
+                   **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
+                   **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
         "throughput_tok_s": _r(throughput),
         "hardware_limit_tok_s": _r(limit),
         "hardware_limit_fraction": _r(throughput / limit),

@@ -43,11 +43,13 @@ KINDS: dict[str, str] = {
               "cached), on the GPU",
     "ExpertIn": "the experts a micro-batch routes to that the GPU's expert cache misses, "
                 "CPU -> GPU",
+    "ExpertAhead": "the experts a predictor expects a layer's router to choose that the cache "
+                   "misses, CPU -> GPU, while the layer before runs",
 }
 
 #: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "AllReduce",
-                       "GatherLogits", "Send", "SendTokens"})
+TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "ExpertAhead",
+                       "AllReduce", "GatherLogits", "Send", "SendTokens"})
 #: Kinds that read the streamed weights of their layer, and which section they read.
 WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
                                    "PrefillAttn": "qkv", "Route": "route", "OProj": "o",
@@ -88,7 +90,7 @@ KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 KIND_INDEX: dict[str, int] = {k: i for i, k in enumerate(KIND_NAMES)}
 #: Kinds that copy between host and device memory (the link, or the host's pinned staging):
 #: what the CPU backend's zero copy makes no-ops.
-HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "KVOut",
-                                "W_CtoPin"})
+HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "ExpertAhead",
+                                "KVOut", "W_CtoPin"})
 #: Kinds that move data rather than compute (a trace draws them as copies).
 MOVES = TRANSFERS | {"W_CtoPin"}

@@ -138,9 +138,6 @@ class ModelSpec(BaseModel):
         """K and V of one token in one layer."""
         return 2 * self.dtype_bytes * self.h_kv
 
-    def experts_hit(self, tokens: float) -> float:
-        """Expected number of distinct experts that `tokens` tokens route to: E(1 - (1 - k/E)^t)."""
-        return self.E * (1.0 - (1.0 - self.k / self.E) ** tokens)
 
 
 class GPUSpec(BaseModel):
@@ -477,6 +474,8 @@ class PolicySpec(BaseModel):
     # popular (popular).
     experts_gpu: int = Field(default=0, ge=0, le=4096)
     eviction: Literal["lru", "popular"] = "lru"
+    # ECP: the share of a layer's cache misses a predictor fetches right one layer ahead.
+    prefetch: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @field_validator("mu")
     @classmethod

@@ -235,3 +235,19 @@ def test_the_trace_shows_each_layers_cache_hit_rate(tmp_path):
     assert decode and all(a["cache hit rate"] == pytest.approx(sim.summary["experts"][
         "hit_rate_by_layer"][a["layer"]], abs=1e-4) for a in decode)
     assert all("cache hit rate" not in a for a in misses if a["step"] == 0)
+
+
+def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
+    """ECP at batch 1: with every miss predicted the copies overlap the layer before (never
+    slower than EC); with none predicted they cross twice (slower than EC); in between, the
+    more it gets right the faster."""
+    a5000 = "scenarios/small-batch/a5000.yaml"
+
+    def latency(schedule, *sets):
+        sc = for_schedule(load_scenario(a5000, list(sets)), schedule)[0]
+        return simulate_scenario(sc, schedule).summary["token_latency_ms"]
+
+    ec = latency("EC")
+    ecp = [latency("ECP", f"policy.prefetch={a}") for a in (0.0, 0.5, 0.9, 1.0)]
+    assert ecp[0] > ec >= ecp[3]
+    assert ecp == sorted(ecp, reverse=True)

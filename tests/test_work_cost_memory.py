@@ -3,7 +3,6 @@ calculation for Mixtral 8x7B (h=4096, h_kv=8*128=1024, h_i=14336, E=8, k=2, fp16
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -123,10 +122,3 @@ def test_memory_rejects_with_binding_constraint(t4):
     with pytest.raises(MemoryFitError, match=r"CPU memory.*KV cache"):
         check_fits(memory_footprint(make_plan(huge_batch)), "S1")
 
-
-def test_expected_experts_hit():
-    from tests.helpers import tiny
-    m = tiny().model
-    assert m.experts_hit(1) == pytest.approx(m.k)
-    assert m.experts_hit(10_000) == pytest.approx(m.E)
-    assert math.isclose(m.experts_hit(3), 8 * (1 - (1 - 2 / 8) ** 3))

@@ -177,7 +177,8 @@ class Plan:
     def work(self) -> TaskWork:
         s = self.scenario
         return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp,
-                        routing=Routing.of(s), ffn=self.schedule.ffn)
+                        routing=Routing.of(s), ffn=self.schedule.ffn,
+                        prefetches=any(op.kind == "ExpertAhead" for op in self.schedule.decode))
 
     def items(self, kind: str) -> int:
         """Tasks of a kind per layer and group: pages, or the group's micro-batches."""
@@ -472,8 +473,13 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
         deps = [K(s, "D6", l, j)] + ([K(s, "GPUFFN", l, j)] if sched.ffn == "split" else [])
     elif kind == "ExpertIn":
         deps = [K(s, "Route", l, j)]           # which experts to copy: the router's choice
+    elif kind == "ExpertAhead":
+        # the prediction reads the layer before's hidden state, once its router has run
+        deps = [K(s, "Route", l - 1, 0)] if l else [K(s - 1, "Route", L - 1, 0)]
     elif kind == "GPUFFN":
         deps = [K(s, "Route", l, j)] + ([K(s, "ExpertIn", l, j)] if sched.ffn == "cache" else [])
+        if s and "ExpertAhead" in {op.kind for op in sched.decode}:
+            deps.append(K(s, "ExpertAhead", l, 0))
     elif kind == "D1":
         deps = [K(s, "PreAttn", l, j)]
     elif kind == "CPUAttn":

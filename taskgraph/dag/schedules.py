@@ -57,7 +57,7 @@ _STREAMS = {
     "W_CtoPin": "pin",
     "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
     "D6": "h2d",
-    "GPUFFN": "gpu", "ExpertIn": "h2d",
+    "GPUFFN": "gpu", "ExpertIn": "h2d", "ExpertAhead": "h2d",
     "OProj": "gpu", "MoE": "gpu", "AllReduceAttn": "peer",
     "AllReduce": "peer", "GatherLogits": "peer", "Send": "peer", "SendTokens": "peer",
 }
@@ -293,6 +293,23 @@ EC = Schedule(
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
+# MoE-Infinity's activation-aware prefetch, Mixtral-offloading's speculative loading: while a
+# layer's chosen experts run, the next layer's expected misses cross (once a layer, after its
+# first micro-batch's router has run: the prediction reads its hidden state); what the
+# predictor got wrong still crosses once the router has chosen. `policy.prefetch` is the share
+# it gets right: tg has no predictor of its own (docs/experts.md).
+ECP = Schedule(
+    name="ECP", title="Expert cache with prefetch (MoE-Infinity)",
+    summary="EC, and the next layer's expected misses cross the link while this layer's "
+            "experts run; those the predictor missed cross once the router has chosen",
+    attention="gpu", paged=False, staging=False, ffn="cache", placement=_GPU_LAYER,
+    prefill=EC.prefill,
+    decode_prologue=(Loop("once", (Op("ExpertAhead"),)),),
+    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"),
+            Op("ExpertIn"), Op("ExpertAhead", layer=1, when="first"), Op("GPUFFN"), _LMHEAD),
+    streams=dict(_STREAMS, D4="h2d_kv"),
+)
+
 # FlexGen's dist_flex_opt.py: each stage runs S4's order over its own layers for one group of
 # micro-batches at a time (its `num_inner_iterations`, one group per stage by default), reloading
 # the stage's weights for every group, and sends the group's hidden states to the next stage; the
@@ -310,4 +327,5 @@ PP = Schedule(
     streams=S4.streams,
 )
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5, PP, EP, EC)}
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (S1, S2, S3, S4, DS, S5, PP, EP, EC,
+                                                       ECP)}

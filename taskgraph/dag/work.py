@@ -121,16 +121,17 @@ class TaskWork:
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
                  layout: WeightLayout, load: Load | None = None, tp: int = 1,
-                 routing: Routing | None = None, ffn: str = "gpu"):
+                 routing: Routing | None = None, ffn: str = "gpu", prefetches: bool = False):
         self.m, self.p, self.w, self.layout, self.tp = model, policy, workload, layout, tp
         self.ffn = ffn          # where the schedule runs the experts (Schedule.ffn)
+        self.prefetches = prefetches    # ECP: the next layer's misses cross ahead
         p = workload.context_prompt
         self.load = load or Load(policy.mu, policy.mu * p, policy.mu * p * p)
         self.routing = routing or Routing.uniform(model)
 
     def with_load(self, load: Load) -> "TaskWork":
         return TaskWork(self.m, self.p, self.w, self.layout, load, self.tp, self.routing,
-                        self.ffn)
+                        self.ffn, self.prefetches)
 
     def distinct(self, tokens: Number) -> Number:
         """Distinct experts `tokens` tokens route to in a layer (taskgraph.dag.routing)."""
@@ -235,13 +236,21 @@ class TaskWork:
 
     def _ExpertIn(self, t: Number, prefill: bool) -> Work:
         """The experts a layer's cache misses: in prefill (every expert chosen) those beyond
-        the cache's; in decode the share a replay of the routing finds absent."""
+        the cache's; in decode the share a replay of the routing finds absent, less those a
+        prefetch (ECP) brought in right."""
         distinct, cap = self.distinct(t), self.p.experts_gpu
         if prefill:
-            misses = np.maximum(distinct - cap, 0.0)
-        else:
-            misses = distinct * (1.0 - float(np.mean(self.cache_hits())))
-        return Work(bytes=misses * self.m.expert_bytes)
+            return Work(bytes=np.maximum(distinct - cap, 0.0) * self.m.expert_bytes)
+        ahead = self.p.prefetch if self.prefetches else 0.0
+        return Work(bytes=self._misses(t) * (1.0 - ahead) * self.m.expert_bytes)
+
+    def _ExpertAhead(self) -> Work:
+        """One layer's prefetch (ECP): as many experts as its micro-batches will miss; the
+        predictor's wrong guesses are copies wasted."""
+        return Work(bytes=self.p.n_micro * self._misses(self.load.seqs) * self.m.expert_bytes)
+
+    def _misses(self, t: Number) -> Number:
+        return self.distinct(t) * (1.0 - float(np.mean(self.cache_hits())))
 
     def cache_hits(self) -> np.ndarray:
         """Per layer, the share of a decode step's chosen experts the cache holds (EC)."""

@@ -103,6 +103,9 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
         # layer's copies start after the previous layer's experts ran): a decode micro-batch's
         # chosen experts at most; prefill's, more, pass through it in rounds
         gpu["expert staging (mu x k)"] = float(np.minimum(m.E, mu * m.k) * m.expert_bytes)
+        if any(op.kind == "ExpertAhead" for op in schedule.decode):
+            # the next layer's prefetched experts wait beside this layer's
+            gpu["expert prefetch (N x k)"] = float(np.minimum(m.E, N * m.k) * m.expert_bytes)
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
         gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token) * copies
