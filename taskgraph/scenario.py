@@ -196,7 +196,8 @@ def _routing_trace(scenario: Scenario, source: str, base_dir: Path):
     if where is None:
         return None
     field = f"workload.routing.trace '{where}'"
-    trace = trace_from_dict(read_json(_resolve_path(where, base_dir), field), field)
+    trace = trace_from_dict(read_json(_resolve_path(where, base_dir), "workload.routing.trace"),
+                            field)
     m = scenario.model
     for name, got, want in (("E", trace.E, m.E), ("k", trace.k, m.k), ("L", trace.L, m.L)):
         if got != want:

@@ -251,3 +251,12 @@ def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
     ecp = [latency("ECP", f"policy.prefetch={a}") for a in (0.0, 0.5, 0.9, 1.0)]
     assert ecp[0] > ec >= ecp[3]
     assert ecp == sorted(ecp, reverse=True)
+
+
+def test_a_batch_size_beyond_any_run_is_a_row_that_says_why():
+    from taskgraph import crossover
+
+    c = crossover(TINY, ["S4", "EC"], [1, 1_000_000])
+    huge = [r for r in c.rows if r["N"] == 1_000_000]
+    assert all("at most 256" in r["error"] for r in huge if r["schedule"] == "S4")
+    assert c.best(1, ["S4", "EC"]) is not None

@@ -171,7 +171,7 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
 
 def crossover_plot(c, out: str | Path) -> Path:
     """Throughput and per-token latency of each schedule against batch size (log-log), with
-    the batch from which the batch schedules win marked."""
+    the batch from which streaming whole layers wins marked."""
     plt = _pyplot()
     fig, (tput, lat) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for name in c.schedules:

@@ -78,6 +78,9 @@ def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
     while True:
         while N % mu:
             mu -= 1
+        if N // mu > MAX_MICRO_BATCHES:
+            raise ScheduleError(f"N = {N} would be {N // mu:,} micro-batches of mu = {mu}; tg "
+                                f"runs at most {MAX_MICRO_BATCHES} in a batch")
         base = for_schedule(scenario.model_copy(update={"policy": PolicySpec(
             N=N, mu=mu, A_g=fixed.get("A_g", scenario.policy.A_g), F_g=fixed.get("F_g", 1),
             r_w=fixed.get("r_w", 0.0), r_c=fixed.get("r_c", 0.0))}), schedule)[0]
@@ -140,7 +143,7 @@ class Crossover(Shown):
         for i, (N, b, e, _) in enumerate(won):
             if all(w for *_, w in won[i:]):
                 if i == 0:
-                    return {"N": N, "note": "the batch schedules win at every size compared",
+                    return {"N": N, "note": "streaming whole layers wins at every size compared",
                             "batch": _side(b), "expert": _side(e)}
                 return {"N": N, "batch": _side(b), "expert": _side(e),
                         "below": _side(won[i - 1][2]), "below_N": won[i - 1][0]}
