@@ -135,6 +135,9 @@ class Crossover(Shown):
         expert = [n for n in self.schedules if n in EXPERT_LEVEL]
         if not batch or not expert:
             return None
+        if not any(self.best(N, expert) for N in self.batch_sizes):
+            return {"N": None, "note": "no expert-level schedule runs on this machine at these "
+                                       "sizes (--json says why)"}
         won = []
         for N in self.batch_sizes:
             b, e = self.best(N, batch), self.best(N, expert)
