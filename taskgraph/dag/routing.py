@@ -132,13 +132,12 @@ class Routing:
         if self.uniform:      # E(1 - (1 - k/E)^t), as every schedule has always priced it
             return self.E * (1.0 - (1.0 - self.k / self.E) ** tokens)
         t = np.asarray(tokens, dtype=float)
-        out = self.E - np.mean(np.sum((1.0 - self.q[:, :, None]) ** t.reshape(-1), axis=1),
-                               axis=0)
-        measured = self._measured_distinct
-        if measured:
-            for batch, count in measured.items():
-                out = np.where(t.reshape(-1) == batch, count, out)
-        out = out.reshape(t.shape)
+        # a batch's tasks share a few token counts: each computed once (layers x experts each)
+        counts, where = np.unique(t.reshape(-1), return_inverse=True)
+        out = self.E - np.mean(np.sum((1.0 - self.q[:, :, None]) ** counts, axis=1), axis=0)
+        for batch, count in self._measured_distinct.items():
+            out = np.where(counts == batch, count, out)
+        out = out[where].reshape(t.shape)
         return float(out) if out.ndim == 0 else out
 
     def distinct_std(self, tokens: float) -> float:
