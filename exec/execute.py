@@ -523,6 +523,10 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                               "copies": runtime.expert_copies,
                               "copies_by_layer": list(runtime.expert_copies_by_layer),
                               "copies_in_gpuffn": runtime.expert_copies_in_gpuffn}
+        if runtime.prefetches:
+            # ECP's predictor as measured: its accuracy, and the share of the decode misses it
+            # had already copied (what the simulator's policy.prefetch stands for)
+            summary["experts"]["prefetch"] = runtime.prefetch.to_dict()
     summary["max_abs_err"] = summary["tokens_match"] = None
     routing = None
     if check and not run.interrupted:

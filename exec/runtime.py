@@ -11,7 +11,9 @@ Expert-level schedules keep experts on the device besides: EP the ``experts_gpu`
 experts of each layer, copied once at start-up; EC a cache of ``experts_gpu`` expert slots per
 layer and one staging area of min(E, mu * k) slots shared by every layer, filled by ``ExpertIn``
 (:class:`_ExpertCache`), a micro-batch that misses more than the staging area holds computed in
-rounds.
+rounds; ECP besides a prefetch area of min(E, N * k) slots that ``ExpertAhead`` fills with the
+next layer's predicted experts (:meth:`Runtime._ExpertAhead`), measured in
+:class:`PrefetchCounts`.
 
 Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
 elements: an element belongs to the page holding its first byte, so a task never reads a page the
@@ -28,7 +30,6 @@ from typing import Any
 import torch
 
 from taskgraph.dag.builder import Plan
-from taskgraph.errors import TgError
 from taskgraph.dag.routing import Routing
 from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, decode_attention, decode_mask,
                                    experts, lm_head, post_attention, pre_attention,
@@ -63,10 +64,6 @@ class Runtime:
                  prompt_lens: torch.Tensor | None = None, record_logits: bool = False,
                  zero_copy: bool = False, last_steps: list[int] | None = None,
                  shard: Any = None):
-        if any(op.kind == "ExpertAhead" for op in plan.schedule.decode):
-            raise TgError(f"Schedule {plan.schedule.name} ({plan.schedule.title}) runs in the "
-                          "simulator only so far: the executor has no expert predictor to "
-                          "prefetch with. Execute EC (the same cache, no prefetch).")
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
         sc = plan.scenario
@@ -104,7 +101,7 @@ class Runtime:
         # One device: no tensor-parallel parts or collectives to run (sends only between
         # pipeline stages, below).
         self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS | TP_ONLY | {"ExpertAhead"}}
+                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
         # Pipeline stages in one process share the device: what a send carries is already there
         # (the graph still orders the stages through it).
         self._tasks.update({kind: _nothing for kind in SENDS})
@@ -148,6 +145,10 @@ class Runtime:
             self._ffn_buffers(dev, host, zero_copy)
         if plan.schedule.ffn in ("split", "cache"):
             self._expert_buffers(dev)
+        # ECP: what ExpertAhead predicts from, micro-batch 0's normed hidden state as Route
+        # left it, in a ring of two (see _ExpertAhead)
+        self._ahead_in = ([dev(self.mu, m.h) for _ in range(2)]
+                          if self._caches_prefetch() else None)
         # Outputs stay on the device until the run ends (reading them back mid-run would stall
         # a stream).
         self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
@@ -306,6 +307,13 @@ class Runtime:
         self.normed[j][:T].copy_(normed)
         self.expert_ids[j][:T].copy_(ids)
         self.gates[j][:T].copy_(gates)
+        if self._ahead_in is not None and j == 0:
+            # ECP: what the next layer's ExpertAhead predicts from (in prefill each sequence's
+            # last prompt token, whose step the first decode step follows)
+            if s == 0:
+                normed = normed.view(self.mu, self.P, -1)[
+                    torch.arange(self.mu, device=self.device), self.lens[j] - 1]
+            self._ahead_in[(s * self.L + l) % 2].copy_(normed)
 
     def _D5(self, s: int, l: int, j: int) -> None:
         T = self._hidden(s, j).shape[0]
@@ -393,8 +401,15 @@ class Runtime:
         #
         # "popular" holds the c most popular experts fixed, copied here once like EP's; every
         # miss goes through the staging area.
+        #
+        # ECP adds a prefetch area of A = min(E, N * k) slots, what the memory model counts
+        # ("expert prefetch (N x k)"): ExpertAhead copies into it the experts it predicts for the
+        # next layer that its cache does not hold (see _ExpertAhead for why they can never land
+        # on a slot still to be read).
         self.cache_capacity = n
         self.staging_slots = min(m.E, self.mu * m.k)
+        self.prefetch_slots = min(m.E, p.N * m.k) if self.prefetches else 0
+        self.prefetch = PrefetchCounts(self.L)
         self.expert_copies_in_gpuffn = 0            # of those, copied by GPUFFN's later rounds
         if self.zero_copy:
             self._caches = None
@@ -402,7 +417,7 @@ class Runtime:
         popular = p.eviction == "popular"
         held = ([sorted(int(e) for e in row) for row in Routing.of(self.plan.scenario).popular(n)]
                 if popular else [[] for _ in range(self.L)])
-        slots = n * self.L + self.staging_slots
+        slots = n * self.L + self.staging_slots + self.prefetch_slots
         self._expert_pool = dev(slots, self._expert_numel)
         self._pool_views = [self._expert_views(self._expert_pool[i]) for i in range(slots)]
         self._caches = []
@@ -411,11 +426,25 @@ class Runtime:
             for slot, e in zip(owned, held[l]):
                 self._expert_pool[slot].copy_(self._expert_block(l, e))
             self._caches.append(_ExpertCache(owned, held[l] if popular else None))
-        # the pool slots that form the staging area now (swaps change which)
-        self._staging = list(range(n * self.L, slots))
+        # the pool slots that form the staging area and the prefetch area now (swaps change
+        # which)
+        self._staging = list(range(n * self.L, n * self.L + self.staging_slots))
+        self._prefetch = list(range(n * self.L + self.staging_slots, slots))
+        # the last prediction: the (step, layer) ExpertAhead predicted for, the experts it
+        # predicted, and those it copied into the prefetch area -> their slots
+        self._ahead: tuple[int, int, list[int], dict[int, int]] | None = None
         # each (layer, micro-batch)'s rounds: ExpertIn plans them and runs the first's copies,
         # that micro-batch's GPUFFN computes them (and copies the later rounds' experts)
         self._rounds: dict[tuple[int, int], list[_Round]] = {}
+
+    @property
+    def prefetches(self) -> bool:
+        """ECP: the decode launches ExpertAhead, a prefetch one layer ahead."""
+        return any(op.kind == "ExpertAhead" for op in self.plan.schedule.decode)
+
+    def _caches_prefetch(self) -> bool:
+        """ECP with a cache on the device (not zero copy, where ExpertAhead moves nothing)."""
+        return self.prefetches and not self.zero_copy
 
     def _expert_block(self, l: int, e: int) -> torch.Tensor:
         """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
@@ -486,6 +515,8 @@ class Runtime:
         T = self._hidden(s, j).shape[0]
         wanted = torch.unique(self.expert_ids[j][:T]).tolist()          # sorted
         rounds = self._caches[l].plan(wanted, self._staging)
+        if self._prefetch:
+            self._take_prefetched(s, l, j, wanted, rounds)
         for e, slot in rounds[0].copies:
             self._copy_expert(l, e, slot)
         copies = sum(len(r.copies) for r in rounds)
@@ -493,6 +524,88 @@ class Runtime:
         self.expert_copies_by_layer[l] += copies
         self.expert_copies_in_gpuffn += copies - len(rounds[0].copies)
         self._rounds[l, j] = rounds
+
+    def _ExpertAhead(self, s: int, l: int, j: int) -> None:
+        """ECP: predict the experts layer l's router will choose, and copy those its cache does
+        not hold into the prefetch area (host -> device), while layer l - 1 runs. The prediction
+        is Mixtral-offloading's speculative guess: layer l's router applied to the hidden state
+        layer l - 1's router saw (micro-batch 0's normed rows, which Route(l - 1, 0) left in
+        ``_ahead_in``; for layer 0, the previous step's last layer's, in prefill each sequence's
+        last prompt token), each row's top k. Layer l's ExpertIn then takes the predicted
+        experts its micro-batch chose from the prefetch area instead of copying them
+        (:meth:`_take_prefetched`) and copies only what is still missing: a wrong guess costs a
+        wasted copy, never a wrong token.
+
+        Why nothing here overwrites what is still to be read:
+
+        * Its slots: the prefetch area is A pool slots that neither a layer's cache nor the
+          staging area owns, so no GPUFFN reads them: neither layer l - 1's (this task waits
+          only for Route(l - 1, 0), so they may still run beside it) nor layer l's. A slot
+          joins the area only in an ExpertIn that takes a prefetched expert instead
+          (:meth:`_take_prefetched`): it is the slot that ExpertIn had planned to copy a miss
+          into, so free to write then (see the staging comment in :meth:`_expert_buffers`), and
+          every later write to it comes later on the same in-order h2d stream. What the area
+          held before is layer l - 1's prediction: ExpertIn(l - 1, 0), launched before this
+          task on this stream, took from it what its micro-batch chose; the rest is dropped (a
+          wasted copy).
+        * Its input: Route(l - 1, 0) writes ``_ahead_in[(s L + l - 1) % 2]``, the one this task
+          reads (its data dependency). The next Route to write that buffer is Route(l + 1, 0),
+          launched on the GPU stream after GPUFFN(l, 0), which waits for this task.
+        * Layer l's router: in layer l's weights, which the decode's D3(l) copied into their
+          half of the double buffer earlier on this same h2d stream (launched at layer l - 1's
+          first micro-batch, before ExpertIn(l - 1, 0) and this task), and which D3(l + 2), later
+          on this stream, overwrites; or resident.
+        * Layer l's GPUFFNs wait for this task (builder._data_deps), so the experts copied here
+          have landed before any of them reads them."""
+        x = self._ahead_in[(s * self.L + l - 1) % 2]
+        ids, _ = route(x, self._view(s, l, 0), self.m)
+        predicted = torch.unique(ids).tolist()
+        cache = self._caches[l]
+        absent = [e for e in predicted if not cache.holds(e)]
+        assert len(absent) <= len(self._prefetch)       # mu * k <= N * k, and <= E
+        placed = dict(zip(absent, self._prefetch))
+        for e, slot in placed.items():
+            self._copy_expert(l, e, slot)
+        self._ahead = (s, l, predicted, placed)
+        self.prefetch.predicted[l] += len(predicted)
+        self.prefetch.copies[l] += len(placed)
+
+    def _take_prefetched(self, s: int, l: int, j: int, wanted: list[int], rounds: list[_Round]
+                         ) -> None:
+        """ECP, in ExpertIn: count the predicted experts the router chose for micro-batch 0
+        (whose rows the prediction was made from), and take those the prefetch area holds
+        instead of copying them. A taken expert's prefetch slot and the slot its copy was
+        planned into swap roles (every mention of the one in the plan, the cache and the
+        staging area is renamed to the other): the prefetch slot, holding the expert, joins the
+        cache or the staging area; the planned slot, free to write now, joins the prefetch
+        area, where only a later ExpertAhead (later on this stream) writes it.
+
+        Only while the area still holds this layer's prediction for this step: ExpertAhead(l +
+        1), launched on this stream right after ExpertIn(l, 0), replaces it, so in general only
+        micro-batch 0 takes (the other micro-batches find what the cache kept of micro-batch
+        0's); the last layer of the last step has no next prediction, and its later
+        micro-batches may take what is left. Only the first round's copies are taken (decode,
+        whose misses fit the staging area, has one round; prefill has no prediction)."""
+        if s:
+            self.prefetch.misses[l] += sum(len(r.copies) for r in rounds)
+        if self._ahead is None or self._ahead[:2] != (s, l):
+            return
+        predicted, placed = self._ahead[2:]
+        if j == 0:
+            self.prefetch.used[l] += len(set(predicted) & set(wanted))
+        for e, planned in list(rounds[0].copies):
+            slot = placed.pop(e, None)
+            if slot is None:
+                continue
+            rounds[0].copies.remove((e, planned))
+            for round_ in rounds:
+                round_.copies = [(x, slot if y == planned else y) for x, y in round_.copies]
+                round_.compute = {x: slot if y == planned else y
+                                  for x, y in round_.compute.items()}
+            self._caches[l].rename(planned, slot)
+            self._staging[:] = [slot if y == planned else y for y in self._staging]
+            self._prefetch[self._prefetch.index(slot)] = planned
+            self.prefetch.taken[l] += 1
 
     def _copy_expert(self, l: int, e: int, slot: int) -> None:
         """Expert e of layer l, host -> a pool slot: one copy of its w1 | w3 | w2 block."""
@@ -535,6 +648,38 @@ class Runtime:
                         raise AssertionError(f"{name} reads page {p}, outside {allowed}")
 
 
+class PrefetchCounts:
+    """ECP's predictor, measured layer by layer over the decode steps: experts predicted (each
+    step's distinct ones, from micro-batch 0's tokens), those of them the router then chose for
+    micro-batch 0 (used), the predicted ones ExpertAhead copied (those the cache did not hold), the
+    copies an ExpertIn took instead of copying (taken), and the decode misses (what ExpertIn
+    would have copied without a prefetch: its copies plus the ones it took)."""
+
+    def __init__(self, layers: int):
+        self.predicted = [0] * layers
+        self.used = [0] * layers
+        self.copies = [0] * layers
+        self.taken = [0] * layers
+        self.misses = [0] * layers
+
+    def to_dict(self) -> dict[str, Any]:
+        """``summary["experts"]["prefetch"]``: ``accuracy`` (used / predicted) is the share of
+        the predictor's guesses the router confirmed; ``covered`` (taken / misses) is the share
+        of the cache's decode misses that were already on the device, what the simulator's
+        ``policy.prefetch`` stands for."""
+        def share(a: int, b: int) -> float | None:
+            return round(a / b, 6) if b else None
+
+        by_layer = [{"predicted": p, "used": u, "accuracy": share(u, p), "copies": c,
+                     "taken": t, "misses": m, "covered": share(t, m)}
+                    for p, u, c, t, m in zip(self.predicted, self.used, self.copies, self.taken,
+                                             self.misses)]
+        total = {key: sum(row[key] for row in by_layer)
+                 for key in ("predicted", "used", "copies", "taken", "misses")}
+        return {**total, "accuracy": share(total["used"], total["predicted"]),
+                "covered": share(total["taken"], total["misses"]), "by_layer": by_layer}
+
+
 @dataclass
 class _Round:
     """One round of a micro-batch's experts (EC): the (expert, pool slot) copies that bring
@@ -558,6 +703,19 @@ class _ExpertCache:
         self.fixed = dict(zip(fixed, slots)) if fixed is not None else None
         self.lru: OrderedDict[int, int] = OrderedDict()    # expert -> slot, least recent first
         self.free = [] if fixed is not None else list(slots)
+
+    def holds(self, e: int) -> bool:
+        """Whether expert e is in the cache's slots."""
+        return e in (self.fixed if self.fixed is not None else self.lru)
+
+    def rename(self, old: int, new: int) -> None:
+        """Pool slot `old` is called `new` from now on (ECP: a prefetched expert's slot takes
+        the place of the slot its copy was planned into)."""
+        if self.fixed is None:
+            for e, slot in self.lru.items():
+                if slot == old:
+                    self.lru[e] = new
+            self.free = [new if slot == old else slot for slot in self.free]
 
     def plan(self, wanted: list[int], staging: list[int]) -> list[_Round]:
         """The rounds of a micro-batch whose chosen experts are `wanted` (sorted, distinct),
