@@ -6,6 +6,7 @@ This is the library entry point behind `tg execute`. It needs PyTorch.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 from rich.text import Text
 
-from taskgraph.dag.builder import make_plan
+from taskgraph.dag.builder import Plan, make_plan
 from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path
@@ -256,9 +257,6 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
     ), slots
 
 
-_last_weights: dict[tuple, Any] = {}
-
-
 def max_positions(folder: str | Path | None) -> int | None:
     """A checkpoint's max_position_embeddings, if its config.json gives one."""
     from taskgraph.scenario import hf_config_json
@@ -360,10 +358,18 @@ def _check_processes(plan, zero_copy: bool, profile: bool, last_steps) -> None:
             raise TgError(f"--processes does not combine with {what}.")
 
 
+# The last model's random weights, kept for the next run of the same model (and seed and
+# dtype), in this module on purpose: validate and calibrate execute one model many times, each
+# run a call of execute_scenario of its own, and drawing a model's weights is slow (a Mixtral
+# layer takes seconds; the tiny test model 1.3 s on two cores, so that tests/test_expert_exec.py
+# and test_record_routing.py, which execute it some hundred times, took 77 s without this
+# instead of 27 s). Only the last model stays: they can be tens of GB. Nothing else is kept
+# between runs (a run's weights are read, never written).
+_last_weights: dict[tuple, Any] = {}
+
+
 def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
-    """Random weights, kept for the next run of the same model: validate and calibrate execute
-    one model many times, and a Mixtral layer takes seconds to draw. The last model's weights
-    stay in memory until another model is drawn."""
+    """Random weights drawn from `seed`, the last model's kept (``_last_weights``)."""
     from taskgraph.kernels.weights import synthetic_weights
 
     key = (m.model_dump_json(), seed, dtype)
@@ -371,6 +377,58 @@ def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
         _last_weights.clear()          # one model at a time: they can be tens of GB
         _last_weights[key] = synthetic_weights(m, seed=seed, dtype=dtype)
     return _last_weights[key]
+
+
+@dataclass
+class _Batch:
+    """The sequences one run executes: the scenario sized to them, each sequence slot's request
+    (``slots``; None in a slot: a filler sequence; ``slots`` None: synthetic prompts of the
+    workload's length), the tokenizer that reads and writes their text, what ends a request
+    (``eos()``, read only when outputs are written) and the warnings so far. ``overflow``:
+    every request of a prompts file holding more than the policy's N sequences, which then run
+    N at a time (:func:`_execute_prompts`)."""
+
+    scenario: Scenario
+    slots: list | None
+    tokenizer: Any
+    eos: Callable[[], set[int]]
+    warnings: list[str]
+    overflow: list | None = None
+
+
+@dataclass
+class _Job:
+    """What a batch runs as: its plan, the memory it needs, its compiled graph, the device it
+    runs on, the weights' dtype, and what planning had to say (warnings)."""
+
+    plan: Plan
+    memory: Any
+    program: Any
+    device: str
+    dtype: Any
+    warnings: list[str]
+
+
+@dataclass
+class _Inputs:
+    """A batch's prompts as tensors: token ids [N, P] right-padded, each sequence's length
+    (None: all P), and the last step each micro-batch's requests need (None: every step)."""
+
+    prompts: Any
+    lens: Any
+    last_steps: list[int] | None
+
+
+@dataclass
+class _Ran:
+    """A finished (or stopped) run: its timings, what holds its tokens and logits
+    (``outputs()``: the Runtime, or the ranks of a run in processes), the Runtime of a run in
+    this process (None in processes), and the ops the profiler saw."""
+
+    run: Any
+    outputs: Any
+    runtime: Any
+    ops: list
 
 
 def execute_scenario(scenario: Scenario, schedule: str | None = None, device: str = "auto",
@@ -393,15 +451,34 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     prompts than the policy's N sequences run N at a time (:func:`_execute_prompts`); `shared`
     is one such batch. `record_routing` keeps the router's decisions in ``result.routing``
     (:func:`_recorded_routing`; the first batch's, if there are several; None if the run stopped
-    before its end), which needs `check`."""
-    torch = _torch()
-    from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
-    from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts, trim
-    from taskgraph.exec.runtime import Runtime
-    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
-    from taskgraph.kernels.weights import load_mixtral_safetensors
+    before its end), which needs `check`.
 
+    Its steps, in order: the device; the batch (which requests, the scenario sized to them);
+    the plan (its graph, memory and dtype); the weights; the prompts as tensors; the run; the
+    check against the reference; the result. What a step refuses, it refuses before the next
+    step's work."""
     t0 = time.perf_counter()
+    dev = _device(device, zero_copy, check, record_routing)
+    batch_ = _batch_of(scenario, schedule, weights_path, prompts_path, batch, shared)
+    if batch_.overflow is not None:
+        return _execute_prompts(batch_.scenario, schedule, device, weights_path, seed, progress,
+                                zero_copy, check, profile, processes, batch_.warnings,
+                                _Prompts(batch_.overflow, batch_.tokenizer, batch_.eos()),
+                                record_routing)
+    job = _plan(batch_.scenario, schedule, dev, shared)
+    w = _load_weights(job, weights_path, seed, shared)
+    inputs = _inputs(job.plan.scenario, batch_.slots, seed, batch is not None)
+    ran = _run(job, w, inputs, zero_copy, profile, processes, progress)
+    summary = _measured(job, ran, zero_copy)
+    routing = None
+    if check and not ran.run.interrupted:
+        routing = _check(summary, job, ran, w, inputs, batch_, record_routing)
+    return _result(summary, job, ran, w, batch_, routing, profile, t0)
+
+
+def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> str:
+    """The device to run on ("cpu" or "cuda"), once PyTorch is there and the options agree."""
+    _torch()
     if record_routing and not check:
         raise TgError("Recording the routing needs the check against the reference forward: "
                       "the router's decisions are taken from it.")
@@ -409,10 +486,23 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if zero_copy and dev != "cpu":
         raise TgError("--zero-copy makes the CPU backend a CPU inference engine (host and "
                       f"device buffers shared); it does not apply to --device {dev}.")
+    return dev
+
+
+def _batch_of(scenario: Scenario, schedule: str | None, weights_path: str | None,
+              prompts_path: str | None, batch: list[list] | None, shared: _Prompts | None
+              ) -> _Batch:
+    """Which sequences run: synthetic prompts of the workload's shape, a prompts file's
+    requests, one batch of a longer file (`shared`), or given micro-batches of requests
+    (`batch`); the scenario's model made the checkpoint's, and the scenario sized to the
+    requests, each within the checkpoint's positions."""
+    from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts
+
     warnings: list[str] = []
     if weights_path and shared is None:     # a batch of many prompts has it applied
         model, warnings = checkpoint_model(scenario.model, weights_path)
         scenario = scenario.model_copy(update={"model": model})
+    eos = (lambda: shared.eos) if shared is not None else (lambda: eos_ids(weights_path))
     limit = max_positions(weights_path)
     slots, tokenizer = None, None
     if prompts_path:
@@ -420,10 +510,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,
                                 tokenizer, limit)
         if len(requests) > scenario.policy.N:
-            return _execute_prompts(scenario, schedule, device, weights_path, seed, progress,
-                                    zero_copy, check, profile, processes, warnings,
-                                    _Prompts(requests, tokenizer, eos_ids(weights_path)),
-                                    record_routing)
+            return _Batch(scenario, None, tokenizer, eos, warnings, overflow=requests)
         scenario, slots = _for_requests(scenario, schedule, requests)
     elif shared is not None:
         tokenizer = shared.tokenizer
@@ -435,10 +522,17 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
         scenario, slots = _for_batch(scenario, schedule, batch, scenario.policy.mu)
     if limit is not None:
         _check_positions(scenario, slots, limit)
-    m, p = scenario.model, scenario.policy
+    return _Batch(scenario, slots, tokenizer, eos, warnings)
+
+
+def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts | None) -> _Job:
+    """The batch's plan and compiled graph (the last batch shape's, kept in `shared`), once the
+    kernels can compute the model, its memory fits the modelled GPU and this machine's memory
+    holds the run."""
+    torch = _torch()
+    m = scenario.model
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
-    dtype, more = _torch_dtype(torch, m, dev)
-    warnings += more
+    dtype, warnings = _torch_dtype(torch, m, dev)
     plan = make_plan(scenario, schedule)
     if plan.tp > 1:
         from taskgraph.exec.tensor import check_shardable
@@ -454,16 +548,36 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
             shared.programs = {key: program}     # batches come in order: keep the last shape
     _check_host_memory((memory.gpu_total if dev == "cpu" else 0) + memory.cpu_total,
                        program.total)
+    return _Job(plan, memory, program, dev, dtype, warnings)
+
+
+def _load_weights(job: _Job, weights_path: str | None, seed: int, shared: _Prompts | None
+                  ) -> Any:
+    """The checkpoint's weights, or synthetic ones drawn from `seed`, in the job's dtype; those
+    of the batch before when `shared` holds them."""
     if shared is not None and shared.weights is not None:
-        w = shared.weights
-    else:
-        w = (load_mixtral_safetensors(weights_path, m, dtype) if weights_path
-             else _synthetic_weights(m, seed, dtype))
-        if shared is not None:
-            shared.weights = w
-    P = scenario.workload.context_prompt
+        return shared.weights
+    from taskgraph.kernels.weights import load_mixtral_safetensors
+
+    m = job.plan.scenario.model
+    w = (load_mixtral_safetensors(weights_path, m, job.dtype) if weights_path
+         else _synthetic_weights(m, seed, job.dtype))
+    if shared is not None:
+        shared.weights = w
+    return w
+
+
+def _inputs(scenario: Scenario, slots: list | None, seed: int, skip_finished: bool) -> _Inputs:
+    """The prompts as a tensor: synthetic ones drawn from `seed` + 1, or each slot's request
+    right-padded (a filler: one token). With `skip_finished` (a batch of a request list), each
+    micro-batch's last step: its tasks after its last request's last step, and every task of a
+    micro-batch holding no request, do nothing, as the simulator skips them."""
+    torch = _torch()
+    from taskgraph.kernels.reference import synthetic_prompts
+
+    p, P = scenario.policy, scenario.workload.context_prompt
     if slots is None:
-        prompts, lens = synthetic_prompts(p.N, P, m.V, seed=seed + 1), None
+        prompts, lens = synthetic_prompts(p.N, P, scenario.model.V, seed=seed + 1), None
     else:
         prompts = torch.zeros(p.N, P, dtype=torch.long)
         lens = torch.ones(p.N, dtype=torch.long)      # fillers: one token
@@ -471,51 +585,76 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
             if r is not None:
                 prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
                 lens[i] = len(r.prompt_ids)
-    # A batch of a request list skips what the simulator skips: a micro-batch's tasks after its
-    # last request's last step, and every task of a micro-batch holding no request.
     last_steps = None
-    if batch is not None:
+    if skip_finished:
         last_steps = [max((r.max_new_tokens - 1 for r in slots[j * p.mu:(j + 1) * p.mu]
                            if r is not None), default=-1) for j in range(p.N // p.mu)]
+    return _Inputs(prompts, lens, last_steps)
+
+
+def _run(job: _Job, w: Any, inputs: _Inputs, zero_copy: bool, profile: bool, processes: bool,
+         progress: Callable[[int, int], None] | None) -> _Ran:
+    """The job run once, under the profiler with `profile`: its buffers set up first (a
+    Runtime; on several GPUs in one process every GPU's shard on this device, or each pipeline
+    stage's buffers in the one Runtime), unless each GPU runs in a process of its own."""
+    torch = _torch()
+    from taskgraph.exec.runtime import Runtime
+
+    plan = job.plan
     if processes:
-        _check_processes(plan, zero_copy, profile, last_steps)
-    # Several GPUs in one process: every GPU's shard on this device (TensorParallel), or each
-    # pipeline stage's buffers in the one Runtime.
+        _check_processes(plan, zero_copy, profile, inputs.last_steps)
     make_runtime: Any = Runtime
     if plan.tp > 1:
         from taskgraph.exec.tensor import TensorParallel as make_runtime
     runtime = None if processes else make_runtime(
-        plan, w, prompts, torch.device(dev), pin_memory=dev == "cuda", prompt_lens=lens,
-        zero_copy=zero_copy, last_steps=last_steps)
-    total = len(program.seg_template)
-    ranks = None
-
-    def run_it(annotate: bool = False):
-        nonlocal ranks
-        if processes:
-            from taskgraph.exec.distributed import execute_processes
-
-            ranks = execute_processes(plan, w, prompts, prompt_lens=lens, device=dev)
-            return ranks.as_run(program)
-        return execute(program, runtime, CudaDevice(torch) if dev == "cuda" else HostDevice(),
-                       progress=(lambda d: progress(d, total)) if progress else None,
-                       annotate=annotate)
-
+        plan, w, inputs.prompts, torch.device(job.device), pin_memory=job.device == "cuda",
+        prompt_lens=inputs.lens, zero_copy=zero_copy, last_steps=inputs.last_steps)
+    go = functools.partial(_dispatch, job, w, inputs, runtime, progress)
     ops: list = []
     if profile:
         from taskgraph.exec.profiling import profile_run
 
-        run, ops = profile_run(lambda: run_it(annotate=True), cuda=dev == "cuda")
+        (run, outputs), ops = profile_run(functools.partial(go, annotate=True),
+                                          cuda=job.device == "cuda")
     else:
-        run = run_it()
-    summary = summarize(run, memory)
+        run, outputs = go()
+    return _Ran(run, outputs, runtime, ops)
+
+
+def _dispatch(job: _Job, w: Any, inputs: _Inputs, runtime: Any,
+              progress: Callable[[int, int], None] | None, annotate: bool = False
+              ) -> tuple[Any, Any]:
+    """Every task of the job's graph on this device's streams (`runtime` None: as a process per
+    GPU). Returns the run and what holds its outputs."""
+    if runtime is None:
+        from taskgraph.exec.distributed import execute_processes
+
+        ranks = execute_processes(job.plan, w, inputs.prompts, prompt_lens=inputs.lens,
+                                  device=job.device)
+        return ranks.as_run(job.program), ranks
+    torch = _torch()
+    from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
+
+    total = len(job.program.seg_template)
+    run = execute(job.program, runtime,
+                  CudaDevice(torch) if job.device == "cuda" else HostDevice(),
+                  progress=(lambda d: progress(d, total)) if progress else None,
+                  annotate=annotate)
+    return run, runtime
+
+
+def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
+    """The run's summary, as a simulation's (its timings measured), with where it ran and, for
+    an expert cache, what it copied."""
+    summary = summarize(ran.run, job.memory)
     # The hardware limit describes the modelled machine, not the one this ran on.
     del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
-    summary["device"] = dev
-    summary["dtype"] = str(dtype).removeprefix("torch.")
+    summary["device"] = job.device
+    summary["dtype"] = str(job.dtype).removeprefix("torch.")
     summary["measured"] = True
     summary["zero_copy"] = zero_copy
-    if plan.schedule.ffn == "cache" and hasattr(runtime, "expert_copies"):
+    runtime = ran.runtime
+    if job.plan.schedule.ffn == "cache" and hasattr(runtime, "expert_copies"):
         # what EC's expert cache really copied (host -> device, misses), beside what the
         # model expects of it; GPUFFN's share is the later rounds of a micro-batch missing
         # more experts than the staging area holds (exec.runtime.Runtime._GPUFFN)
@@ -528,57 +667,85 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
             # had already copied (what the simulator's policy.prefetch stands for)
             summary["experts"]["prefetch"] = runtime.prefetch.to_dict()
     summary["max_abs_err"] = summary["tokens_match"] = None
-    routing = None
-    if check and not run.interrupted:
-        # on the host, sequentially. The router's decisions are recorded here, not in the run:
-        # the reference is one loop over every layer and token whatever the schedule, while the
-        # run routes in other places per schedule (on the GPU, in the CPU's Route task, per
-        # tensor-parallel shard, in other processes) and in threads, micro-batches interleaved;
-        # the run's tokens are compared with the reference's just below, and any difference is
-        # said in a warning.
-        ref = reference_forward(w, prompts, p.mu, plan.G, lens, record=record_routing)
-        if record_routing:
-            routing = _recorded_routing(ref, m, slots, lens, P)
-        tokens, logits, _ = (ranks or runtime).outputs()
-        # final logits where each micro-batch ran to its end
-        full = list(range(p.N)) if last_steps is None else [
-            i for i in range(p.N) if last_steps[i // p.mu] == plan.G]
-        if not (torch.isfinite(logits[full]).all() and torch.isfinite(ref.logits[full]).all()):
-            # argmax over NaN is token 0 in both, which would read as identical
-            raise TgError(f"The run's logits are NaN or infinite (in {summary['dtype']}), so "
-                          "its tokens mean nothing and cannot be compared; the weights are "
-                          "finite, so the activations overflowed"
-                          + (" (try the checkpoint in float32)." if dtype != torch.float32
-                             else "."))
-        summary["max_abs_err"] = float((logits[full].float() - ref.logits[full].float())
-                                       .abs().max()) if full else 0.0
-        if last_steps is None:
-            summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
-        else:   # what each request generated
-            summary["tokens_match"] = all(
-                torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
-                for i, r in enumerate(slots) if r is not None)
-        if slots is not None:
-            eos = shared.eos if shared is not None else eos_ids(weights_path)
-            summary["outputs"] = []
-            for i, r in enumerate(slots):
-                if r is None:
-                    continue
-                out = trim(tokens[i].tolist(), r.max_new_tokens, eos)
-                row = {"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": out}
-                if tokenizer is not None:
-                    row["text"] = tokenizer.decode(out, skip_special_tokens=True)
-                summary["outputs"].append(row)
+    return summary
+
+
+def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: _Inputs,
+           batch_: _Batch, record_routing: bool) -> Any:
+    """The run against the reference forward, on the host, sequentially: the largest logit
+    error where each micro-batch ran to its end, and whether the tokens (each request's, in a
+    batch of a request list) are the reference's, into `summary`, with each request's output.
+    Returns the router's decisions with `record_routing`.
+
+    The router's decisions are recorded here, not in the run: the reference is one loop over
+    every layer and token whatever the schedule, while the run routes in other places per
+    schedule (on the GPU, in the CPU's Route task, per tensor-parallel shard, in other
+    processes) and in threads, micro-batches interleaved; the run's tokens are compared with
+    the reference's here, and any difference is said in a warning (:func:`_result`)."""
+    torch = _torch()
+    from taskgraph.kernels.reference import reference_forward
+
+    p, G, lens, slots = job.plan.scenario.policy, job.plan.G, inputs.lens, batch_.slots
+    ref = reference_forward(w, inputs.prompts, p.mu, G, lens, record=record_routing)
+    routing = (_recorded_routing(ref, job.plan.scenario.model, slots, lens,
+                                 inputs.prompts.shape[1]) if record_routing else None)
+    tokens, logits, _ = ran.outputs.outputs()
+    last_steps = inputs.last_steps
+    # final logits where each micro-batch ran to its end
+    full = list(range(p.N)) if last_steps is None else [
+        i for i in range(p.N) if last_steps[i // p.mu] == G]
+    if not (torch.isfinite(logits[full]).all() and torch.isfinite(ref.logits[full]).all()):
+        # argmax over NaN is token 0 in both, which would read as identical
+        raise TgError(f"The run's logits are NaN or infinite (in {summary['dtype']}), so "
+                      "its tokens mean nothing and cannot be compared; the weights are "
+                      "finite, so the activations overflowed"
+                      + (" (try the checkpoint in float32)." if job.dtype != torch.float32
+                         else "."))
+    summary["max_abs_err"] = float((logits[full].float() - ref.logits[full].float())
+                                   .abs().max()) if full else 0.0
+    if last_steps is None:
+        summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
+    else:   # what each request generated
+        summary["tokens_match"] = all(
+            torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
+            for i, r in enumerate(slots) if r is not None)
     if slots is not None:
-        summary["requests"] = sum(r is not None for r in slots)
+        summary["outputs"] = _outputs(tokens, slots, batch_.tokenizer, batch_.eos())
+    return routing
+
+
+def _outputs(tokens: Any, slots: list, tokenizer: Any, eos: set[int]) -> list[dict[str, Any]]:
+    """Each request's generated tokens (ended at its first end-of-sequence token), and their
+    text where a tokenizer reads them."""
+    from taskgraph.exec.prompts import trim
+
+    rows = []
+    for i, r in enumerate(slots):
+        if r is None:
+            continue
+        out = trim(tokens[i].tolist(), r.max_new_tokens, eos)
+        row = {"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": out}
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(out, skip_special_tokens=True)
+        rows.append(row)
+    return rows
+
+
+def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: _Batch,
+            routing: Any, profile: bool, t0: float) -> Execution:
+    """The run's summary completed (requests, warnings, the profiler's op count, wall time)
+    and the executed run."""
+    warnings = batch_.warnings + job.warnings
+    if batch_.slots is not None:
+        summary["requests"] = sum(r is not None for r in batch_.slots)
     if routing is not None and summary["tokens_match"] is False:
         warnings.append("the routing recorded is the reference forward's, and the run's tokens "
                         "differ from it.")
     summary["warnings"] = warnings
     if profile:
-        summary["profiled_ops"] = len(ops)
+        summary["profiled_ops"] = len(ran.ops)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(plan, program, memory, run, summary, ops, w, routing)
+    return Execution(job.plan, job.program, job.memory, ran.run, summary, ran.ops, w, routing)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,95 +66,135 @@ class Runtime:
                  shard: Any = None):
         if zero_copy and device.type != "cpu":
             raise ValueError("zero_copy shares host and device buffers: CPU backend only")
-        sc = plan.scenario
         # One GPU's shard under tensor parallelism (taskgraph.exec.tensor.Shard): its model
-        # (a GPU's heads and expert columns), and where the plan's pages fall in its weights.
-        m, p = (shard.model if shard else sc.model), sc.policy
-        self.plan, self.m, self.w, self.device = plan, m, weights, device
-        self.mu, self.n, self.L, self.G = p.mu, plan.n, m.L, plan.G
+        # (a GPU's heads and expert columns), and where the plan's pages fall in its weights
+        # (_weight_layout).
+        self.plan, self.w, self.device = plan, weights, device
+        self.m = shard.model if shard else plan.scenario.model
+        self.mu, self.n, self.L, self.G = plan.scenario.policy.mu, plan.n, self.m.L, plan.G
+        self.dtype = weights.embed.dtype
+        self.zero_copy, self.pin_memory, self.last_steps = zero_copy, pin_memory, last_steps
+        self._prompts(prompts, prompt_lens)
+        numel = self._weight_layout(shard)
+        self._tasks = self._task_table()
+        self._weights(numel)
+        self._kv_buffers()
+        self._activation_buffers()
+        if plan.schedule.experts_on_host:
+            self._ffn_buffers()
+        if plan.schedule.ffn in ("split", "cache"):
+            self._expert_buffers(self._dev)
+        self._prediction_buffers()
+        self._output_buffers(record_logits)
+
+    # --- set-up: the buffers, each allocated once, apart from the tasks ----------------------
+
+    def _dev(self, *shape: int) -> torch.Tensor:
+        """A zeroed device buffer in the weights' dtype."""
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def _host(self, *shape: int) -> torch.Tensor:
+        """A zeroed host buffer in the weights' dtype (pinned on CUDA)."""
+        return torch.zeros(*shape, dtype=self.dtype, pin_memory=self.pin_memory)
+
+    def _prompts(self, prompts: torch.Tensor, prompt_lens: torch.Tensor | None) -> None:
+        """The prompts on the device, right-padded to P tokens, each sequence's length per
+        micro-batch (on the device and the host), and the rotary embedding of the positions."""
         self.P = prompts.shape[1]
-        self.prompts = prompts.to(device)
+        self.prompts = prompts.to(self.device)
         lens = (torch.full((prompts.shape[0],), self.P) if prompt_lens is None
                 else prompt_lens.cpu().long())
         self.ragged = bool((lens < self.P).any())
-        self.lens = [lens[j * self.mu:(j + 1) * self.mu].to(device) for j in range(self.n)]
+        self.lens = [lens[j * self.mu:(j + 1) * self.mu].to(self.device) for j in range(self.n)]
         self.lens_host = [lens[j * self.mu:(j + 1) * self.mu] for j in range(self.n)]
-        self.rope = Rope(m, device)
-        dtype = weights.embed.dtype
-        # Elements of a layer that live on the device (all, or all but the experts when they
-        # run on the CPU): resident below `cut`, streamed in `pages` above it.
-        numel = math.ceil(plan.layout.extent_bytes / m.dtype_bytes)
-        self.cut, self.pages = _page_elements(plan, numel)
+        self.rope = Rope(self.m, self.device)
+
+    def _weight_layout(self, shard: Any) -> int:
+        """Which elements of a layer live on the device (all, or all but the experts when they
+        run apart): resident below ``cut``, streamed in ``pages`` above it, checked against what
+        each task waits for; with zero copy every one is read where it lies. Returns how many
+        elements of a layer that is."""
+        numel = math.ceil(self.plan.layout.extent_bytes / self.m.dtype_bytes)
+        self.cut, self.pages = _page_elements(self.plan, numel)
         if shard is not None:
-            numel, self.cut, self.pages = weights.layer_numel, shard.cut, shard.pages
+            numel, self.cut, self.pages = self.w.layer_numel, shard.cut, shard.pages
         self._check_pages()
-
-        def dev(*shape):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        def host(*shape):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
-
-        self.zero_copy = zero_copy
-        self.pin_memory = pin_memory
-        self.last_steps = last_steps
-        # One device: no tensor-parallel parts or collectives to run (sends only between
-        # pipeline stages, below).
-        self._tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                       if kind not in COLLECTIVES | SENDS | TP_ONLY}
-        # Pipeline stages in one process share the device: what a send carries is already there
-        # (the graph still orders the stages through it).
-        self._tasks.update({kind: _nothing for kind in SENDS})
-        if zero_copy:
-            self._tasks.update({kind: _nothing for kind in HOST_DEVICE_COPIES})
+        if self.zero_copy:
             self.cut, self.pages = numel, []
-        # Weights: resident prefixes, the double buffer, pinned staging slots.
-        # One double buffer and one set of KV slots per GPU: on several GPUs in pipeline or data
-        # parallel (one process, one device) each stage or group keeps its own, as on its GPU.
-        stages = plan.groups
-        self.resident = [flat[:self.cut].to(device) for flat in weights.layers]
-        self.halves = [dev(numel - self.cut) for _ in range(2 * stages)]
+        return numel
+
+    def _task_table(self) -> dict[str, Callable[[int, int, int], None]]:
+        """Each task kind's work. One device: no tensor-parallel parts or collectives to run.
+        Pipeline stages in one process share the device: what a send carries is already there
+        (the graph still orders the stages through it). Zero copy: every host-device copy is a
+        no-op, still scheduled and timed."""
+        tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
+                 if kind not in COLLECTIVES | SENDS | TP_ONLY}
+        tasks.update({kind: _nothing for kind in SENDS})
+        if self.zero_copy:
+            tasks.update({kind: _nothing for kind in HOST_DEVICE_COPIES})
+        return tasks
+
+    def _weights(self, numel: int) -> None:
+        """The weights on the device: each layer's resident prefix (``r_w``), the double buffer
+        its streamed part crosses into, the pinned staging pages, a view of each layer over
+        each half; the norms, the embedding and the LM head. One double buffer per GPU: on
+        several GPUs in pipeline or data parallel (one process, one device) each stage or group
+        keeps its own, as on its GPU."""
+        self.resident = [flat[:self.cut].to(self.device) for flat in self.w.layers]
+        self.halves = [self._dev(numel - self.cut) for _ in range(2 * self.plan.groups)]
         page_max = max((b - a for a, b in self.pages), default=0)
-        self.pinned = [host(page_max) for _ in range(plan.schedule.pin_slots)]
-        self._views = {(l, half): LayerView(m, self.resident[l], self.halves[half])
+        self.pinned = [self._host(page_max) for _ in range(self.plan.schedule.pin_slots)]
+        self._views = {(l, half): LayerView(self.m, self.resident[l], self.halves[half])
                        for l in range(self.L) for half in range(len(self.halves))}
-        self.norms = [(a.to(device), b.to(device)) for a, b in weights.norms]
-        self.embed, self.final_norm = weights.embed.to(device), weights.final_norm.to(device)
-        self.head = weights.lm_head.to(device)
-        # KV: the host cache of every (layer, micro-batch); the GPU slots.
-        T = self.P + self.G
-        self.k_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+        self.norms = [(a.to(self.device), b.to(self.device)) for a, b in self.w.norms]
+        self.embed = self.w.embed.to(self.device)
+        self.final_norm = self.w.final_norm.to(self.device)
+        self.head = self.w.lm_head.to(self.device)
+
+    def _kv_buffers(self) -> None:
+        """The KV cache: in host memory for every (layer, micro-batch), P prompt columns then
+        one a decode step; and the GPU's KV slots (``kv_slots`` per GPU, none with zero copy,
+        where attention reads the cache where it lies)."""
+        m, T = self.m, self.P + self.G
+        self.k_cache = [[self._host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
                         for _ in range(self.L)]
-        self.v_cache = [[host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+        self.v_cache = [[self._host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
                         for _ in range(self.L)]
-        slots = 0 if zero_copy else plan.schedule.kv_slots * stages
-        self.k_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
-        self.v_slot = [dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
-        # Activations per micro-batch.
-        width = m.q_dim + 2 * m.h_kv
-        self.x_prefill = [dev(self.mu, self.P, m.h) for _ in range(self.n)]
-        self.x = [dev(self.mu, m.h) for _ in range(self.n)]
-        self.qkv = [dev(self.mu, width) for _ in range(self.n)]
-        self.attn = [dev(self.mu, m.q_dim) for _ in range(self.n)]
-        if zero_copy:
+        slots = 0 if self.zero_copy else self.plan.schedule.kv_slots * self.plan.groups
+        self.k_slot = [self._dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
+        self.v_slot = [self._dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
+
+    def _activation_buffers(self) -> None:
+        """Each micro-batch's hidden states (the prompts' in prefill, one token a sequence in
+        decode), its Q | K | V and its attention output, and the host's copies of the last two
+        (CPU attention; one buffer with zero copy)."""
+        m, width = self.m, self.m.q_dim + 2 * self.m.h_kv
+        self.x_prefill = [self._dev(self.mu, self.P, m.h) for _ in range(self.n)]
+        self.x = [self._dev(self.mu, m.h) for _ in range(self.n)]
+        self.qkv = [self._dev(self.mu, width) for _ in range(self.n)]
+        self.attn = [self._dev(self.mu, m.q_dim) for _ in range(self.n)]
+        if self.zero_copy:
             self.qkv_host, self.attn_host = self.qkv, self.attn
         else:
-            self.qkv_host = [host(self.mu, width) for _ in range(self.n)]
-            self.attn_host = [host(self.mu, m.q_dim) for _ in range(self.n)]
-        if plan.schedule.experts_on_host:
-            self._ffn_buffers(dev, host, zero_copy)
-        if plan.schedule.ffn in ("split", "cache"):
-            self._expert_buffers(dev)
-        # ECP: what ExpertAhead predicts from, micro-batch 0's normed hidden state as Route
-        # left it, in a ring of two (see _ExpertAhead)
-        self._ahead_in = ([dev(self.mu, m.h) for _ in range(2)]
+            self.qkv_host = [self._host(self.mu, width) for _ in range(self.n)]
+            self.attn_host = [self._host(self.mu, m.q_dim) for _ in range(self.n)]
+
+    def _prediction_buffers(self) -> None:
+        """ECP: what ExpertAhead predicts from, micro-batch 0's normed hidden state as Route
+        left it, in a ring of two (see :meth:`_ExpertAhead`); None for other schedules."""
+        self._ahead_in = ([self._dev(self.mu, self.m.h) for _ in range(2)]
                           if self._caches_prefetch() else None)
-        # Outputs stay on the device until the run ends (reading them back mid-run would stall
-        # a stream).
-        self.tokens = torch.zeros(self.n * self.mu, self.G + 1, dtype=torch.long, device=device)
-        self.logits = dev(self.n * self.mu, m.V)
-        self.hidden = dev(self.n * self.mu, m.h)
-        self.step_logits = dev(self.n * self.mu, self.G + 1, m.V) if record_logits else None
+
+    def _output_buffers(self, record_logits: bool) -> None:
+        """Each sequence's tokens, its last step's logits and hidden state, and with
+        `record_logits` every step's logits. They stay on the device until the run ends
+        (reading them back mid-run would stall a stream)."""
+        m, rows = self.m, self.n * self.mu
+        self.tokens = torch.zeros(rows, self.G + 1, dtype=torch.long, device=self.device)
+        self.logits = self._dev(rows, m.V)
+        self.hidden = self._dev(rows, m.h)
+        self.step_logits = self._dev(rows, self.G + 1, m.V) if record_logits else None
 
     # --- the tasks ---------------------------------------------------------------------------
 
@@ -262,8 +302,13 @@ class Runtime:
     # --- routed FFN apart from attention (S5, EP, EC): rows are a micro-batch's prompt tokens
     # in prefill, else its sequences
 
-    def _ffn_buffers(self, dev, host, zero_copy: bool) -> None:
+    def _ffn_buffers(self) -> None:
+        """The routed FFN's buffers per micro-batch (S5, EP, EC): the prefill attention output,
+        the normed hidden state, the router's gates and expert ids, the experts' output, each
+        on the device and the host (one buffer with zero copy); and views of each layer's
+        experts where they lie in host memory."""
         m, rows = self.m, self.mu * self.P
+        dev, host, zero_copy = self._dev, self._host, self.zero_copy
         self.attn_prefill = [dev(rows, m.q_dim) for _ in range(self.n)]
         self.normed = [dev(rows, m.h) for _ in range(self.n)]
         self.gates = [dev(rows, m.k) for _ in range(self.n)]
