@@ -120,9 +120,7 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
     from taskgraph.study.crossover import crossover as run
 
     s, _ = load(scenario, overrides, auto=False)
-    return run(s, None if schedules is None else list(schedules),
-               None if batch_sizes is None else list(batch_sizes),
-               _backend(backend, ray_address), progress)
+    return run(s, schedules, batch_sizes, _backend(backend, ray_address), progress)
 
 
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.dag.routing import trace_from_dict
-from taskgraph.dag.schedules import PLACEMENT_MEANS, SCHEDULES
+from taskgraph.dag.schedules import EXPERT_FIELDS, PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text, read_json, read_text
 from taskgraph.serving.requests import generate_requests, read_requests, summary
@@ -90,10 +90,11 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     _check_schedule_names(scenario, source)
     scenario._policy_auto = auto
     scenario._pins = _pins(doc, source) if pins is None else dict(pins)
-    return for_schedule(scenario, scenario.schedule)[0]
+    return for_schedule(scenario, scenario.schedule, keep_unused=True)[0]
 
 
-def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | None]:
+def for_schedule(scenario: Scenario, schedule: str, keep_unused: bool = False
+                 ) -> tuple[Scenario, str | None]:
     """`scenario` running `schedule`, with the policy fields the schedule decides
     (``Schedule.placement``: where attention, the KV cache and the FFN live) set, and a note
     saying what that changed. A field the user gave explicitly with another value is an error
@@ -113,6 +114,12 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
                 f"choose a schedule that allows policy.{key}={have:g} "
                 f"({', '.join(allowing) or 'none does yet'}).")
         changes[key] = value
+    for key, default in EXPERT_FIELDS.items():
+        # a schedule compared beside one that reads the field drops it; the file's own schedule
+        # keeps it, and make_plan refuses a run of a schedule that would ignore it
+        if not keep_unused and getattr(policy, key) != default \
+                and not s.reads(key):
+            changes[key] = default
     gpus = scenario.hardware.gpu.count
     # a pipeline's stages, or data parallelism's GPUs, run one group of micro-batches each
     groups = gpus if s.grouped else 1
@@ -138,8 +145,11 @@ def for_schedule(scenario: Scenario, schedule: str) -> tuple[Scenario, str | Non
         "how many sequences (one micro-batch" + (" per GPU)" if groups > 1 else ")")
         if s.max_micro_batches else "how many sequences (whole micro-batches for each GPU's "
                                     "group)"))
-    note = (f"{schedule} decides " + ", ".join(f"{means[k]}: {k}={v:g}"
-                                                for k, v in changes.items())) if changes else None
+    means.update(experts_gpu="no experts held on the GPU", eviction="no expert cache",
+                 prefetch="no prefetch")
+    note = (f"{schedule} decides " + ", ".join(
+        f"{means[k]}: {k}={v:g}" if not isinstance(v, str) else f"{means[k]}: {k}={v}"
+        for k, v in changes.items())) if changes else None
     return placed, note
 
 

@@ -88,7 +88,7 @@ def test_at_large_batches_the_routing_changes_nothing(schedule):
 
 
 def _run(schedule: str, sets: list[str]) -> dict:
-    sc = for_schedule(load_scenario(T4, sets), schedule)[0]
+    sc = for_schedule(load_scenario(T4, [f"schedule={schedule}", *sets]), schedule)[0]
     return simulate_scenario(sc, schedule).summary
 
 
@@ -159,7 +159,7 @@ def test_a_cache_larger_than_gpu_memory_names_the_field():
 def test_a_routing_trace_of_another_model_is_refused(tmp_path):
     sc = load_scenario(TINY)
     m = sc.model
-    steps = [np.zeros((m.L, 3, m.k), dtype=int).tolist()] * 2
+    steps = [np.tile(np.arange(m.k), (m.L, 3, 1)).tolist()] * 2
     bad = tmp_path / "r.json"
     bad.write_text(json.dumps({"format": "tg-routing/1", "E": m.E + 1, "k": m.k, "L": m.L,
                                "steps": steps}))
@@ -244,7 +244,7 @@ def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
     a5000 = "scenarios/small-batch/a5000.yaml"
 
     def latency(schedule, *sets):
-        sc = for_schedule(load_scenario(a5000, list(sets)), schedule)[0]
+        sc = for_schedule(load_scenario(a5000, [f"schedule={schedule}", *sets]), schedule)[0]
         return simulate_scenario(sc, schedule).summary["token_latency_ms"]
 
     ec = latency("EC")
@@ -260,3 +260,86 @@ def test_a_batch_size_beyond_any_run_is_a_row_that_says_why():
     huge = [r for r in c.rows if r["N"] == 1_000_000]
     assert all("at most 256" in r["error"] for r in huge if r["schedule"] == "S4")
     assert c.best(1, ["S4", "EC"]) is not None
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([0.5, 1], "fractional numbers"), ([True, False], "true/false"), (["0", "1"], "text"),
+    ([1, 1], "one expert twice"), ([0, 99], "outside 0..7"),
+])
+def test_a_routing_trace_holds_k_different_integer_expert_ids_a_token(tmp_path, ids, words):
+    """Floats were truncated (2.7 -> 2), true read as 1 and a token's expert taken twice."""
+    sc = load_scenario(TINY)
+    m = sc.model
+    good = np.tile(np.arange(m.k), (m.L, 2, 1)).tolist()
+    bad = [[list(ids)] * 2] * m.L
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"format": "tg-routing/1", "E": m.E, "k": m.k, "L": m.L,
+                                "steps": [good, bad]}))
+    run = _tg("simulate", TINY, "--set", "workload.routing.kind=trace", "--set",
+              f"workload.routing.trace={path}")
+    assert run.returncode == 2 and words in run.stderr and "steps[1]" in run.stderr, run.stderr
+
+
+def test_a_traces_hit_rate_is_replayed_at_its_own_batch_and_warm(tmp_path):
+    """At the batch a trace was recorded with its steps are replayed, twice, counting the
+    second pass (one step used to give 0% hits, the cache starting empty); at another batch its
+    popularity is drawn from (a trace at batch 1 gave 65% hits at 64, where at most 50% can
+    be)."""
+    from taskgraph.dag.routing import Routing
+
+    sc = load_scenario(TINY)
+    m = sc.model
+    one_step = np.tile(np.arange(m.k), (m.L, 1, 1)).tolist()        # batch 1: experts 0, 1
+    pairs = np.arange(m.E).reshape(-1, 2)          # a prompt whose tokens choose every expert
+    prefill = np.tile(np.tile(pairs, (10, 1)), (m.L, 1, 1)).tolist()
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"format": "tg-routing/1", "E": m.E, "k": m.k, "L": m.L,
+                                "steps": [prefill, one_step]}))
+    traced = Routing.of(load_scenario(TINY, ["workload.routing.kind=trace",
+                                             f"workload.routing.trace={path}"]))
+    assert np.all(traced.cache_hits(1, 2, "lru") == 1.0)           # the same two, cached
+    # 64 tokens touch all 8 experts: a cache of 2 holds 2 of them
+    assert traced.cache_hits(64, m.k, "lru") == pytest.approx(np.full(m.L, m.k / m.E))
+
+
+def test_huge_batches_replay_a_cache_in_bounded_time():
+    """800 drawn steps of the whole batch were held at once (N = 262,144: 13 GB)."""
+    from taskgraph.dag.routing import Routing
+
+    routing = Routing.of(load_scenario(TINY))
+    assert np.mean(routing.cache_hits(10_000_000, 2, "lru")) == pytest.approx(2 / 8, abs=0.01)
+
+
+def test_an_expert_field_a_schedule_does_not_read_is_refused_or_dropped_with_a_note():
+    """experts_gpu, eviction and prefetch changed nothing on S1-S5 and were silently ignored:
+    for the run's own schedule they are refused; a schedule compared beside one that reads
+    them drops them and says so."""
+    run = _tg("simulate", TINY, "--set", "policy.experts_gpu=2")
+    assert run.returncode == 2 and "policy.experts_gpu = 2 means nothing to schedule S1" \
+        in run.stderr
+    assert "EP, EC, ECP" in run.stderr and "Traceback" not in run.stderr
+    run = _tg("simulate", TINY, "--schedule", "EP", "--set", "policy.eviction=popular")
+    assert run.returncode == 2 and "it applies to EC, ECP" in run.stderr
+    run = _tg("compare", TINY, "--schedules", "S1,EC", "--set", "policy.experts_gpu=2")
+    assert run.returncode == 0, run.stderr
+    assert "experts_gpu=0" in " ".join(run.stderr.split())
+
+
+def test_across_batch_sizes_the_users_prefetch_accuracy_is_kept():
+    """ECP was always priced with prefetch = 0, whatever --set said."""
+    run = _tg("compare", TINY, "--batch-sizes", "1,2", "--schedules", "S4,ECP", "--set",
+              "policy.prefetch=0.8", "--json")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["rows"]
+    assert {r["policy"]["prefetch"] for r in rows if r["schedule"] == "ECP"} == {0.8}
+    assert all("prefetch" not in r["policy"] for r in rows if r["schedule"] == "S4")
+
+
+@pytest.mark.parametrize("sizes", [[2.5], "1,2", [None], 5, [True], [10**10]])
+def test_crossover_from_python_refuses_what_is_not_a_batch_size(sizes):
+    """2.5 looped for ever (mu went negative), 1.5 divided by zero, others were tracebacks."""
+    from taskgraph import crossover
+    from taskgraph.errors import TgError
+
+    with pytest.raises(TgError):
+        crossover(TINY, ["S4"], sizes)

@@ -130,7 +130,8 @@ def test_a_trace_of_another_shape_is_one_clear_error(recorded, tmp_path, capsys)
     for field, value in (("E", 16), ("k", 3)):
         bad = dict(doc, **{field: value})
         if field == "k":      # shapes must still parse: every token's k ids
-            bad["steps"] = [[[t + [0] for t in layer] for layer in step] for step in doc["steps"]]
+            bad["steps"] = [[[t + [min(set(range(doc["E"])) - set(t))] for t in layer]
+                             for layer in step] for step in doc["steps"]]
         path = tmp_path / f"bad-{field}.json"
         path.write_text(json.dumps(bad))
         capsys.readouterr()

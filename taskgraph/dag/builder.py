@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 import networkx as nx
 
 from taskgraph.dag.routing import Routing
-from taskgraph.dag.schedules import (PER_GPU, PLACEMENT_MEANS, SCHEDULES, STREAM_RESOURCE, Loop, Op,
-                                     Schedule)
+from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, PLACEMENT_MEANS, SCHEDULES,
+                                     STREAM_RESOURCE, Loop, Op, Schedule)
 from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
@@ -235,6 +235,14 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
             raise ScheduleError(
                 f"Schedule {s.name} ({s.title}) decides {PLACEMENT_MEANS[key]}: policy.{key} "
                 f"must be {value:g}, not {getattr(p, key):g} (scenario.for_schedule sets it).")
+    ignored = [k for k, default in EXPERT_FIELDS.items()
+               if getattr(p, k) != default and not s.reads(k)]
+    if ignored:
+        k = ignored[0]
+        users = [n for n, o in SCHEDULES.items() if o.reads(k)]
+        raise ScheduleError(
+            f"policy.{k} = {getattr(p, k)} means nothing to schedule {s.name} ({s.title}): it "
+            f"applies to {', '.join(users)}. Drop it, or choose one of those.")
     gpus = scenario.hardware.gpu.count
     if gpus > 1 and s.experts_on_host:
         raise ScheduleError(

@@ -23,7 +23,7 @@ it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -36,6 +36,9 @@ from taskgraph.specs import ModelSpec, Scenario
 CACHE_STEPS = 400
 #: Draws that estimate a skewed routing's inclusion probabilities (exact for uniform).
 _DRAWS = 200_000
+#: Tokens drawn for one synthetic step at most: past this many every expert a batch could touch
+#: is touched (an expert a token picks once in 10^3 is missed with probability e^-4).
+DRAWN_TOKENS = 4_096
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class RoutingTrace:
     k: int
     L: int
     experts: tuple[np.ndarray, ...]
+    # what is computed from the trace once, whichever plan asks (a comparison builds many)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def decode(self) -> tuple[np.ndarray, ...]:
@@ -65,10 +70,10 @@ def trace_from_dict(obj: object, where: str) -> RoutingTrace:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise TgError(f"{where} is not a routing trace: its 'format' must be '{FORMAT}' (write "
                       "one with `tg execute --record-routing FILE`).")
-    for field in ("E", "k", "L"):
-        if not isinstance(obj.get(field), int) or isinstance(obj.get(field), bool) \
-                or obj[field] < 1:
-            raise TgError(f"{where}: '{field}' must be a positive integer.")
+    for name in ("E", "k", "L"):
+        if not isinstance(obj.get(name), int) or isinstance(obj.get(name), bool) \
+                or obj[name] < 1:
+            raise TgError(f"{where}: '{name}' must be a positive integer.")
     E, k, L = obj["E"], obj["k"], obj["L"]
     steps = obj.get("steps")
     if not isinstance(steps, list) or len(steps) < 2:
@@ -76,14 +81,22 @@ def trace_from_dict(obj: object, where: str) -> RoutingTrace:
     experts = []
     for i, step in enumerate(steps):
         try:
-            a = np.asarray(step, dtype=np.int64)
+            a = np.asarray(step)
         except (ValueError, TypeError, OverflowError):
             raise TgError(f"{where}: steps[{i}] is not an array of expert ids.") from None
+        if a.dtype.kind not in "iu":          # floats, booleans, strings: not expert ids
+            found = {"b": "true/false", "f": "fractional numbers", "U": "text"}.get(
+                a.dtype.kind, "values of mixed kinds")
+            raise TgError(f"{where}: steps[{i}] must hold integer expert ids, not {found}.")
         if a.ndim != 3 or a.shape[0] != L or a.shape[2] != k or a.shape[1] < 1:
             raise TgError(f"{where}: steps[{i}] must be {L} layers x tokens x {k} expert ids, "
                           f"not shape {list(a.shape)}.")
         if a.min() < 0 or a.max() >= E:
             raise TgError(f"{where}: steps[{i}] holds an expert id outside 0..{E - 1}.")
+        ordered = np.sort(a, axis=2)
+        if (ordered[:, :, 1:] == ordered[:, :, :-1]).any():
+            raise TgError(f"{where}: steps[{i}] chooses one expert twice for a token; a router "
+                          f"chooses {k} different experts.")
         experts.append(a)
     return RoutingTrace(E, k, L, tuple(experts))
 
@@ -110,12 +123,13 @@ class Routing:
         m, spec = scenario.model, scenario.workload.routing
         if spec.kind == "trace":
             trace = scenario.routing_trace
-            counts = np.zeros((trace.L, trace.E))
-            for step in trace.experts:
-                for layer in range(trace.L):
-                    counts[layer] += np.bincount(step[layer].ravel(), minlength=trace.E)
-            q = counts / counts.sum(axis=1, keepdims=True) * trace.k
-            return cls(q, m.k, trace=trace, seed=spec.seed)
+            if "q" not in trace.memo:
+                counts = np.zeros((trace.L, trace.E))
+                for step in trace.experts:
+                    for layer in range(trace.L):
+                        counts[layer] += np.bincount(step[layer].ravel(), minlength=trace.E)
+                trace.memo["q"] = counts / counts.sum(axis=1, keepdims=True) * trace.k
+            return cls(trace.memo["q"], m.k, trace=trace, seed=spec.seed)
         if spec.kind == "uniform":
             return cls.uniform(m, spec.seed)
         weights = np.asarray(spec.popularity if spec.popularity is not None
@@ -145,6 +159,8 @@ class Routing:
         for uniform routing (from pairs of experts both missed), experts taken as independent
         otherwise."""
         t = float(tokens)
+        if t <= 1:                  # one token: exactly k experts
+            return 0.0
         if self.uniform:
             E, k = self.E, self.k
             a = (1 - k / E) ** t
@@ -190,58 +206,73 @@ class Routing:
         `capacity` experts per layer already holds: LRU (most recently used kept) or
         ``popular`` (the most popular, fixed). Measured by replaying the trace's decode steps,
         or CACHE_STEPS steps drawn from the routing after as many to warm the cache."""
-        key = (tokens, capacity, eviction)
-        if key not in self._hits:
-            self._hits[key] = self._replay(tokens, capacity, eviction)
-        return self._hits[key]
+        key = ("hits", tokens, capacity, eviction)
+        memo = self.trace.memo if self.trace is not None else self._hits
+        if key not in memo:
+            memo[key] = self._replay(tokens, capacity, eviction)
+        return memo[key]
 
     def _replay(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
         if capacity <= 0:
             return np.zeros(self.L)
         if capacity >= self.E:
             return np.ones(self.L)
-        if self.trace is None and self.uniform_layers:       # every layer alike: replay one
-            return np.full(self.L, self._replay_layers(tokens, capacity, eviction, 1)[0])
-        return self._replay_layers(tokens, capacity, eviction, self.L)
+        if self._replays_trace(tokens):
+            return np.array([_hit_rate(list(self._trace_steps(layer)), capacity, eviction,
+                                       self.popular(capacity)[layer], warm=True)
+                             for layer in range(self.L)])
+        layers = 1 if self.uniform_layers else self.L      # every layer alike: replay one
+        out = [_hit_rate(self._drawn_steps(layer, tokens), capacity, eviction,
+                         self.popular(capacity)[layer], warm=False) for layer in range(layers)]
+        return np.resize(np.array(out), self.L)
 
-    def _replay_layers(self, tokens: int, capacity: int, eviction: str, layers: int
-                       ) -> np.ndarray:
-        steps = self._steps(tokens, layers)
-        warm = 0 if self.trace is not None else CACHE_STEPS
-        hits = np.zeros(layers)
-        for layer in range(layers):
-            if eviction == "popular":
-                held = set(self.popular(capacity)[layer].tolist())
-            else:
-                cache: OrderedDict[int, None] = OrderedDict()
-            hit = need = 0
-            for i, step in enumerate(steps):
-                wanted = np.unique(step[layer]).tolist()
-                if eviction == "popular":
-                    found = sum(e in held for e in wanted)
-                else:
-                    found = sum(e in cache for e in wanted)
-                    for e in wanted:
-                        cache.pop(e, None)
-                        cache[e] = None
-                    while len(cache) > capacity:
-                        cache.popitem(last=False)
-                if i >= warm:
-                    hit, need = hit + found, need + len(wanted)
-            hits[layer] = hit / need if need else 1.0
-        return hits
+    def _replays_trace(self, tokens: int) -> bool:
+        """A trace is replayed as recorded at the batch it was recorded with; at another batch
+        its popularity is drawn from, as for skewed routing."""
+        return self.trace is not None and {s.shape[1] for s in self.trace.decode} == {tokens}
 
-    def _steps(self, tokens: int, layers: int) -> list[np.ndarray]:
-        if self.trace is not None:
-            return list(self.trace.decode)
+    def _trace_steps(self, layer: int):
+        return (np.unique(step[layer]) for step in self.trace.decode)
+
+    def _drawn_steps(self, layer: int, tokens: int):
+        """CACHE_STEPS steps to warm the cache, then CACHE_STEPS to count, drawn one at a time
+        (a step of `tokens` tokens: at most DRAWN_TOKENS, past which every expert a batch could
+        touch is touched)."""
         rng = np.random.default_rng(self.seed)
-        return [_draw(rng, self.weights[:layers], self.k, int(tokens))
-                for _ in range(2 * CACHE_STEPS)]
+        for _ in range(2 * CACHE_STEPS):
+            yield np.unique(_draw(rng, self.weights[layer:layer + 1], self.k,
+                                  min(int(tokens), DRAWN_TOKENS)))
 
     @property
     def uniform_layers(self) -> bool:
         """Every layer routes alike (synthetic routing)."""
         return bool(np.all(self.weights == self.weights[0]))
+
+
+def _hit_rate(steps, capacity: int, eviction: str, popular: np.ndarray, warm: bool) -> float:
+    """The share of the experts each step chooses that a cache of `capacity` already holds:
+    LRU (a step's experts become the most recent, then the cache is cut to `capacity`) or the
+    `popular` ones, fixed. `steps`: each step's chosen experts. With `warm` the steps are
+    replayed twice and counted the second time (a trace's own steps); else the first half warms
+    the cache."""
+    steps = list(steps) * (2 if warm else 1)
+    held = set(popular.tolist())
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = need = 0
+    for i, wanted in enumerate(steps):
+        wanted = wanted.tolist()
+        if eviction == "popular":
+            found = sum(e in held for e in wanted)
+        else:
+            found = sum(e in cache for e in wanted)
+            for e in wanted:
+                cache.pop(e, None)
+                cache[e] = None
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+        if i >= len(steps) // 2:
+            hit, need = hit + found, need + len(wanted)
+    return hit / need if need else 1.0
 
 
 def _inclusion(p: np.ndarray, k: int, seed: int) -> np.ndarray:
@@ -250,8 +281,9 @@ def _inclusion(p: np.ndarray, k: int, seed: int) -> np.ndarray:
     if k == 1:
         return p.copy()
     rng = np.random.default_rng(seed)
-    picks = _draw(rng, p[None, :], k, _DRAWS)[0]
-    return np.bincount(picks.ravel(), minlength=len(p)) / _DRAWS
+    draws = max(1_000, min(_DRAWS, 50_000_000 // len(p)))    # at most 50M keys (400 MB)
+    picks = _draw(rng, p[None, :], k, draws)[0]
+    return np.bincount(picks.ravel(), minlength=len(p)) / draws
 
 
 def _draw(rng: np.random.Generator, p: np.ndarray, k: int, tokens: int) -> np.ndarray:

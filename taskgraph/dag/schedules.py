@@ -111,6 +111,16 @@ class Schedule:
             raise ValueError(f"schedule {self.name}: a {self.parallel}-parallel schedule "
                              "neither stages weights nor runs the FFN on the CPU")
 
+    def reads(self, field: str) -> bool:
+        """Whether the schedule reads an expert-level policy field (EXPERT_FIELDS): how many
+        experts the GPU holds (EP, EC, ECP), how its cache evicts (EC, ECP), how right its
+        prefetch is (ECP)."""
+        if field == "experts_gpu":
+            return self.ffn in ("split", "cache")
+        if field == "eviction":
+            return self.ffn == "cache"
+        return any(op.kind == "ExpertAhead" for op in self.decode)
+
     @property
     def experts_on_host(self) -> bool:
         """The experts live in host memory, not in the layer's streamed weights."""
@@ -122,6 +132,10 @@ class Schedule:
         GPU keeps buffers of its own (pipeline and data parallelism)."""
         return self.parallel != "tensor"
 
+
+#: The expert-level policy fields and their defaults: a schedule that does not read one has it
+#: at its default (a comparison drops it with a note; make_plan refuses to ignore it).
+EXPERT_FIELDS = {"experts_gpu": 0, "eviction": "lru", "prefetch": 0.0}
 
 #: What each placement field decides, for messages.
 PLACEMENT_MEANS = {"A_g": "where attention runs", "r_c": "where the KV cache lives",

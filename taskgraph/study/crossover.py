@@ -13,6 +13,7 @@ overtake the expert-level ones, and what binds each side there.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,8 @@ SCHEDULES_COMPARED = ("S1", "S4", "S5", "EP", "EC")
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 504)
 #: Points of one comparison (schedules x batch sizes), each a simulation.
 MAX_POINTS = 400
+#: The largest batch compared: the request lists' bound (specs.MAX_REQUESTS).
+MAX_BATCH = 1_000_000
 _FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 #: Schedules that leave the experts in host memory and place them one by one (S5 runs them all
 #: on the CPU, EP the popular ones on the GPU, EC caches them): made for small batches. The
@@ -84,6 +87,10 @@ def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
         base = for_schedule(scenario.model_copy(update={"policy": PolicySpec(
             N=N, mu=mu, A_g=fixed.get("A_g", scenario.policy.A_g), F_g=fixed.get("F_g", 1),
             r_w=fixed.get("r_w", 0.0), r_c=fixed.get("r_c", 0.0))}), schedule)[0]
+        # the user's eviction and prefetch accuracy, where the schedule has a cache
+        own = {k: getattr(scenario.policy, k) for k in ("eviction", "prefetch")
+               if s.reads(k)}
+        base = base.model_copy(update={"policy": base.policy.model_copy(update=own)})
         fits = _fits(base, schedule)
         if fits({}):
             break
@@ -94,7 +101,7 @@ def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
     for knob, values in (("r_w", _FRACTIONS), ("r_c", _FRACTIONS),
                          ("experts_gpu", range(scenario.model.E, -1, -1))):
         if knob in fixed or (knob == "r_c" and s.attention == "cpu") or \
-                (knob == "experts_gpu" and schedule not in EXPERT_LEVEL):
+                (knob == "experts_gpu" and not s.reads("experts_gpu")):
             continue
         chosen[knob] = next(v for v in values if fits({**chosen, knob: v}))
     return base.model_copy(update={"policy": base.policy.model_copy(update=chosen)})
@@ -174,8 +181,24 @@ def crossover(scenario: Scenario, schedules: list[str] | None = None,
               batch_sizes: list[int] | None = None, jobs: Backend = LOCAL,
               progress: Progress = None) -> Crossover:
     """Simulate `schedules` at each of `batch_sizes` (module docstring)."""
-    names = list(dict.fromkeys(schedules or SCHEDULES_COMPARED))
-    sizes = sorted(set(batch_sizes or BATCH_SIZES))
+    if isinstance(schedules, str) or isinstance(batch_sizes, (str, bytes)):
+        raise TgError("Give the schedules and the batch sizes as lists, e.g. ['S1', 'EC'] and "
+                      "[1, 16, 256].")
+    try:
+        names = list(dict.fromkeys(SCHEDULES_COMPARED if schedules is None else schedules))
+    except TypeError:
+        raise TgError(f"Give the schedules as a list of names, not {schedules!r:.60}.") from None
+    try:
+        given = list(BATCH_SIZES if batch_sizes is None else batch_sizes)
+        if any(isinstance(n, bool) for n in given):
+            raise TypeError
+        sizes = sorted({operator.index(n) for n in given})     # 2.5 is not a batch size
+    except TypeError:
+        raise TgError("Batch sizes must be whole numbers of sequences, e.g. [1, 16, 256]; not "
+                      f"{batch_sizes!r:.60}.") from None
+    if sizes and sizes[-1] > MAX_BATCH:
+        raise TgError(f"A batch of {sizes[-1]:,} sequences is beyond any run; --batch-sizes "
+                      f"goes up to {MAX_BATCH:,}.")
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown:
         raise TgError(f"Unknown schedule '{unknown[0]}'; known schedules: "
