@@ -78,11 +78,11 @@ def _crossover(args: argparse.Namespace, names: list[str] | None) -> int:
     with _progress(not args.json, "simulating", "points") as tick:
         result = api.crossover(_load(args), names, sizes, backend=args.backend,
                                ray_address=args.ray_address, progress=tick)
+    _show(args, result)
     if args.plot:
         result.plot(args.plot)
         if not args.json:
             _console().print(Text(f"wrote {args.plot}"))
-    _show(args, result)
     return 0
 
 

@@ -141,7 +141,8 @@ class Crossover(Shown):
         batch = [n for n in self.schedules if n not in EXPERT_LEVEL]
         expert = [n for n in self.schedules if n in EXPERT_LEVEL]
         if not batch or not expert:
-            return None
+            return {"N": None, "note": "no schedule that streams whole layers was compared"
+                    if not batch else "no expert-level schedule was compared"}
         if not any(self.best(N, expert) for N in self.batch_sizes):
             return {"N": None, "note": "no expert-level schedule runs on this machine at these "
                                        "sizes (--json says why)"}
@@ -168,6 +169,9 @@ class Crossover(Shown):
         yield crossover_table(self)
 
     def plot(self, out: str | Path) -> Path:
+        if all("error" in r for r in self.rows):
+            raise TgError(f"--plot {out}: no schedule ran at these batch sizes, so there is "
+                          "nothing to draw (--json says why each did not).")
         return crossover_plot(self, out)
 
 
