@@ -335,7 +335,7 @@ def test_across_batch_sizes_the_users_prefetch_accuracy_is_kept():
     assert all("prefetch" not in r["policy"] for r in rows if r["schedule"] == "S4")
 
 
-@pytest.mark.parametrize("sizes", [[2.5], "1,2", [None], 5, [True], [10**10]])
+@pytest.mark.parametrize("sizes", [[2.5], "1,2", [None], 5, [True], [10**10], []])
 def test_crossover_from_python_refuses_what_is_not_a_batch_size(sizes):
     """2.5 looped for ever (mu went negative), 1.5 divided by zero, others were tracebacks."""
     from taskgraph import crossover
@@ -343,3 +343,13 @@ def test_crossover_from_python_refuses_what_is_not_a_batch_size(sizes):
 
     with pytest.raises(TgError):
         crossover(TINY, ["S4"], sizes)
+
+
+def test_crossover_with_no_schedule_is_refused():
+    from taskgraph import crossover
+    from taskgraph.errors import TgError
+
+    with pytest.raises(TgError, match="No schedule named"):
+        crossover(TINY, [], [1])
+    run = _tg("compare", TINY, "--batch-sizes", "")
+    assert run.returncode == 2 and "positive" in run.stderr, run.stderr

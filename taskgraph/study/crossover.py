@@ -204,6 +204,8 @@ def crossover(scenario: Scenario, schedules: list[str] | None = None,
         raise TgError(f"A batch of {sizes[-1]:,} sequences is beyond any run; --batch-sizes "
                       f"goes up to {MAX_BATCH:,}.")
     unknown = [n for n in names if n not in SCHEDULES]
+    if not names:
+        raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
     if unknown:
         raise TgError(f"Unknown schedule '{unknown[0]}'; known schedules: "
                       f"{', '.join(SCHEDULES)}.")
