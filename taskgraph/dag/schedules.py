@@ -275,6 +275,10 @@ S5 = Schedule(
 _GPU_LAYER = {"A_g": 1, "F_g": 0}
 _EXPERT_PREFILL_START = (Loop("once", (Op("D3"),)),)
 _NEXT_LAYER = Op("D3", layer=1, when="first")
+# What every expert-level layer does before its experts: attention, then the router.
+_PREFILL_TO_ROUTE = (_NEXT_LAYER, Op("PrefillAttn"), Op("KVOut"), Op("Route"))
+_DECODE_TO_ROUTE = (_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"),
+                    Op("Route"))
 
 EP = Schedule(
     name="EP", title="Experts placed (llama.cpp -ot, Fiddler)",
@@ -283,12 +287,11 @@ EP = Schedule(
             "states cross the link",
     attention="gpu", paged=False, staging=False, ffn="split", placement=_GPU_LAYER,
     prefill=(*_EXPERT_PREFILL_START,
-             Loop("layers", (_NEXT_LAYER, Op("PrefillAttn"), Op("KVOut"), Op("Route"),
-                             Op("D5"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"),
-                             _LMHEAD))),
+             Loop("layers", (*_PREFILL_TO_ROUTE, Op("D5"), Op("GPUFFN"), Op("CPUFFN"),
+                             Op("D6"), Op("Merge"), _LMHEAD))),
     decode_prologue=(),
-    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"), Op("D5"),
-            Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"), _LMHEAD),
+    decode=(*_DECODE_TO_ROUTE, Op("D5"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"),
+            _LMHEAD),
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
@@ -299,11 +302,9 @@ EC = Schedule(
             "expert runs on the GPU",
     attention="gpu", paged=False, staging=False, ffn="cache", placement=_GPU_LAYER,
     prefill=(*_EXPERT_PREFILL_START,
-             Loop("layers", (_NEXT_LAYER, Op("PrefillAttn"), Op("KVOut"), Op("Route"),
-                             Op("ExpertIn"), Op("GPUFFN"), _LMHEAD))),
+             Loop("layers", (*_PREFILL_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD))),
     decode_prologue=(),
-    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"), Op("ExpertIn"),
-            Op("GPUFFN"), _LMHEAD),
+    decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD),
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
@@ -319,8 +320,8 @@ ECP = Schedule(
     attention="gpu", paged=False, staging=False, ffn="cache", placement=_GPU_LAYER,
     prefill=EC.prefill,
     decode_prologue=(Loop("once", (Op("ExpertAhead"),)),),
-    decode=(_NEXT_LAYER, Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"), Op("Route"),
-            Op("ExpertIn"), Op("ExpertAhead", layer=1, when="first"), Op("GPUFFN"), _LMHEAD),
+    decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("ExpertAhead", layer=1, when="first"),
+            Op("GPUFFN"), _LMHEAD),
     streams=dict(_STREAMS, D4="h2d_kv"),
 )
 
