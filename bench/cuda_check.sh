@@ -5,10 +5,12 @@
 #   2. every schedule of a Mixtral-shaped model (scenarios/mixtral-2layer.yaml) executed on the
 #      GPU, checked against the sequential reference, with a Perfetto trace of S1;
 #   3. with two GPUs or more: tensor parallel and pipeline runs, a process per GPU over NCCL;
-#   4. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it.
+#   4. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it;
+#   5. the expert-level schedules (EP, EC, ECP) of Mixtral-8x7B's layers at batch 1, executed
+#      and simulated (`tg validate`) with PROFILE (default: the H100's of 2026-11-22).
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
 #
-#     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate
+#     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate,experts
 #     SCHEDULES="S1 S4" bash bench/cuda_check.sh ...  (the schedules `execute` runs)
 set -uo pipefail
 OUT=${1:-cuda-check}
@@ -24,8 +26,9 @@ nproc
 
 if [[ $STEPS == *tests* ]]; then
     echo "== tests that use the GPU"
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_streams.py \
-        tests/test_transformers_parity.py tests/test_calibrate_validate.py tests/test_execute.py
+    python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/test_streams.py \
+        tests/test_transformers_parity.py tests/test_calibrate_validate.py \
+        tests/test_expert_exec.py tests/test_prefetch_exec.py
 fi
 
 if [[ $STEPS == *execute* ]]; then
@@ -63,4 +66,19 @@ if [[ $STEPS == *validate* ]]; then
     tg validate scenarios/mixtral-2layer.yaml --device cuda --mu 2 --repeats 1 \
         --set hardware="$OUT/cuda-profile.yaml" --json > "$OUT/validate-mixtral.json" \
         && python3 -c "import json,sys; [print(p['schedule'], p['error']) for p in json.load(open(sys.argv[1]))['pairs']]" "$OUT/validate-mixtral.json"
+fi
+
+if [[ $STEPS == *experts* ]]; then
+    echo "== expert-level offloading at batch 1: Mixtral-8x7B's layers, measured and simulated"
+    PROFILE=${PROFILE:-bench/results/h100-2026-11-22/profile-from-mixtral-2layer.yaml}
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC,ECP --mu 1 \
+        --repeats 1 --set policy.N=1 --set policy.mu=1 --set policy.experts_gpu=2 \
+        --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-experts.json" \
+        && python3 - "$OUT/validate-experts.json" <<'EOF'
+import json, sys
+for p in json.load(open(sys.argv[1]))["pairs"]:
+    print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],
+          "simulated", p["simulated"]["decode_layer_ms"], "error", p["error"]["decode_layer"])
+    print("   per kind (simulated, measured) ms:", p["per_kind_median_ms"])
+EOF
 fi

@@ -92,6 +92,11 @@ class CudaDevice:
 
     def __init__(self, torch):
         self.torch = torch
+        # cuDNN's attention builds an execution plan for each new shape, on the launching
+        # thread, and decode's KV grows a column every step: on an H200 (torch 2.11) each step's
+        # first GPUAttn took 29 ms of host time where the kernel ran for 3 us
+        # (bench/results/h200-2026-11-25). Flash, memory-efficient and math kernels build none.
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     def stream(self, name: str):
         return self.torch.cuda.Stream()

@@ -141,7 +141,11 @@ class Runtime:
         each half; the norms, the embedding and the LM head. One double buffer per GPU: on
         several GPUs in pipeline or data parallel (one process, one device) each stage or group
         keeps its own, as on its GPU."""
-        self.resident = [flat[:self.cut].to(self.device) for flat in self.w.layers]
+        # The schedules that keep experts on the host copy from a pinned host copy
+        # (Schedule.weights_pinned); the staging schedules pin their pages instead.
+        pin = self.pin_memory and self.plan.schedule.experts_on_host
+        self.host_layers = [flat.pin_memory() if pin else flat for flat in self.w.layers]
+        self.resident = [flat[:self.cut].to(self.device) for flat in self.host_layers]
         self.halves = [self._dev(numel - self.cut) for _ in range(2 * self.plan.groups)]
         page_max = max((b - a for a, b in self.pages), default=0)
         self.pinned = [self._host(page_max) for _ in range(self.plan.schedule.pin_slots)]
@@ -326,7 +330,7 @@ class Runtime:
                                     for _ in range(self.n)]
             self.ffn_out = [dev(rows, m.h) for _ in range(self.n)]
         empty = torch.empty(0, dtype=self.w.embed.dtype)
-        self._host_views = [LayerView(m, flat, empty) for flat in self.w.layers]
+        self._host_views = [LayerView(m, flat, empty) for flat in self.host_layers]
 
     def _hidden(self, s: int, j: int) -> torch.Tensor:
         """The residual stream of micro-batch j as rows [T, h]: a view, updated in place."""
@@ -494,7 +498,7 @@ class Runtime:
     def _expert_block(self, l: int, e: int) -> torch.Tensor:
         """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
         a = self._expert_at[e]
-        return self.w.layers[l][a:a + self._expert_numel]
+        return self.host_layers[l][a:a + self._expert_numel]
 
     def _expert_views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the expert in a flat block, as views."""
@@ -663,11 +667,11 @@ class Runtime:
         if self.plan.schedule.staging:
             dst.copy_(self.pinned[self._pin_slot(s, l, page)][:b - a], non_blocking=True)
         else:
-            dst.copy_(self.w.layers[l][a:b], non_blocking=True)
+            dst.copy_(self.host_layers[l][a:b], non_blocking=True)
 
     def _W_CtoPin(self, s: int, l: int, page: int) -> None:
         a, b = self.pages[page]
-        self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.w.layers[l][a:b])
+        self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.host_layers[l][a:b])
 
     def _pin_slot(self, s: int, l: int, page: int) -> int:
         return ((s * self.L + l) * len(self.pages) + page) % len(self.pinned)

@@ -102,6 +102,25 @@ def test_validate_runs_several_gpus_task_by_task(profile, capsys):
     assert {"OProj", "MoE", "AllReduceAttn", "AllReduce", "GatherLogits", "Send"} <= kinds
 
 
+def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys):
+    """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
+    misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
+    the scenario's 0, and says so in the pair's policy; the pair's simulation is then that of
+    the same scenario simulated at that share."""
+    from taskgraph import api
+
+    sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
+    assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
+                 "--schedules", "EC,ECP", "--mu", "1", "--repeats", "1", "--json"]) == 0
+    ec, ecp = json.loads(capsys.readouterr().out)["pairs"]
+    covered = ecp["measured"]["experts"]["prefetch"]["covered"]
+    assert 0 < covered <= 1 and ecp["policy"]["prefetch"] == covered
+    assert ec["policy"]["prefetch"] == 0 and "prefetch" not in ec["measured"]["experts"]
+    alone = api.simulate("scenarios/tiny.yaml", schedule="ECP",
+                         overrides=[*sets, f"policy.prefetch={covered}"]).summary
+    assert ecp["simulated"]["decode_layer_ms"] == alone["decode_layer_ms"]
+
+
 def test_validate_and_calibrate_bad_input(capsys, tmp_path):
     assert main(["validate", "scenarios/tiny.yaml", "--mu", "two"]) == 2
     assert "--mu" in capsys.readouterr().err

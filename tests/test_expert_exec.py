@@ -139,7 +139,8 @@ def hf_checkpoint(tmp_path_factory):
     return folder, prompts, lens, expected
 
 
-def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False):
+def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False, device="cpu"):
+    from taskgraph.exec.dispatch import CudaDevice
     from taskgraph.kernels.weights import load_mixtral_safetensors
     from taskgraph.scenario import scenario_from_dict
     from tests.test_transformers_parity import STEPS
@@ -151,11 +152,16 @@ def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False
         "schedule": schedule})
     plan = make_plan(sc)
     w = load_mixtral_safetensors(folder, sc.model, torch.float32)
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True,
-                 zero_copy=zero_copy)
-    run = execute(compile_plan(plan), rt)
+    rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens, record_logits=True,
+                 zero_copy=zero_copy, pin_memory=device == "cuda")
+    run = execute(compile_plan(plan), rt, CudaDevice(torch) if device == "cuda" else None)
     assert not run.interrupted and run.failure is None, run.failure
     return rt
+
+
+# CUDA where this machine has it (zero copy is the CPU backend's emulation only)
+CUDA = [pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                      reason="needs a CUDA GPU"))]
 
 
 @pytest.mark.parametrize("schedule,mu,policy,zero_copy", [
@@ -174,10 +180,15 @@ def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False
     ("EC", 1, {"experts_gpu": 0, "eviction": "lru"}, False),
     ("EC", 1, {"experts_gpu": 1, "eviction": "popular"}, False),
 ])
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
 def test_tokens_and_logits_are_transformers_own(hf_checkpoint, schedule, mu, policy,
-                                                zero_copy):
+                                                zero_copy, device):
+    if zero_copy and device != "cpu":
+        pytest.skip("zero copy is the CPU backend's")
     folder, prompts, lens, expected = hf_checkpoint
-    rt = _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy)
+    rt = _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy, device)
+    # on CUDA the experts cross from a pinned host copy (Schedule.weights_pinned)
+    assert all(flat.is_pinned() == (device == "cuda") for flat in rt.host_layers)
     tokens, step_logits = rt.outputs()[0], rt.step_logits.cpu()
     for i, (hf_tokens, hf_logits) in enumerate(expected):
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"

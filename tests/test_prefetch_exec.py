@@ -28,15 +28,15 @@ torch = pytest.importorskip("torch")
 
 from taskgraph.dag.builder import make_plan  # noqa: E402
 from taskgraph.dag.compiled import compile_plan  # noqa: E402
-from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.dispatch import CudaDevice, execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels import ops  # noqa: E402
 from taskgraph.kernels.reference import reference_forward, synthetic_prompts  # noqa: E402
 from taskgraph.kernels.weights import layer_sections, synthetic_weights  # noqa: E402
 from taskgraph.kinds import KIND_INDEX  # noqa: E402
 from taskgraph.scenario import for_schedule, load_scenario  # noqa: E402
-from tests.test_expert_exec import (SKEWED, TINY, _assert_reference, _execute,  # noqa: E402
-                                    _runtime, hf_checkpoint)
+from tests.test_expert_exec import (CUDA, SKEWED, TINY, _assert_reference,  # noqa: E402
+                                    _execute, _runtime, hf_checkpoint)
 
 __all__ = ["hf_checkpoint"]            # a fixture, used below
 
@@ -73,16 +73,17 @@ def test_zero_copy_ecp_moves_nothing_and_predicts_nothing():
     assert s["experts"]["prefetch"]["accuracy"] is None
 
 
-def _run(sc, w, prompts, lens=None, delay=None, record_logits=False, patch=None):
+def _run(sc, w, prompts, lens=None, delay=None, record_logits=False, patch=None, device="cpu"):
     """A Runtime for scenario `sc` run on these weights and prompts (optionally `patch`ed after
-    construction, with `delay(task id)` seconds before each task); returns it."""
+    construction, with `delay(task id)` seconds before each task) on `device`; returns it."""
     plan = make_plan(sc)
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens,
-                 record_logits=record_logits)
+    rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens,
+                 record_logits=record_logits, pin_memory=device == "cuda")
     if patch is not None:
         patch(rt)
     program = compile_plan(plan)
-    run = execute(program, rt, delay=delay(program) if delay else None)
+    gpu = CudaDevice(torch) if device == "cuda" else None
+    run = execute(program, rt, gpu, delay=delay(program) if delay else None)
     assert not run.interrupted and run.failure is None, run.failure
     return rt
 
@@ -106,13 +107,14 @@ def _checkpoint_scenario(folder, prompts, lens, mu, policy):
     (1, {"experts_gpu": 1, "eviction": "lru"}),              # rounds in prefill
     (3, {"experts_gpu": 0, "eviction": "popular", "r_w": 1.0, "r_c": 1.0}),
 ])
-def test_tokens_and_logits_are_transformers_own(hf_checkpoint, mu, policy):
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
+def test_tokens_and_logits_are_transformers_own(hf_checkpoint, mu, policy, device):
     from taskgraph.kernels.weights import load_mixtral_safetensors
 
     folder, prompts, lens, expected = hf_checkpoint
     sc = _checkpoint_scenario(folder, prompts, lens, mu, policy)
     w = load_mixtral_safetensors(folder, sc.model, torch.float32)
-    rt = _run(sc, w, prompts, lens, record_logits=True)
+    rt = _run(sc, w, prompts, lens, record_logits=True, device=device)
     tokens, step_logits = rt.outputs()[0], rt.step_logits.cpu()
     for i, (hf_tokens, hf_logits) in enumerate(expected):
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from taskgraph.dag.builder import make_plan
-from taskgraph.perf.cost import CostModel, hrm_bound
+from taskgraph.perf.cost import CostModel, cost_model, hrm_bound
 from taskgraph.errors import MemoryFitError
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import load_scenario
@@ -101,6 +101,19 @@ def test_implementation_effects_by_hand(t4):
     assert ideal.time("h2d", 0, 207e6, "D3") == pytest.approx(207e6 / 12.6e9 + 10e-6)
     # kinds the profile does not name run at the machine's rates
     assert cost.time("gpu", 1e12, 1e9, "PreAttn") == ideal.time("gpu", 1e12, 1e9, "PreAttn")
+
+
+@pytest.mark.parametrize("schedule,pinned", [("S1", True), ("S3", False), ("S4", False),
+                                              ("EP", True), ("EC", True), ("ECP", True)])
+def test_tg_executor_copies_weights_from_pageable_memory_unless_pinned(t4, schedule, pinned):
+    """tg's executor copies a layer's weights from pageable memory (the driver stages them)
+    except through pinned staging pages (S1, S2) or out of the pinned host copy the expert schedules keep,
+    as Mixtral-offloading and MoE-Infinity keep theirs: measured on an H200, pageable experts
+    crossed at 10 GB/s and held the other streams' launches up (bench/results/h200-2026-11-25)."""
+    sc = t4.model_copy(update={"implementation": ImplementationSpec(name="tg",
+                                                                    pageable_weights=True)})
+    rate = 207e6 / (cost_model(sc, schedule).time("h2d", 0, 207e6, "D3") - 10e-6)
+    assert rate == pytest.approx(12.6e9 if pinned else 5.83e9)
 
 
 def test_memory_model_t4(t4):

@@ -127,6 +127,15 @@ class Schedule:
         return self.ffn != "gpu"
 
     @property
+    def weights_pinned(self) -> bool:
+        """Weights cross the link from pinned host memory: through the staging buffers, or
+        because the systems that keep experts on the host pin their copy (Mixtral-offloading's
+        and MoE-Infinity's expert stores, llama.cpp's CUDA_Host buffers). From pinned memory a
+        copy runs at the link's rate and does not hold up other threads' kernel launches, as
+        the driver's staging of pageable memory does."""
+        return self.staging or self.experts_on_host
+
+    @property
     def grouped(self) -> bool:
         """On several GPUs, the batch splits into one group of micro-batches per GPU, and each
         GPU keeps buffers of its own (pipeline and data parallelism)."""

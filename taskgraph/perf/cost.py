@@ -174,10 +174,10 @@ def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
 
 def cost_model(scenario: Scenario, schedule: str) -> CostModel:
     """The cost model a simulation of `schedule` in `scenario` runs on: the scenario's machine,
-    priced for the implementation that runs it. A schedule that stages weights through pinned
-    buffers (W_CtoPin) copies them from pinned memory whatever the software's habit."""
+    priced for the implementation that runs it. A schedule whose weights cross from pinned
+    memory (staging buffers, or a pinned host copy) does so whatever the software's habit."""
     impl = implementation_for(scenario, schedule)
-    if SCHEDULES[schedule].staging and impl.pageable_weights:
+    if SCHEDULES[schedule].weights_pinned and impl.pageable_weights:
         impl = impl.model_copy(update={"pageable_weights": False})
     return CostModel(scenario.hardware, impl)
 
