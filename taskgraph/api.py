@@ -266,16 +266,17 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     return calibrate_to(s, str(out), dev, progress)
 
 
-def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None
-             ) -> dict[str, Any]:
-    """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG); returns its turning
-    points, the intensity of each task kind, and where each belongs."""
+def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None):
+    """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG). Returns a
+    :class:`~taskgraph.output.plots.Roofline`: its turning points, the intensity of each task
+    kind, and where each belongs."""
+    from taskgraph.output.plots import Roofline
     from taskgraph.output.plots import roofline as draw
     from taskgraph.output.plots import roofline_points
 
     s, _ = load(scenario, overrides)
     draw(s, out)
-    return roofline_points(s)
+    return Roofline(out, roofline_points(s))
 
 
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,

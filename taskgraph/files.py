@@ -118,6 +118,41 @@ def refuse_input(path: str | Path, flag: str = "") -> None:
                       "it would replace it. Choose another path.")
 
 
+def check_outputs(outputs: dict[str, tuple[str, bool, tuple[str, ...]]],
+                  inputs: list[str | Path]) -> None:
+    """Every output a run will write, checked before any work, for a bad one must not cost a
+    simulation: `outputs` maps the option that names one (``--trace``) to its path, whether it
+    is a folder, and the suffixes it may end in. No output may replace an input or another."""
+    inputs = [Path(p) for p in inputs]
+    written: dict[Path, str] = {}
+    for flag, (text, folder, suffixes) in outputs.items():
+        if not text.strip():
+            raise TgError(f"{flag} is empty; give a path.")
+        path = Path(text)
+        try:
+            where = path.resolve()
+        except (OSError, RuntimeError) as err:      # a loop of symbolic links
+            raise TgError(f"{flag} '{text}' cannot be resolved: {err}.") from None
+        if where in written:
+            raise TgError(f"{flag} and {written[where]} name the same file '{text}'; one would "
+                          "replace the other. Give each its own path.")
+        written[where] = flag
+        if path.exists() and path.is_dir() != folder:
+            raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
+                          f"{'a folder' if folder else 'a file path'}.")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
+        for source in inputs:
+            if path.exists() and source.exists() and path.resolve() == source.resolve():
+                raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
+                              "it. Choose another path.")
+        if suffixes and not folder and not text.endswith(suffixes):
+            endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
+                else suffixes[0]
+            raise TgError(f"{flag} '{text}' must end in {endings}.")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path to write `path`'s content to; it replaces `path` when the block ends

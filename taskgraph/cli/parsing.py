@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Callable
 
-from taskgraph import __version__
+from taskgraph import __version__, files
 from taskgraph.cli import verbs
 from taskgraph.dag.schedules import SCHEDULES
-from taskgraph.errors import TgError
-from taskgraph.tracing.writer import require_perfetto
+from taskgraph.tracing.writer import Window, require_perfetto
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,22 +18,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tg {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+    def command(name: str, func: Callable, help: str, json: bool = True,
+                schedule: bool = False) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
         c.add_argument("scenario", help="scenario YAML file (e.g. scenarios/t4.yaml)")
         c.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a scenario field, e.g. policy.mu=36 "
                        "or hardware.link.h2d_gbps=25 (repeatable)")
+        if schedule:
+            c.add_argument("--schedule", choices=list(SCHEDULES),
+                           help="override the scenario's schedule")
+        if json:
+            _json_arg(c)
         c.set_defaults(func=func)
         return c
 
     c = command("simulate", verbs.simulate, "simulate one schedule of a scenario (its whole request "
-                "queue, batch after batch, when the workload lists requests)")
-    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+                "queue, batch after batch, when the workload lists requests)", schedule=True)
     c.add_argument("--csv", metavar="FILE.csv", help="with a request list: write each "
                    "request's batch, micro-batch and finish time here")
     _trace_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("compare", verbs.compare, "simulate several schedules side by side")
     c.add_argument("--schedules", default=None,
@@ -50,11 +52,9 @@ def parser() -> argparse.ArgumentParser:
                    "per-token latency against batch size")
     _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("execute", verbs.execute, "run a schedule for real with real kernels, checked "
-                "against a sequential reference forward")
-    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+                "against a sequential reference forward", schedule=True)
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--steps", type=int, help="decode steps to run (default: workload.gen_len)")
     c.add_argument("--weights", metavar="DIR", help="a Hugging Face Mixtral safetensors "
@@ -81,7 +81,6 @@ def parser() -> argparse.ArgumentParser:
                    "run of several batches (more prompts than policy.N, or a request list) "
                    "records its first batch only")
     _trace_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
                        description="Measure what the cost model needs on this machine (rates by "
@@ -92,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     c.add_argument("--out", required=True, help="hardware profile to write (.yaml)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _json_arg(c)
     c.set_defaults(func=verbs.calibrate)
 
     c = sub.add_parser("fit", help="fit machine and implementation profiles to measured "
@@ -105,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
                    "report.json, cells.csv and parity.png")
     c.add_argument("--no-loo", action="store_true", help="skip leave-one-out refits")
     _backend_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _json_arg(c)
     c.set_defaults(func=verbs.fit)
 
     c = command("validate", verbs.validate, "execute and simulate the same graphs; report, task "
@@ -122,7 +121,6 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="PNG", help="write the parity plot here")
     _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("search", verbs.search, "find the policy with the best predicted throughput")
     c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
@@ -132,31 +130,33 @@ def parser() -> argparse.ArgumentParser:
                    help="also simulate a whole coarse grid and report what trusting the "
                         "predicted pick costs against the best simulated policy")
     _backend_args(c, "the simulations of --verify and --brute-force")
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("sweep", verbs.sweep, "re-run the policy search across hardware or workload values")
     c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="a scenario field and its values (repeatable; the first is the x axis)")
     c.add_argument("--out", required=True, help="output folder for sweep.csv and sweep.png")
     _backend_args(c)
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     c = command("batch", verbs.batch, "pack a scenario's request list into batches of "
                 "micro-batches (Algorithm 2; padded in arrival order with workload.padded)")
     c.add_argument("--csv", metavar="FILE.csv", help="write each request's batch and "
                    "micro-batch (or 'aborted') here")
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
-    c = command("roofline", verbs.roofline, "plot the Hierarchical Roofline of a scenario (PNG)")
+    c = command("roofline", verbs.roofline, "plot the Hierarchical Roofline of a scenario (PNG)",
+                json=False)
     c.add_argument("--out", required=True, help="output PNG file")
 
-    c = command("graph", verbs.graph, "export one step's task graph (node-link JSON or Graphviz DOT)")
-    c.add_argument("--schedule", choices=list(SCHEDULES), help="override the scenario's schedule")
+    c = command("graph", verbs.graph, "export one step's task graph (node-link JSON or "
+                "Graphviz DOT)", json=False, schedule=True)
     c.add_argument("--step", type=int, default=None,
                    help="segment to export: 0 is prefill, d >= 1 decode step d (default: a "
                         "middle decode step)")
     c.add_argument("--out", required=True, help="output file: .json or .dot")
     return p
+
+
+def _json_arg(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
@@ -178,9 +178,7 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
                         "whole run)")
 
 
-
-
-# Where each command writes, and what it must be: (argument, a folder?, required suffixes).
+# Where each command writes, and what it must be: (a folder?, required suffixes).
 _OUTPUTS = {"trace": (False, (".json", ".json.gz", ".pftrace")), "gantt": (False, (".png",)),
             "plot": (False, (".png",)), "csv": (False, (".csv",)),
             "record_routing": (False, (".json",))}
@@ -190,43 +188,14 @@ _OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Every output path and trace option is checked before any work: a bad one must not cost a
-    simulation, and no output may replace an input."""
-    inputs = [Path(p) for p in (getattr(args, "scenario", None), getattr(args, "measurements", None),
-                                getattr(args, "prompts", None)) if p]
+    """Every output path and trace option, checked before any work (files.check_outputs)."""
     wanted = {k: v for k, v in _OUTPUTS.items() if getattr(args, k, None) is not None}
     if getattr(args, "out", None) is not None and args.command in _OUT:
         wanted["out"] = _OUT[args.command]
-    written: dict[Path, str] = {}
-    for arg, (folder, suffixes) in wanted.items():
-        text = getattr(args, arg)
-        flag = f"--{arg.replace('_', '-')}"
-        if not text.strip():
-            raise TgError(f"{flag} is empty; give a path.")
-        path = Path(text)
-        try:
-            where = path.resolve()
-        except (OSError, RuntimeError) as err:      # a loop of symbolic links
-            raise TgError(f"{flag} '{text}' cannot be resolved: {err}.") from None
-        if where in written:
-            raise TgError(f"{flag} and {written[where]} name the same file '{text}'; one would "
-                          "replace the other. Give each its own path.")
-        written[where] = flag
-        if path.exists() and path.is_dir() != folder:
-            raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
-                          f"{'a folder' if folder else 'a file path'}.")
-        parent = next((p for p in path.absolute().parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
-        for source in inputs:
-            if path.exists() and source.exists() and path.resolve() == source.resolve():
-                raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
-                              "it. Choose another path.")
-        if suffixes and not folder and not text.endswith(suffixes):
-            endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
-                else suffixes[0]
-            raise TgError(f"{flag} '{text}' must end in {endings}.")
+    inputs = [getattr(args, a, None) for a in ("scenario", "measurements", "prompts")]
+    files.check_outputs({f"--{k.replace('_', '-')}": (getattr(args, k), *v)
+                         for k, v in wanted.items()}, [p for p in inputs if p])
     if getattr(args, "trace", None) is not None:
-        verbs.window(args.trace_steps)
+        Window.parse(args.trace_steps)
         if args.trace.endswith(".pftrace"):
             require_perfetto()

@@ -6,17 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from taskgraph import api
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import CheckFailed, TgError
 from taskgraph.files import refuse_input
-from taskgraph.output.report import stderr_console
+from taskgraph.output.report import progress_bar, stderr_console
 from taskgraph.tracing.writer import Window
 
 
@@ -26,7 +24,7 @@ def simulate(args: argparse.Namespace) -> int:
         raise TgError("--csv writes each request's finish time; the scenario lists no requests "
                       "(give workload.requests or workload.lengths).")
     label = "simulating batches" if scenario.requests is not None else "simulating"
-    with _progress(not args.json, label) as tick:
+    with progress_bar(not args.json, label) as tick:
         result = api.simulate(scenario, keep_runs=bool(args.trace or args.gantt), progress=tick,
                               keep_steps=_kept(args))
     if args.csv:
@@ -48,19 +46,14 @@ def compare(args: argparse.Namespace) -> int:
         raise TgError("--plot draws a comparison across batch sizes; give --batch-sizes.")
     first = api.parse_entry(names[0])[0] if names else None
     scenario = _load(args, first)
-    with _progress(not args.json, "simulating") as tick:
+    with progress_bar(not args.json, "simulating") as tick:
         result = api.compare(scenario, names, check=args.check,
                              keep_runs=bool(args.trace or args.gantt), progress=tick,
                              keep_steps=_kept(args))
     _shown(args, result, _outputs(args, result))
     if result.interrupted:
         return _interrupted(result.results[-1])
-    if result.failed:
-        raise CheckFailed(
-            f"{len(result.failed)} of {len(result.checks)} expectations in {args.scenario} "
-            "failed: " + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got "
-                                   f"{c.actual}" for c in result.failed) + "."
-        )
+    result.raise_if_failed(args.scenario)
     return 0
 
 
@@ -75,7 +68,7 @@ def _crossover(args: argparse.Namespace, names: list[str] | None) -> int:
         except ValueError:
             raise TgError(f"--batch-sizes must be comma-separated integers or 'default', not "
                           f"'{args.batch_sizes}'.") from None
-    with _progress(not args.json, "simulating", "points") as tick:
+    with progress_bar(not args.json, "simulating", "points") as tick:
         result = api.crossover(_load(args), names, sizes, backend=args.backend,
                                ray_address=args.ray_address, progress=tick)
     _show(args, result)
@@ -95,7 +88,7 @@ def execute(args: argparse.Namespace) -> int:
     steps = [f"workload.gen_len={args.steps}"] if args.steps is not None else []
     scenario = _load(args, args.schedule, steps)
     batches = scenario.requests is not None and not args.prompts
-    with _progress(not args.json, "executing batches" if batches else "executing",
+    with progress_bar(not args.json, "executing batches" if batches else "executing",
                    "batches" if batches else "segments") as tick:
         result = api.execute(scenario, device=args.device, weights=args.weights,
                              prompts=args.prompts, out=args.out, zero_copy=args.zero_copy,
@@ -120,7 +113,7 @@ def execute(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    with _progress(not args.json, "calibrating") as tick:
+    with progress_bar(not args.json, "calibrating") as tick:
         result = api.calibrate(args.scenario, out=args.out, overrides=args.overrides,
                                device=args.device, progress=tick)
     _show(args, result)
@@ -128,7 +121,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def fit(args: argparse.Namespace) -> int:
-    with _progress(not args.json, "fitting", "steps") as tick:
+    with progress_bar(not args.json, "fitting", "steps") as tick:
         report = api.fit(args.measurements, out=args.out, loo=not args.no_loo,
                          backend=args.backend, ray_address=args.ray_address, progress=tick)
     _show(args, report)
@@ -146,7 +139,7 @@ def validate(args: argparse.Namespace) -> int:
             ("warning:", "yellow"), f" hardware '{scenario.hardware.name}' holds datasheet "
             "figures, not this machine's: the errors below compare two different machines. Run "
             "`tg calibrate --out P.yaml` and pass `--set hardware=P.yaml`."))
-    with _progress(not args.json, "validating") as tick:
+    with progress_bar(not args.json, "validating") as tick:
         result = api.validate(scenario, [n.strip() for n in args.schedules.split(",")
                                          if n.strip()], mu=mus, repeats=args.repeats,
                               device=args.device, backend=args.backend,
@@ -159,7 +152,7 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def search(args: argparse.Namespace) -> int:
-    with _progress(not args.json, "simulating", "jobs") as tick:
+    with progress_bar(not args.json, "simulating", "jobs") as tick:
         result = api.search(args.scenario, overrides=args.overrides, top=args.top,
                             verify=args.verify, brute_force=args.brute_force,
                             backend=args.backend, ray_address=args.ray_address, progress=tick)
@@ -168,7 +161,7 @@ def search(args: argparse.Namespace) -> int:
 
 
 def sweep(args: argparse.Namespace) -> int:
-    with _progress(not args.json, "sweeping", "jobs") as tick:
+    with progress_bar(not args.json, "sweeping", "jobs") as tick:
         result = api.sweep(args.scenario, args.vary, out=args.out, overrides=args.overrides,
                            backend=args.backend, ray_address=args.ray_address, progress=tick)
     _show(args, result)
@@ -184,13 +177,7 @@ def batch(args: argparse.Namespace) -> int:
 
 
 def roofline(args: argparse.Namespace) -> int:
-    pts = api.roofline(_load(args), out=args.out)
-    lines = [f"wrote {args.out}"]
-    lines += [f"  {k}: I = {v:.1f} FLOP/byte" for k, v in pts["turning_points"].items()]
-    lines += [f"  {k}: I = {v:.1f}" for k, v in pts["intensities"].items()]
-    lines += [f"  {k} belongs on the {v} (its intensity against P1)"
-              for k, v in pts["verdicts"].items()]
-    _console().print(Text("\n".join(lines)))
+    _console().print(api.roofline(_load(args), out=args.out))
     return 0
 
 
@@ -198,8 +185,6 @@ def graph(args: argparse.Namespace) -> int:
     segment = api.graph(_load(args, args.schedule), step=args.step, out=args.out)
     _console().print(Text(f"wrote {args.out}: {segment}"))
     return 0
-
-
 
 
 def _load(args: argparse.Namespace, schedule: str | None = None, extra: list[str] = ()):
@@ -235,7 +220,7 @@ def _outputs(args: argparse.Namespace, result) -> bool:
     trace, after which the results are still reported (then TraceInterrupted is raised)."""
     if args.trace:
         try:
-            slices = result.write_trace(args.trace, window(args.trace_steps).max_step)
+            slices = result.write_trace(args.trace, Window.parse(args.trace_steps).max_step)
         except KeyboardInterrupt:
             return False
         else:
@@ -274,37 +259,5 @@ def _interrupted(summary: dict[str, Any]) -> int:
 def _kept(args: argparse.Namespace) -> int | None:
     """The decode steps whose task times a long run keeps: those the trace draws, and the
     Gantt chart's step 2."""
-    steps = window(args.trace_steps).max_step if args.trace else 2
+    steps = Window.parse(args.trace_steps).max_step if args.trace else 2
     return None if steps is None else max(steps, 2)
-
-
-@contextmanager
-def _progress(show: bool, label: str, unit: str = "segments"
-              ) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr, only for humans at a terminal."""
-    if not (show and sys.stderr.isatty()):
-        yield None
-        return
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
-                        console=_console(), transient=True)
-    task = progress.add_task(label, total=None)
-
-    def tick(done: int, total: int) -> None:
-        progress.update(task, completed=done, total=total)
-
-    with progress:
-        yield tick
-
-
-def window(text: str):
-    if text == "all":
-        return Window(None)
-    try:
-        steps = int(text)
-    except ValueError:
-        raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
-                      f"'{text}'.") from None
-    if steps < 0:
-        raise TgError("--trace-steps must not be negative.")
-    return Window(steps)

@@ -6,10 +6,12 @@ tg works without it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.text import Text
 
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import RESOURCES, SCHEDULES
@@ -67,6 +69,27 @@ def roofline_points(scenario: Scenario) -> dict[str, Any]:
             "MoE FFN": "CPU (S5)" if ffn < p1 else "GPU",
         },
     }
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """`tg roofline`: the plot written to `path`, and its points (:func:`roofline_points`);
+    `to_dict()` is the points."""
+
+    path: str | Path                # as given
+    points: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.points
+
+    def __rich__(self) -> Text:
+        pts = self.points
+        lines = [f"wrote {self.path}"]
+        lines += [f"  {k}: I = {v:.1f} FLOP/byte" for k, v in pts["turning_points"].items()]
+        lines += [f"  {k}: I = {v:.1f}" for k, v in pts["intensities"].items()]
+        lines += [f"  {k} belongs on the {v} (its intensity against P1)"
+                  for k, v in pts["verdicts"].items()]
+        return Text("\n".join(lines))
 
 
 def roofline(scenario: Scenario, out: str | Path) -> Path:

@@ -4,9 +4,12 @@ a notebook shows as HTML (JSON goes to stdout)."""
 from __future__ import annotations
 
 import io
-from typing import Any, Iterator
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from rich.console import Console, ConsoleOptions, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -310,8 +313,6 @@ def check_table(checks: list[Check]) -> Table:
 
 
 def stderr_console() -> Console:
-    import sys
-
     # CI logs are not terminals; give tables room rather than rich's 80-column default. No
     # string is markup: names, paths and ids are the user's text ("x[/b]" is a fine name);
     # styles come from Text objects.
@@ -433,3 +434,23 @@ def _crossover_caption(x: dict[str, Any] | None) -> str:
             f"{b['throughput_tok_s']:.3g} tok/s, {b['bound_by']}-bound, against "
             f"{e['schedule']} {e['throughput_tok_s']:.3g} tok/s, {e['bound_by']}-bound. At N = "
             f"{x['below_N']} {below['schedule']} still led, placing experts ({below['bound_by']}-bound).")
+
+
+@contextmanager
+def progress_bar(show: bool, label: str, unit: str = "segments"
+                 ) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr, only for humans at a terminal: yields the `progress(done,
+    total)` callback the API's long calls take, or None."""
+    if not (show and sys.stderr.isatty()):
+        yield None
+        return
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
+                        console=stderr_console(), transient=True)
+    task = progress.add_task(label, total=None)
+
+    def tick(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    with progress:
+        yield tick

@@ -12,7 +12,7 @@ from typing import Callable
 
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import SCHEDULES
-from taskgraph.errors import MemoryFitError, TgError
+from taskgraph.errors import CheckFailed, MemoryFitError, TgError
 from taskgraph.expect import Check, evaluate
 from taskgraph.output.report import Shown, check_table, compare_table, warnings_of
 from taskgraph.perf.memory import check_fits, memory_footprint
@@ -49,6 +49,15 @@ class Comparison(Shown, Traced):
     @property
     def failed(self) -> list[Check]:
         return [c for c in self.checks or [] if not c.ok]
+
+    def raise_if_failed(self, where: str) -> None:
+        """CheckFailed naming each of `where`'s expectations that failed (`tg compare --check`
+        exits 1 with it)."""
+        if self.failed:
+            raise CheckFailed(
+                f"{len(self.failed)} of {len(self.checks)} expectations in {where} failed: "
+                + "; ".join(f"{c.schedule} {c.what}: expected {c.expected}, got {c.actual}"
+                            for c in self.failed) + ".")
 
     def to_dict(self) -> dict:
         out: dict = {"scenario": self.scenario, "results": self.results}

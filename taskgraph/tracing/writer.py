@@ -82,6 +82,20 @@ class Window:
 
     max_step: int | None = 2
 
+    @classmethod
+    def parse(cls, text: str) -> Window:
+        """A number of decode steps, or 'all' (``--trace-steps``)."""
+        if text == "all":
+            return cls(None)
+        try:
+            steps = int(text)
+        except ValueError:
+            raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
+                          f"'{text}'.") from None
+        if steps < 0:
+            raise TgError("--trace-steps must not be negative.")
+        return cls(steps)
+
     def mask(self, program: Program) -> np.ndarray:
         if self.max_step is None:
             return np.ones(program.total, dtype=bool)
