@@ -105,10 +105,7 @@ def test_validate_runs_several_gpus_task_by_task(profile, capsys):
 def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys):
     """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
     misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
-    the scenario's 0, and says so in the pair's policy; the pair's simulation is then that of
-    the same scenario simulated at that share."""
-    from taskgraph import api
-
+    the scenario's 0, and says so in the pair's policy."""
     sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
     assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
                  "--schedules", "EC,ECP", "--mu", "1", "--repeats", "1", "--json"]) == 0
@@ -116,9 +113,26 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys):
     covered = ecp["measured"]["experts"]["prefetch"]["covered"]
     assert 0 < covered <= 1 and ecp["policy"]["prefetch"] == covered
     assert ec["policy"]["prefetch"] == 0 and "prefetch" not in ec["measured"]["experts"]
-    alone = api.simulate("scenarios/tiny.yaml", schedule="ECP",
-                         overrides=[*sets, f"policy.prefetch={covered}"]).summary
-    assert ecp["simulated"]["decode_layer_ms"] == alone["decode_layer_ms"]
+
+
+def test_validate_simulates_the_expert_schedules_on_the_runs_own_routing(capsys, tmp_path):
+    """Which experts a batch routes to is an input of the model: an expert schedule's pair is
+    simulated on the executed run's router decisions, as if `tg execute --record-routing` had
+    written them and the scenario replayed them, not on the scenario's uniform routing."""
+    from taskgraph import api
+
+    sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
+    assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
+                 "--schedules", "EC", "--mu", "1", "--repeats", "1", "--json"]) == 0
+    (ec,) = json.loads(capsys.readouterr().out)["pairs"]
+    trace = tmp_path / "routing.json"
+    api.execute("scenarios/tiny.yaml", schedule="EC", overrides=sets, device="cpu",
+                record_routing=trace)
+    replayed = api.simulate("scenarios/tiny.yaml", schedule="EC", overrides=[
+        *sets, "workload.routing.kind=trace", f"workload.routing.trace={trace}"]).summary
+    uniform = api.simulate("scenarios/tiny.yaml", schedule="EC", overrides=sets).summary
+    assert ec["simulated"]["experts"] == replayed["experts"] != uniform["experts"]
+    assert ec["simulated"]["decode_layer_ms"] == replayed["decode_layer_ms"]
 
 
 def test_validate_and_calibrate_bad_input(capsys, tmp_path):
