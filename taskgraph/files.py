@@ -143,6 +143,9 @@ def check_outputs(outputs: dict[str, tuple[str, bool, tuple[str, ...]]],
         parent = next((p for p in path.absolute().parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
+        if parent is not None and (why := _unwritable(parent)):
+            raise TgError(f"{flag} '{text}' cannot be written: nothing can be created in "
+                          f"'{parent}' ({why}).")
         for source in inputs:
             if path.exists() and source.exists() and path.resolve() == source.resolve():
                 raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
@@ -151,6 +154,16 @@ def check_outputs(outputs: dict[str, tuple[str, bool, tuple[str, ...]]],
             endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
                 else suffixes[0]
             raise TgError(f"{flag} '{text}' must end in {endings}.")
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None. Found by creating one, for permission
+    bits do not say (root, read-only mounts, /proc): found after a run, it lost the run."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
 
 
 @contextmanager

@@ -163,6 +163,13 @@ _VALUES = ",".join(str(v) for v in range(1, 10_001))
     (["validate", TINY, "--repeats", "1000000000"], "--repeats must be from 1 to 100"),
     (["validate", TINY, "--mu", "0"], "--mu 0 is not a micro-batch size"),
     (["validate", TINY, "--schedules", " , "], "--schedules names no schedule"),
+    # an output no file can be created beside was found after the run, which was lost
+    (["execute", TINY, "--device", "cpu", "--record-routing", "/proc/routing.json"],
+     "cannot be written: nothing can be created in '/proc'"),
+    (["simulate", TINY, "--trace", "/proc/t.json"], "nothing can be created in '/proc'"),
+    # the search has no expert-level schedule: it ran S1 instead of the EC asked for
+    (["simulate", TINY, "--set", "policy=auto", "--schedule", "EC"],
+     "schedule EC is not one of them"),
 ])
 def test_sizes_beyond_any_run_are_refused_up_front(tmp_path, argv, words):
     """Each of these hung, grew to GBs or was a traceback (a ZeroDivisionError for --mu 0); now

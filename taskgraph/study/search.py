@@ -209,9 +209,17 @@ def _rank(c: Candidate) -> tuple:
 
 
 def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | None]:
-    """A scenario with `policy: auto` gets the search's best policy (and its schedule)."""
+    """A scenario with `policy: auto` gets the search's best policy (and its schedule). The
+    search prices batches by the HRM bound, which no expert-level schedule has: asked for one,
+    it would answer with another schedule."""
     if not scenario.policy_auto:
         return scenario, None
+    own = SCHEDULES[scenario.schedule]
+    if own.ffn in ("split", "cache"):
+        raise TgError(f"policy: auto searches the schedules the HRM bound prices (S1-S5, PP), "
+                      f"and schedule {own.name} is not one of them: give its policy (policy.N, "
+                      "policy.mu, policy.experts_gpu), or let `tg compare --batch-sizes` choose "
+                      "one per batch size.")
     result = search(scenario, top=1)
     return result.best.scenario(scenario), result
 
