@@ -67,8 +67,8 @@ CASES = [
     ("tensor-parallel execution over more GPUs than KV heads",
      ["execute", TINY, "--set", "hardware.gpu.count=4"], "model.n_kv = 2"),
     ("processes on one GPU", ["execute", TINY, "--processes"], "hardware.gpu.count"),
-    ("repeated sweep key", ["sweep", TINY, "--vary", "policy.mu=1", "--vary", "policy.mu=2",
-                            "--out", "FOLDER/sweep"], "twice"),
+    ("repeated sweep key", ["sweep", TINY, "--vary", "workload.gen_len=1", "--vary",
+                            "workload.gen_len=2", "--out", "FOLDER/sweep"], "twice"),
     ("non-numeric sweep value", ["sweep", TINY, "--vary", "hardware.link.h2d_gbps=16,abc",
                                  "--out", "FOLDER/sweep"], "hardware.link.h2d_gbps"),
 ]

@@ -167,6 +167,9 @@ _VALUES = ",".join(str(v) for v in range(1, 10_001))
     (["execute", TINY, "--device", "cpu", "--record-routing", "/proc/routing.json"],
      "cannot be written: nothing can be created in '/proc'"),
     (["simulate", TINY, "--trace", "/proc/t.json"], "nothing can be created in '/proc'"),
+    # the search at each point replaced them: every row was the same
+    (["sweep", TINY, "--vary", "policy.experts_gpu=1,2", "--out", "OUT/sweep"],
+     "--vary policy.experts_gpu: tg sweep searches the best schedule and policy"),
     # the search has no expert-level schedule: it ran S1 instead of the EC asked for
     (["simulate", TINY, "--set", "policy=auto", "--schedule", "EC"],
      "schedule EC is not one of them"),

@@ -179,7 +179,7 @@ def test_ray_fit_equals_the_pool(local_ray, tmp_path):
 
 def test_backend_errors_are_clear(tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "s")
-    sweep = ["sweep", TINY, "--vary", "policy.mu=1,2", "--out", out]
+    sweep = ["sweep", TINY, "--vary", "workload.gen_len=1,2", "--out", out]
     cases = [
         (["--ray-address", "auto"], "needs --backend ray"),
         (["--backend", "ray", "--ray-address", "127.0.0.1:1"], "nothing answers there"),
