@@ -353,3 +353,20 @@ def test_crossover_with_no_schedule_is_refused():
         crossover(TINY, [], [1])
     run = _tg("compare", TINY, "--batch-sizes", "")
     assert run.returncode == 2 and "positive" in run.stderr, run.stderr
+
+
+def test_a_request_list_keeps_the_experts_block_and_what_bound_it(capsys):
+    """A request list runs batch after batch; its summary dropped the experts block and the
+    phases' binding resources, and its table raised a KeyError on the latency row."""
+    from taskgraph.cli import main
+
+    argv = ["simulate", TINY, "--schedule", "EC", "--set", "policy.experts_gpu=2", "--set",
+            "workload.lengths={count: 40, prompt_mean: 16, prompt_max: 24, gen_mean: 4, "
+            "gen_max: 6}"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"]["batches"] > 1
+    assert 0 < out["experts"]["hit_rate"] < 1 and set(out["bound_by"]) == {"prefill", "decode"}
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "(lru) hits" in err.replace("\n", " ") and "bound by" in err and "Traceback" not in err

@@ -72,8 +72,9 @@ def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table
         t.add_row("bound by", f"prefill {r['bound_by']['prefill']}, decode "
                               f"{r['bound_by']['decode']}")
     if "experts" in r:
-        t.add_row("latency", f"first token {r['ttft_s']:.2f} s, then "
-                             f"{r['token_latency_ms']:.1f} ms a token")
+        if "ttft_s" in r:         # a request list's latencies are its requests' (finish times)
+            t.add_row("latency", f"first token {r['ttft_s']:.2f} s, then "
+                                 f"{r['token_latency_ms']:.1f} ms a token")
         t.add_row("experts", _experts(r["experts"], r["policy"]))
     m = r["memory"]
     t.add_row("memory peak", f"GPU {m['gpu_peak_gb']:.2f} of {m['gpu_usable_gb']:.2f} GB   "

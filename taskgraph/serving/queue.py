@@ -287,6 +287,12 @@ def _summary(scenario: Scenario, requests: list[Request], aborted, batches: list
             "aborted": [{"id": r.id, "prompt_len": r.prompt_len, "gen_len": r.gen_len}
                         for r in aborted]},
     })
+    # what bound each phase in most batches; the first batch's experts (a full batch: every
+    # batch runs the one policy) and shared-host figures, which a queue's run dropped
+    if "bound_by" in first:
+        out["bound_by"] = {phase: Counter(x["bound_by"][phase] for x in s).most_common(1)[0][0]
+                           for phase in first["bound_by"]}
+    out.update({k: first[k] for k in ("experts", "shared") if k in first})
     return out
 
 
