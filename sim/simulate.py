@@ -6,6 +6,7 @@ This is the library entry point behind `tg simulate` and `tg compare`.
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -78,9 +79,11 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     model is what is wrong), when the result's warnings say so. A run longer than
     :data:`HOLD_TASKS` keeps the task times of prefill and `keep_steps` decode steps (None:
     all) for traces and charts; its figures cover every step either way."""
-    if keep_steps is not None and keep_steps < 0:
+    if keep_steps is not None and (isinstance(keep_steps, bool)
+                                   or not isinstance(keep_steps, numbers.Integral)
+                                   or keep_steps < 0):
         raise TgError(f"keep_steps is a number of decode steps (0 or more) or None, not "
-                      f"{keep_steps}.")
+                      f"{keep_steps!r}.")
     t0 = time.perf_counter()
     plan = make_plan(scenario, schedule)
     memory = memory_footprint(plan)

@@ -73,7 +73,16 @@ def _override_items(overrides: Overrides) -> list[str]:
         return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     if isinstance(overrides, str):
         return [overrides]
-    return list(overrides)
+    items = list(overrides) if isinstance(overrides, Iterable) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise TgError(f"overrides are KEY=VALUE strings (a list of them, or one) or a mapping "
+                      f"of keys to values, not {_short_repr(overrides)}.")
+    return items
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,

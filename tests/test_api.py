@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -167,3 +169,26 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     assert f"wrote {tmp_path / 'g.json'}: {segment}" in " ".join(capsys.readouterr().err.split())
     with pytest.raises(TgError, match="--step 99"):
         tg.graph(SCENARIO, step=99)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(overrides=5), "overrides are KEY=VALUE strings"),
+    (dict(overrides=["policy.mu=2", 3]), "not ['policy.mu=2', 3]"),
+    (dict(overrides=Path("x.yaml")), "x.yaml"),
+    (dict(keep_steps="x"), "keep_steps is a number of decode steps"),
+    (dict(keep_steps=True), "not True"),
+])
+def test_wrong_types_are_clear_errors_not_tracebacks(kwargs, words):
+    """A notebook user's slip (an int where a list of strings goes) was a TypeError or an
+    AttributeError from deep inside; it is a TgError naming the argument."""
+    with pytest.raises(TgError, match=re.escape(words)):
+        tg.simulate(TINY, **kwargs)
+
+
+def test_roofline_is_a_typed_result(tmp_path, capsys):
+    out = tmp_path / "r.png"
+    result = tg.roofline(TINY, out=out)
+    assert out.stat().st_size > 0 and result.path == out
+    assert set(result.to_dict()) >= {"turning_points", "intensities", "verdicts"}
+    assert main(["roofline", "scenarios/tiny.yaml", "--out", str(tmp_path / "c.png")]) == 0
+    assert "belongs on the" in capsys.readouterr().err
