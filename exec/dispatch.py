@@ -26,7 +26,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -92,11 +92,21 @@ class CudaDevice:
 
     def __init__(self, torch):
         self.torch = torch
-        # cuDNN's attention builds an execution plan for each new shape, on the launching
-        # thread, and decode's KV grows a column every step: on an H200 (torch 2.11) each step's
-        # first GPUAttn took 29 ms of host time where the kernel ran for 3 us
-        # (bench/results/h200-2026-11-25). Flash, memory-efficient and math kernels build none.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """For the run: cuDNN's attention off. It builds an execution plan for each new shape,
+        on the launching thread, and decode's KV grows a column every step: on an H200 (torch
+        2.11) each step's first GPUAttn took 29 ms of host time where the kernel ran for 3 us
+        (bench/results/h200-2026-11-25). Flash, memory-efficient and math kernels build none.
+        The switch is the process's, so it is put back after the run."""
+        cuda = self.torch.backends.cuda
+        was = cuda.cudnn_sdp_enabled()
+        cuda.enable_cudnn_sdp(False)
+        try:
+            yield
+        finally:
+            cuda.enable_cudnn_sdp(was)
 
     def stream(self, name: str):
         return self.torch.cuda.Stream()
@@ -139,7 +149,9 @@ def execute(program: Program, runtime: Runtime, device: Device | None = None,
     if device is None:
         device = HostDevice()
     if not isinstance(device, HostDevice):
-        return _execute(program, runtime, device, delay, progress, annotate, streams)
+        # a device may set the process up for the run (CudaDevice.running), and put it back
+        with getattr(device, "running", contextlib.nullcontext)():
+            return _execute(program, runtime, device, delay, progress, annotate, streams)
     # On the CPU backend every stream has its own thread, and one intra-op thread per op is
     # fastest in both modes (kernels.ops.one_thread). Measured on small.yaml (2 cores), against
     # transformers' own speed in the same run: zero copy S4 mu=8 0.91x with one, 0.75x with two.

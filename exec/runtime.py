@@ -82,7 +82,7 @@ class Runtime:
         self._activation_buffers()
         if plan.schedule.experts_on_host:
             self._ffn_buffers()
-        if plan.schedule.ffn in ("split", "cache"):
+        if plan.schedule.expert_level:
             self._expert_buffers(self._dev)
         self._prediction_buffers()
         self._output_buffers(record_logits)
@@ -141,11 +141,15 @@ class Runtime:
         each half; the norms, the embedding and the LM head. One double buffer per GPU: on
         several GPUs in pipeline or data parallel (one process, one device) each stage or group
         keeps its own, as on its GPU."""
-        # The schedules that keep experts on the host copy from a pinned host copy
-        # (Schedule.weights_pinned); the staging schedules pin their pages instead.
-        pin = self.pin_memory and self.plan.schedule.experts_on_host
-        self.host_layers = [flat.pin_memory() if pin else flat for flat in self.w.layers]
-        self.resident = [flat[:self.cut].to(self.device) for flat in self.host_layers]
+        # The schedules that keep the experts on the host copy them from pinned memory
+        # (Schedule.weights_pinned; the staging schedules pin their pages instead). Each layer is
+        # pinned in its place, one at a time, so that the host never holds two copies of the
+        # model; later runs on the same weights find them pinned.
+        if self.pin_memory and self.plan.schedule.experts_on_host:
+            for l, flat in enumerate(self.w.layers):
+                if not flat.is_pinned():
+                    self.w.layers[l] = flat.pin_memory()
+        self.resident = [flat[:self.cut].to(self.device) for flat in self.w.layers]
         self.halves = [self._dev(numel - self.cut) for _ in range(2 * self.plan.groups)]
         page_max = max((b - a for a, b in self.pages), default=0)
         self.pinned = [self._host(page_max) for _ in range(self.plan.schedule.pin_slots)]
@@ -330,7 +334,7 @@ class Runtime:
                                     for _ in range(self.n)]
             self.ffn_out = [dev(rows, m.h) for _ in range(self.n)]
         empty = torch.empty(0, dtype=self.w.embed.dtype)
-        self._host_views = [LayerView(m, flat, empty) for flat in self.host_layers]
+        self._host_views = [LayerView(m, flat, empty) for flat in self.w.layers]
 
     def _hidden(self, s: int, j: int) -> torch.Tensor:
         """The residual stream of micro-batch j as rows [T, h]: a view, updated in place."""
@@ -498,7 +502,7 @@ class Runtime:
     def _expert_block(self, l: int, e: int) -> torch.Tensor:
         """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
         a = self._expert_at[e]
-        return self.host_layers[l][a:a + self._expert_numel]
+        return self.w.layers[l][a:a + self._expert_numel]
 
     def _expert_views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the expert in a flat block, as views."""
@@ -667,11 +671,11 @@ class Runtime:
         if self.plan.schedule.staging:
             dst.copy_(self.pinned[self._pin_slot(s, l, page)][:b - a], non_blocking=True)
         else:
-            dst.copy_(self.host_layers[l][a:b], non_blocking=True)
+            dst.copy_(self.w.layers[l][a:b], non_blocking=True)
 
     def _W_CtoPin(self, s: int, l: int, page: int) -> None:
         a, b = self.pages[page]
-        self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.host_layers[l][a:b])
+        self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.w.layers[l][a:b])
 
     def _pin_slot(self, s: int, l: int, page: int) -> int:
         return ((s * self.L + l) * len(self.pages) + page) % len(self.pinned)

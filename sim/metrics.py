@@ -219,7 +219,7 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "model": sc.model.name,
         "hardware": sc.hardware.name,
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
-                   **({"experts_gpu": p.experts_gpu} if plan.schedule.ffn in ("split", "cache")
+                   **({"experts_gpu": p.experts_gpu} if plan.schedule.expert_level
                       else {}),
                    **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
                    **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
@@ -247,7 +247,7 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
-        **({"experts": experts_summary(plan)} if plan.schedule.ffn in ("split", "cache")
+        **({"experts": experts_summary(plan)} if plan.schedule.expert_level
            else {}),
         "steps": steps_done,
         "layers": L,

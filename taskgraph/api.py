@@ -70,19 +70,20 @@ def _override_items(overrides: Overrides) -> list[str]:
         return []
     if isinstance(overrides, Mapping):
         # JSON is YAML: each value reads back as the same number, string, list or mapping
-        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        try:
+            return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        except TypeError as err:        # a value no scenario file could hold (a Path, a set)
+            raise TgError(f"overrides: every value is a number, string, list or mapping, as "
+                          f"in a scenario file ({err}).") from None
     if isinstance(overrides, str):
         return [overrides]
+    from taskgraph.scenario import _short
+
     items = list(overrides) if isinstance(overrides, Iterable) else None
     if items is None or not all(isinstance(item, str) for item in items):
         raise TgError(f"overrides are KEY=VALUE strings (a list of them, or one) or a mapping "
-                      f"of keys to values, not {_short_repr(overrides)}.")
+                      f"of keys to values, not {_short(overrides)}.")
     return items
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,

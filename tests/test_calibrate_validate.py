@@ -102,10 +102,13 @@ def test_validate_runs_several_gpus_task_by_task(profile, capsys):
     assert {"OProj", "MoE", "AllReduceAttn", "AllReduce", "GatherLogits", "Send"} <= kinds
 
 
-def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys):
+def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tmp_path):
     """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
     misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
-    the scenario's 0, and says so in the pair's policy."""
+    the scenario's 0, says so in the pair's policy, and simulates with it: the pair's
+    simulation is the scenario's at that share (on the run's routing, as below)."""
+    from taskgraph import api
+
     sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
     assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
                  "--schedules", "EC,ECP", "--mu", "1", "--repeats", "1", "--json"]) == 0
@@ -113,6 +116,14 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys):
     covered = ecp["measured"]["experts"]["prefetch"]["covered"]
     assert 0 < covered <= 1 and ecp["policy"]["prefetch"] == covered
     assert ec["policy"]["prefetch"] == 0 and "prefetch" not in ec["measured"]["experts"]
+    trace = tmp_path / "routing.json"
+    api.execute("scenarios/tiny.yaml", schedule="ECP", overrides=sets, device="cpu",
+                record_routing=trace)
+    replay = [*sets, "workload.routing.kind=trace", f"workload.routing.trace={trace}"]
+    at = {p: api.simulate("scenarios/tiny.yaml", schedule="ECP",
+                          overrides=[*replay, f"policy.prefetch={p}"]).summary["decode_layer_ms"]
+          for p in (0, covered)}
+    assert ecp["simulated"]["decode_layer_ms"] == at[covered] != at[0]
 
 
 def test_validate_simulates_the_expert_schedules_on_the_runs_own_routing(capsys, tmp_path):

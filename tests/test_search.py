@@ -193,7 +193,7 @@ def test_sweep_jobs_are_plain_serialisable_data():
     from taskgraph.study.sweep import parse_vary, sweep_jobs
 
     jobs = sweep_jobs("scenarios/tiny.yaml", ["workload.gen_len=2"],
-                      parse_vary(["hardware.link.h2d_gbps=1,2", "policy.mu=1,2,4"]))
+                      parse_vary(["hardware.link.h2d_gbps=1,2", "workload.prompt_len=4,8,16"]))
     assert len(jobs) == 6
     again = pickle.loads(pickle.dumps(jobs))
     assert again == jobs and again[0].run()["throughput_tok_s"] > 0

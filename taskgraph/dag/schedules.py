@@ -116,7 +116,7 @@ class Schedule:
         experts the GPU holds (EP, EC, ECP), how its cache evicts (EC, ECP), how right its
         prefetch is (ECP)."""
         if field == "experts_gpu":
-            return self.ffn in ("split", "cache")
+            return self.expert_level
         if field == "eviction":
             return self.ffn == "cache"
         return any(op.kind == "ExpertAhead" for op in self.decode)
@@ -125,6 +125,12 @@ class Schedule:
     def experts_on_host(self) -> bool:
         """The experts live in host memory, not in the layer's streamed weights."""
         return self.ffn != "gpu"
+
+    @property
+    def expert_level(self) -> bool:
+        """Experts are placed or cached one by one (EP, EC, ECP), not streamed with the layer
+        or all run on the CPU."""
+        return self.ffn in ("split", "cache")
 
     @property
     def weights_pinned(self) -> bool:

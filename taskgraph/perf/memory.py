@@ -75,7 +75,7 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     # expert-level schedules hold experts_gpu of each layer's on the GPU besides.
     experts_on_cpu = m.E * m.expert_bytes if schedule.experts_on_host else 0
     experts_on_gpu = (sc.policy.experts_gpu * m.L * m.expert_bytes
-                      if schedule.ffn in ("split", "cache") else 0)
+                      if schedule.expert_level else 0)
     extent = m.layer_bytes - experts_on_cpu
     streamed = (1 - r_w) * extent
 

@@ -287,12 +287,13 @@ def _summary(scenario: Scenario, requests: list[Request], aborted, batches: list
             "aborted": [{"id": r.id, "prompt_len": r.prompt_len, "gen_len": r.gen_len}
                         for r in aborted]},
     })
-    # what bound each phase in most batches; the first batch's experts (a full batch: every
-    # batch runs the one policy) and shared-host figures, which a queue's run dropped
+    # What bound each phase in most batches; the experts of the first batch, a full one, said
+    # so ("batch": 1): each batch routes its own tokens.
     if "bound_by" in first:
         out["bound_by"] = {phase: Counter(x["bound_by"][phase] for x in s).most_common(1)[0][0]
                            for phase in first["bound_by"]}
-    out.update({k: first[k] for k in ("experts", "shared") if k in first})
+    if "experts" in first:
+        out["experts"] = {**first["experts"], "batch": 1}
     return out
 
 

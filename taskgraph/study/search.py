@@ -215,11 +215,11 @@ def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | No
     if not scenario.policy_auto:
         return scenario, None
     own = SCHEDULES[scenario.schedule]
-    if own.ffn in ("split", "cache"):
-        raise TgError(f"policy: auto searches the schedules the HRM bound prices (S1-S5, PP), "
-                      f"and schedule {own.name} is not one of them: give its policy (policy.N, "
-                      "policy.mu, policy.experts_gpu), or let `tg compare --batch-sizes` choose "
-                      "one per batch size.")
+    if own.expert_level:
+        raise TgError(f"policy: auto runs the policy search, which prices schedules by their HRM "
+                      f"bound, and the expert-level schedule {own.name} has none: give its "
+                      "policy (policy.N, policy.mu, policy.experts_gpu), or let `tg compare "
+                      "--batch-sizes` choose one per batch size.")
     result = search(scenario, top=1)
     return result.best.scenario(scenario), result
 

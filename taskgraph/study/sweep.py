@@ -92,12 +92,12 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
         if not sep or not key.strip() or not vals:
             raise TgError(f"--vary '{item}' must look like KEY=V1,V2,..., e.g. "
                           "--vary hardware.link.h2d_gbps=100,200,300.")
-        if key.strip() == "schedule" or key.strip().startswith("policy"):
-            # each point's search replaces them: the rows came out identical
-            raise TgError(f"--vary {key.strip()}: tg sweep searches the best schedule and "
-                          "policy at every point, so they are not settings to vary; vary "
-                          "hardware, model or workload fields, or compare policies with `tg "
-                          "simulate --set` or `tg compare --batch-sizes`.")
+        if key.strip().startswith("policy"):
+            # each point's search replaces the policy: the rows came out identical
+            raise TgError(f"--vary {key.strip()}: tg sweep searches the best policy at every "
+                          "point, so its fields are not settings to vary; vary hardware, model "
+                          "or workload fields, or compare policies with `tg simulate --set` or "
+                          "`tg compare --batch-sizes`.")
         if any(key.strip() == k for k, _ in out):
             raise TgError(f"--vary names '{key.strip()}' twice; give its values once, "
                           "comma-separated.")
