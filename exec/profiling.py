@@ -19,6 +19,9 @@ from typing import Any, Callable, TypeVar
 
 #: The dispatcher's mark of its clock's zero.
 ORIGIN = "tg: run origin"
+#: How close the last origin mark's start and the run's clock zero are (:func:`execute`
+#: repeats the mark until they are)
+ORIGIN_WITHIN_S = 20e-6
 
 #: Chrome-trace categories of the profiler worth drawing: host ops, task marks, device work.
 _KEPT = {"cpu_op": "ops", "user_annotation": "ops", "kernel": "GPU", "gpu_memcpy": "GPU",
@@ -70,7 +73,7 @@ def ops_on_run_clock(events: list[dict[str, Any]]) -> list[ProfiledOp]:
     marks = [e for e in events if e.get("ph") == "X" and e.get("name") == ORIGIN]
     if not marks:
         return []
-    origin = round(float(marks[0]["ts"]) * 1000)
+    origin = round(float(marks[-1]["ts"]) * 1000)
     kept = [e for e in events if e.get("ph") == "X" and e.get("cat") in _KEPT
             and e.get("name") != ORIGIN]
     streams: dict[Any, str] = {}
