@@ -11,6 +11,7 @@ argmax wherever the top two logits are further apart than it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -159,28 +160,45 @@ def test_two_gpus_compute_transformers_tokens(checkpoint, schedule):
 def test_bf16_agrees_within_its_rounding(tmp_path, device):
     """bf16 keeps 8 bits of mantissa: logits may differ by up to BF16_TOL of the largest logit
     (measured: 1-2%); wherever the top two logits are further apart than that, the argmax is
-    the same. Compared step by step while the greedy paths agree."""
+    the same. Compared step by step while the greedy paths agree.
+
+    On CUDA both sides use the same attention kernels, memory-efficient or math: which kernel
+    runs is rounding too, and grows over the steps. With flash attention on tg's side only (our
+    unmasked decode may take it, transformers' masked one does not) S4 was 5.9% of the largest
+    logit off at a fourth step on an H200 (bench/results/h200-2026-11-26)."""
     BF16_TOL = 0.04
     model = make_checkpoint(tmp_path, dtype=torch.bfloat16, **SHAPES["gqa4-headdim-sharded"])
     prompts, lens = ragged_prompts()
-    for schedule in ("S1", "S4"):
-        tokens, step_logits, _ = run_tg(tmp_path, schedule, prompts, lens,
-                                        dtype=torch.bfloat16, device=device)
-        compared = 0
-        for i, n in enumerate(PROMPT_LENS):
-            hf_tokens, hf_logits = generate(model, prompts[i, :n])
-            ours = step_logits[i].float()
-            theirs = hf_logits.float()
-            tol = BF16_TOL * theirs.abs().max()
-            for step in range(STEPS + 1):
-                assert (ours[step] - theirs[step]).abs().max() <= tol, (schedule, i, step)
-                top2 = theirs[step].topk(2).values
-                if top2[0] - top2[1] > tol:
-                    assert ours[step].argmax() == theirs[step].argmax()
-                    compared += 1
-                if tokens[i, step] != hf_tokens[step]:
-                    break            # the paths part; later steps see different inputs
-        assert compared >= len(PROMPT_LENS)
+    with same_attention_kernels(device):
+        for schedule in ("S1", "S4"):
+            check_bf16(tmp_path, model, schedule, prompts, lens, device, BF16_TOL)
+
+
+def same_attention_kernels(device: str):
+    if device != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def check_bf16(tmp_path, model, schedule, prompts, lens, device, BF16_TOL):
+    tokens, step_logits, _ = run_tg(tmp_path, schedule, prompts, lens,
+                                    dtype=torch.bfloat16, device=device)
+    compared = 0
+    for i, n in enumerate(PROMPT_LENS):
+        hf_tokens, hf_logits = generate(model, prompts[i, :n])
+        ours = step_logits[i].float()
+        theirs = hf_logits.float()
+        tol = BF16_TOL * theirs.abs().max()
+        for step in range(STEPS + 1):
+            assert (ours[step] - theirs[step]).abs().max() <= tol, (schedule, i, step)
+            top2 = theirs[step].topk(2).values
+            if top2[0] - top2[1] > tol:
+                assert ours[step].argmax() == theirs[step].argmax()
+                compared += 1
+            if tokens[i, step] != hf_tokens[step]:
+                break            # the paths part; later steps see different inputs
+    assert compared >= len(PROMPT_LENS)
 
 
 def test_cli_prompts_in_tokens_out_with_a_tokenizer(tmp_path, capsys):
