@@ -18,7 +18,7 @@ from rich.text import Text
 
 from taskgraph.dag.builder import Plan, make_plan
 from taskgraph.dag.compiled import compile_plan
-from taskgraph.errors import TgError
+from taskgraph.errors import CheckFailed, TgError
 from taskgraph.files import atomic_path
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
@@ -28,8 +28,38 @@ from taskgraph.specs import ModelSpec, Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
 
+class Executed:
+    """What an executed run (one batch or a request list's) gives beside its figures: the
+    generated tokens, the router's decisions, and whether it failed."""
+
+    summary: dict[str, Any]
+    routing: Any
+    failure: BaseException | None
+
+    def write_outputs(self, path: str) -> None:
+        _write_outputs(self.summary, path)
+
+    def write_routing(self, path: str | Path) -> None:
+        write_routing(self.routing, path)
+
+    def raise_if_failed(self, trace: str | Path | None = None) -> None:
+        """A TgError if a task raised (the run stopped there); `trace`, if written, shows what
+        ran before it."""
+        if self.failure is not None:
+            raise TgError(f"A task failed during execution ({type(self.failure).__name__}: "
+                          f"{self.failure}); " + (f"the trace in {trace} shows what ran before "
+                          "it." if trace else "rerun with --trace to see what ran before it."))
+
+    def raise_if_mismatched(self) -> None:
+        """CheckFailed if requests generated other tokens in their batch than alone."""
+        if self.summary.get("requests_match_alone") is False:
+            mismatched = self.summary["mismatched"]
+            raise CheckFailed(f"{len(mismatched)} requests generated other tokens in their "
+                              f"batch than alone: {', '.join(map(str, mismatched[:10]))}.")
+
+
 @dataclass
-class Execution(Simulation):
+class Execution(Executed, Simulation):
     """An executed run: the same fields as a simulated one, traced as "measured", with what the
     PyTorch profiler saw inside it when it ran under ``--profile``."""
 
@@ -51,12 +81,6 @@ class Execution(Simulation):
         for row in (self.summary.get("outputs") or [])[:5]:
             yield Text(f"  {row['id']}: {row.get('text', row['output_ids'])}")
         yield from warnings_of(self.summary)
-
-    def write_outputs(self, path: str) -> None:
-        _write_outputs(self.summary, path)
-
-    def write_routing(self, path: str | Path) -> None:
-        write_routing(self.routing, path)
 
     @property
     def failure(self) -> BaseException | None:
@@ -749,7 +773,7 @@ def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: _Batc
 
 
 @dataclass
-class QueueExecution(Shown, Traced):
+class QueueExecution(Executed, Shown, Traced):
     """A request list executed batch after batch, as the simulator batches it; `summary` is
     the JSON of `tg execute` on it."""
 
@@ -763,16 +787,10 @@ class QueueExecution(Shown, Traced):
         yield execute_queue_table(self.summary)
         yield from warnings_of(self.summary)
 
-    def write_outputs(self, path: str) -> None:
-        _write_outputs(self.summary, path)
-
     @property
     def routing(self) -> Any:
         """The first batch's router decisions, if recorded."""
         return self.batches[0].routing if self.batches else None
-
-    def write_routing(self, path: str | Path) -> None:
-        write_routing(self.routing, path)
 
     @property
     def failure(self) -> BaseException | None:

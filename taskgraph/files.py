@@ -12,8 +12,10 @@ import gzip
 import json
 import os
 import re
+import signal
 import stat
 import tempfile
+import threading
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,14 +120,23 @@ def refuse_input(path: str | Path, flag: str = "") -> None:
                       "it would replace it. Choose another path.")
 
 
-def check_outputs(outputs: dict[str, tuple[str, bool, tuple[str, ...]]],
-                  inputs: list[str | Path]) -> None:
+class Output(str):
+    """A path a run will write: a folder, or a file ending in one of `suffixes` (any, if none)."""
+
+    def __new__(cls, text: str, *suffixes: str, folder: bool = False) -> "Output":
+        path = super().__new__(cls, text)
+        path.suffixes, path.folder = suffixes, folder
+        return path
+
+
+def check_outputs(outputs: dict[str, Output], inputs: list[str | Path]) -> None:
     """Every output a run will write, checked before any work, for a bad one must not cost a
-    simulation: `outputs` maps the option that names one (``--trace``) to its path, whether it
-    is a folder, and the suffixes it may end in. No output may replace an input or another."""
+    simulation: `outputs` maps the option that names one (``--trace``) to it. No output may
+    replace an input or another."""
     inputs = [Path(p) for p in inputs]
     written: dict[Path, str] = {}
-    for flag, (text, folder, suffixes) in outputs.items():
+    for flag, text in outputs.items():
+        folder, suffixes = text.folder, text.suffixes
         if not text.strip():
             raise TgError(f"{flag} is empty; give a path.")
         path = Path(text)
@@ -238,3 +249,23 @@ def plain_text(value: Any, context: str) -> None:
             stack += [(v, f"{at}.{k}".lstrip(".")) for k, v in item.items()]
         elif isinstance(item, list):
             stack += [(v, f"{at}[{i}]") for i, v in enumerate(item)]
+
+
+@contextmanager
+def exit_on_termination() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run as an exit (status 128 + the signal) raised where it is,
+    so that every `finally` runs: a half-written output is removed (:func:`atomic_path`) and
+    child processes are stopped by their owners, as after Ctrl-C. Without this the process
+    died where it stood, leaving a 1.3 GB partial trace. Only the main thread may set handlers:
+    elsewhere this does nothing."""
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, stop) for sig in signals} if main else {}
+    try:
+        yield
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)

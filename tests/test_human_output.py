@@ -120,3 +120,31 @@ def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):
     trace = tmp_path / "run[bold]1.json"
     assert main(["simulate", TINY, "--trace", str(trace)]) == 0
     assert f"wrote {trace}" in " ".join(capsys.readouterr().err.split()) and trace.exists()
+
+
+# What the command line keeps for itself: where results go and how they are printed, and what
+# it applies to the scenario before the API sees it (cli.verbs._load).
+CLI_OWN = {"command", "func", "json", "trace", "trace_steps", "gantt", "csv", "plot",
+           "batch_sizes", "scenario", "measurements", "overrides", "schedule", "steps"}
+
+
+def test_every_option_reaches_the_api():
+    """The verbs pass each option to the API function of the same name by its name
+    (cli.verbs._call): an option whose name no parameter has would be dropped in silence. A
+    rename on either side fails here."""
+    import argparse
+    import inspect
+
+    from taskgraph import api
+    from taskgraph.cli.parsing import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) >= {"simulate", "compare", "execute", "calibrate", "fit",
+                                "validate", "search", "sweep", "batch", "roofline", "graph"}
+    for verb, p in sub.choices.items():
+        params = set(inspect.signature(getattr(api, verb)).parameters)
+        if verb == "compare":           # --batch-sizes hands the scenario to api.crossover
+            params |= set(inspect.signature(api.crossover).parameters)
+        dests = {a.dest for a in p._actions if a.dest != "help"}
+        dropped = dests - params - CLI_OWN
+        assert not dropped, f"tg {verb}: options no API parameter takes: {dropped}"

@@ -8,6 +8,7 @@ from typing import Callable
 from taskgraph import __version__, files
 from taskgraph.cli import verbs
 from taskgraph.dag.schedules import SCHEDULES
+from taskgraph.errors import TgError
 from taskgraph.tracing.writer import Window, require_perfetto
 
 
@@ -18,107 +19,96 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tg {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, func: Callable, help: str, json: bool = True,
-                schedule: bool = False) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help, description=help)
-        c.add_argument("scenario", help="scenario YAML file (e.g. scenarios/t4.yaml)")
-        c.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="override a scenario field, e.g. policy.mu=36 "
-                       "or hardware.link.h2d_gbps=25 (repeatable)")
+    def command(name: str, func: Callable, help: str, more: str = "", json: bool = True,
+                schedule: bool = False, scenario: str = "scenario", default: str | None = None,
+                device: str | None = None) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=f"{help}. {more}" if more else help)
+        if default:
+            c.add_argument(scenario, nargs="?", default=default, help="a scenario whose model "
+                           "shapes the executor runs (default: %(default)s)")
+        else:
+            c.add_argument(scenario, help=f"{scenario} YAML file")
+        if scenario == "scenario":
+            c.add_argument("--set", dest="overrides", action="append", default=[],
+                           metavar="KEY=VALUE", help="override a scenario field, e.g. "
+                           "policy.mu=36 or hardware.link.h2d_gbps=25 (repeatable)")
         if schedule:
             c.add_argument("--schedule", choices=list(SCHEDULES),
                            help="override the scenario's schedule")
         if json:
-            _json_arg(c)
+            c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        if device:
+            c.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"])
         c.set_defaults(func=func)
         return c
 
-    c = command("simulate", verbs.simulate, "simulate one schedule of a scenario (its whole request "
-                "queue, batch after batch, when the workload lists requests)", schedule=True)
-    c.add_argument("--csv", metavar="FILE.csv", help="with a request list: write each "
-                   "request's batch, micro-batch and finish time here")
+    c = command("simulate", verbs.simulate, "simulate one schedule of a scenario (its whole "
+                "request queue, batch after batch, when the workload lists requests)",
+                schedule=True)
+    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv", help="with a request "
+                   "list: write each request's batch, micro-batch and finish time here")
     _trace_args(c)
 
     c = command("compare", verbs.compare, "simulate several schedules side by side")
-    c.add_argument("--schedules", default=None,
-                   help="comma-separated schedules (default: every schedule that runs on the "
-                        f"machine: {','.join(SCHEDULES)}; S5 on one GPU only, PP on several)")
+    c.add_argument("--schedules", type=names, help="comma-separated (default: every schedule "
+                   "that runs on the machine)")
     c.add_argument("--check", action="store_true",
                    help="enforce the scenario's `expect` section; exit 1 if any check fails")
-    c.add_argument("--batch-sizes", metavar="N,N,...", help="compare across these batch sizes "
-                   "instead, each schedule at the policy that fills its GPU (default schedules: "
-                   "S1,S4,S5,EP,EC); 'default' for 1,2,4,...,256,504 (docs/experts.md)")
-    c.add_argument("--plot", metavar="PNG", help="with --batch-sizes: draw throughput and "
-                   "per-token latency against batch size")
+    c.add_argument("--batch-sizes", type=integers("default"), metavar="N,N,...|default",
+                   help="compare across batch sizes, each at the policy that fills the GPU")
+    c.add_argument("--plot", type=output(".png"), metavar="PNG", help="with --batch-sizes: "
+                   "draw throughput and per-token latency against batch size")
     _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
 
     c = command("execute", verbs.execute, "run a schedule for real with real kernels, checked "
-                "against a sequential reference forward", schedule=True)
-    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    c.add_argument("--steps", type=int, help="decode steps to run (default: workload.gen_len)")
+                "against a sequential reference forward", schedule=True, device="auto")
+    c.add_argument("--steps", type=positive, help="decode steps (default: workload.gen_len)")
     c.add_argument("--weights", metavar="DIR", help="a Hugging Face Mixtral safetensors "
                    "checkpoint matching the model (default: synthetic weights, seeded)")
-    c.add_argument("--prompts", metavar="FILE.jsonl", help="requests to run, one JSON object "
-                   "a line: prompt_ids (or prompt text, with the checkpoint's tokenizer.json) "
-                   "and optional id, max_new_tokens (default: synthetic prompts)")
-    c.add_argument("--out", metavar="FILE.jsonl", help="write each request's generated tokens "
-                   "here (with --prompts)")
-    c.add_argument("--profile", action="store_true", help="run under the PyTorch profiler and "
-                   "put the ops (on CUDA also kernels and copies) in the trace, on tracks beside "
-                   "the tasks; needs --trace")
+    c.add_argument("--prompts", metavar="FILE.jsonl", help="requests, a JSON object a line: "
+                   "prompt_ids or prompt, optional id and max_new_tokens (docs/execute.md)")
+    c.add_argument("--out", type=output(), metavar="FILE.jsonl", help="write each request's "
+                   "generated tokens here (with --prompts)")
+    c.add_argument("--profile", action="store_true", help="run under the PyTorch profiler; its "
+                   "ops (on CUDA also kernels and copies) go in the trace beside the tasks")
     c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
-                   "engine: weights read in place, transfers scheduled as zero-cost stand-ins "
-                   "(default: real copies, as a GPU machine would make them)")
-    c.add_argument("--processes", action="store_true", help="several GPUs: each GPU its own "
-                   "process, collectives and pipeline sends over torch.distributed (gloo on "
-                   "the CPU backend; NCCL with --device cuda, a CUDA device per process)")
-    c.add_argument("--record-routing", metavar="FILE.json", help="write the router's top-k "
-                   "experts of every layer and token here (tg-routing/1, what "
-                   "workload.routing.trace replays): the prefill's for each request's prompt "
-                   "tokens, then one token per request each decode step (filler sequences left "
-                   "out), taken from the reference forward the tokens are checked against. A "
-                   "run of several batches (more prompts than policy.N, or a request list) "
-                   "records its first batch only")
+                   "engine: weights read in place, no copies (default: as a GPU machine)")
+    c.add_argument("--processes", action="store_true", help="several GPUs: a process each, "
+                   "talking over torch.distributed (gloo on the CPU backend, NCCL on CUDA)")
+    c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json",
+                   help="write the router's top-k experts of every layer and token here, what "
+                   "workload.routing.trace replays (docs/experts.md)")
     _trace_args(c)
 
-    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
-                       description="Measure what the cost model needs on this machine (rates by "
-                       "microbenchmark, per-task costs fitted from the executor's own tasks) and "
-                       "write a hardware profile any scenario can use.")
-    c.add_argument("scenario", nargs="?", default="scenarios/tiny.yaml",
-                   help="scenario whose model shapes the executor runs (default: %(default)s)")
-    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    c.add_argument("--out", required=True, help="hardware profile to write (.yaml)")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    _json_arg(c)
-    c.set_defaults(func=verbs.calibrate)
+    c = command("calibrate", verbs.calibrate, "measure this machine and write a hardware "
+                "profile", "Rates by microbenchmark, per-task costs fitted from the executor's "
+                "own tasks; any scenario can use the profile.", default="scenarios/tiny.yaml",
+                device="cpu")
+    c.add_argument("--out", type=output(".yaml", ".yml"), required=True,
+                   help="hardware profile to write (.yaml)")
 
-    c = sub.add_parser("fit", help="fit machine and implementation profiles to measured "
-                       "throughputs", description="Fit the free parameters of machine and "
-                       "implementation profiles to end-to-end measurements (the format of "
-                       "shared/measurements/), by simulation; report each cell's error and its "
-                       "leave-one-out error, and write the fitted profiles.")
-    c.add_argument("measurements", help="measurements YAML file")
-    c.add_argument("--out", required=True, metavar="DIR", help="folder for the fitted profiles, "
-                   "report.json, cells.csv and parity.png")
-    c.add_argument("--no-loo", action="store_true", help="skip leave-one-out refits")
+    c = command("fit", verbs.fit, "fit machine and implementation profiles to measured "
+                "throughputs", "By simulation, from end-to-end measurements (the format of "
+                "shared/measurements/); each cell's error and leave-one-out error.",
+                scenario="measurements")
+    c.add_argument("--out", type=output(folder=True), required=True, metavar="DIR",
+                   help="folder for the fitted profiles, report.json, cells.csv and parity.png")
+    c.add_argument("--no-loo", dest="loo", action="store_false",
+                   help="skip leave-one-out refits")
     _backend_args(c)
-    _json_arg(c)
-    c.set_defaults(func=verbs.fit)
 
     c = command("validate", verbs.validate, "execute and simulate the same graphs; report, task "
-                "kind by task kind, where the model is wrong")
-    c.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+                "kind by task kind, where the model is wrong", device="cpu")
     # PP on the one device validate runs on is S4
-    c.add_argument("--schedules", default=",".join(n for n, s in SCHEDULES.items()
-                                                   if s.parallel != "pipeline"),
-                   help="schedules to validate (default: %(default)s)")
-    c.add_argument("--mu", default=None, help="micro-batch sizes, comma-separated (default: "
-                   "the scenario's and half of it)")
+    c.add_argument("--schedules", type=names, default=[n for n, s in SCHEDULES.items()
+                                                       if s.parallel != "pipeline"],
+                   help="schedules to validate (default: all but PP)")
+    c.add_argument("--mu", type=integers(), help="micro-batch sizes, comma-separated "
+                   "(default: the scenario's and half of it)")
     c.add_argument("--repeats", type=int, default=3,
                    help="executions per pair; the median run is kept (default 3)")
-    c.add_argument("--plot", metavar="PNG", help="write the parity plot here")
+    c.add_argument("--plot", type=output(".png"), metavar="PNG", help="write the parity plot")
     _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
 
@@ -126,37 +116,34 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
     c.add_argument("--verify", action="store_true",
                    help="simulate the top policies and re-rank them by simulated throughput")
-    c.add_argument("--brute-force", action="store_true",
-                   help="also simulate a whole coarse grid and report what trusting the "
-                        "predicted pick costs against the best simulated policy")
+    c.add_argument("--brute-force", action="store_true", help="also simulate a coarse grid: "
+                   "what trusting the predicted pick costs against the best simulated policy")
     _backend_args(c, "the simulations of --verify and --brute-force")
 
-    c = command("sweep", verbs.sweep, "re-run the policy search across hardware or workload values")
+    c = command("sweep", verbs.sweep, "re-run the policy search across hardware or workload "
+                "values")
     c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="a scenario field and its values (repeatable; the first is the x axis)")
-    c.add_argument("--out", required=True, help="output folder for sweep.csv and sweep.png")
+    c.add_argument("--out", type=output(folder=True), required=True,
+                   help="output folder for sweep.csv and sweep.png")
     _backend_args(c)
 
     c = command("batch", verbs.batch, "pack a scenario's request list into batches of "
                 "micro-batches (Algorithm 2; padded in arrival order with workload.padded)")
-    c.add_argument("--csv", metavar="FILE.csv", help="write each request's batch and "
-                   "micro-batch (or 'aborted') here")
+    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv", help="write each "
+                   "request's batch and micro-batch (or 'aborted') here")
 
     c = command("roofline", verbs.roofline, "plot the Hierarchical Roofline of a scenario (PNG)",
                 json=False)
-    c.add_argument("--out", required=True, help="output PNG file")
+    c.add_argument("--out", type=output(".png"), required=True, help="output PNG file")
 
     c = command("graph", verbs.graph, "export one step's task graph (node-link JSON or "
                 "Graphviz DOT)", json=False, schedule=True)
-    c.add_argument("--step", type=int, default=None,
-                   help="segment to export: 0 is prefill, d >= 1 decode step d (default: a "
-                        "middle decode step)")
-    c.add_argument("--out", required=True, help="output file: .json or .dot")
+    c.add_argument("--step", type=int, default=None, help="segment to export: 0 is prefill, "
+                   "d >= 1 decode step d (default: a middle decode step)")
+    c.add_argument("--out", type=output(".json", ".dot"), required=True,
+                   help="output file: .json or .dot")
     return p
-
-
-def _json_arg(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
@@ -168,34 +155,56 @@ def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
 
 
 def _trace_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--gantt", metavar="PNG", help="draw a Gantt chart of two layers of decode "
-                   "step 2 (one row per stream) to PNG")
-    c.add_argument("--trace", metavar="PATH",
-                   help="write a trace to PATH: Chrome JSON (.json, .json.gz) or Perfetto "
-                   "protobuf (.pftrace); Perfetto opens both")
-    c.add_argument("--trace-steps", default="2", metavar="N|all",
-                   help="decode steps the trace covers after prefill (default 2; 'all' for the "
-                        "whole run)")
+    c.add_argument("--gantt", type=output(".png"), metavar="PNG", help="draw a Gantt chart of "
+                   "two layers of decode step 2 (one row per stream) to PNG")
+    c.add_argument("--trace", type=output(".json", ".json.gz", ".pftrace"), metavar="PATH",
+                   help="write a trace: Chrome JSON (.json, .json.gz) or Perfetto protobuf "
+                   "(.pftrace); Perfetto opens both")
+    c.add_argument("--trace-steps", type=window, default="2", metavar="N|all",
+                   help="decode steps the trace covers after prefill (default 2; 'all')")
 
 
-# Where each command writes, and what it must be: (a folder?, required suffixes).
-_OUTPUTS = {"trace": (False, (".json", ".json.gz", ".pftrace")), "gantt": (False, (".png",)),
-            "plot": (False, (".png",)), "csv": (False, (".csv",)),
-            "record_routing": (False, (".json",))}
-_OUT = {"fit": (True, ()), "sweep": (True, ()), "roofline": (False, (".png",)),
-        "calibrate": (False, (".yaml", ".yml")), "graph": (False, (".json", ".dot")),
-        "execute": (False, ())}
+def output(*suffixes: str, folder: bool = False) -> Callable[[str], files.Output]:
+    return lambda text: files.Output(text, *suffixes, folder=folder)
+
+
+def positive(text: str) -> int:
+    if (value := int(text)) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def names(text: str) -> list[str]:
+    """Comma-separated schedules (``--schedules``)."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def integers(*words: str) -> Callable[[str], list[int] | str]:
+    """Comma-separated integers, or one of `words`."""
+    def parse(text: str) -> list[int] | str:
+        if text.strip() in words:
+            return text.strip()
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated integers expected, not '{text}'"
+                                             ) from None
+    return parse
+
+
+def window(text: str) -> Window:
+    try:
+        return Window.parse(text)
+    except TgError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Every output path and trace option, checked before any work (files.check_outputs)."""
-    wanted = {k: v for k, v in _OUTPUTS.items() if getattr(args, k, None) is not None}
-    if getattr(args, "out", None) is not None and args.command in _OUT:
-        wanted["out"] = _OUT[args.command]
+    """Every output path, checked before any work (files.check_outputs); a protobuf trace needs
+    the perfetto package."""
+    outputs = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()
+               if isinstance(v, files.Output)}
     inputs = [getattr(args, a, None) for a in ("scenario", "measurements", "prompts")]
-    files.check_outputs({f"--{k.replace('_', '-')}": (getattr(args, k), *v)
-                         for k, v in wanted.items()}, [p for p in inputs if p])
-    if getattr(args, "trace", None) is not None:
-        Window.parse(args.trace_steps)
-        if args.trace.endswith(".pftrace"):
-            require_perfetto()
+    files.check_outputs(outputs, [p for p in inputs if p])
+    if (getattr(args, "trace", None) or "").endswith(".pftrace"):
+        require_perfetto()

@@ -124,7 +124,7 @@ def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool 
     # each once: the table has a row per schedule (S1,S1,... 5,000 times simulated each)
     names = list(dict.fromkeys(schedules)) if schedules is not None else list(SCHEDULES)
     if not names:
-        raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
+        raise TgError(f"--schedules names no schedule; known schedules: {', '.join(SCHEDULES)}.")
     entries = [parse_entry(n) for n in names]
     if scenario.requests is not None:
         if check:

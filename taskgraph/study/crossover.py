@@ -205,7 +205,7 @@ def crossover(scenario: Scenario, schedules: list[str] | None = None,
                       f"goes up to {MAX_BATCH:,}.")
     unknown = [n for n in names if n not in SCHEDULES]
     if not names:
-        raise TgError(f"No schedule named; known schedules: {', '.join(SCHEDULES)}.")
+        raise TgError(f"--schedules names no schedule; known schedules: {', '.join(SCHEDULES)}.")
     if unknown:
         raise TgError(f"Unknown schedule '{unknown[0]}'; known schedules: "
                       f"{', '.join(SCHEDULES)}.")

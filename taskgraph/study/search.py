@@ -112,6 +112,13 @@ class SearchResult(Shown):
             out["best"]["hardware_limit_fraction"] = round(tok_s / limit, 4)
         return out
 
+    def picked(self) -> str:
+        """What `policy: auto` became, in one line."""
+        p = self.best.policy
+        return (f"policy: auto -> {self.best.schedule} N={p['N']} mu={p['mu']} A_g={p['A_g']} "
+                f"r_w={p['r_w']:g} r_c={p['r_c']:g} (best of {self.evaluated:,} by HRM, "
+                f"{self.wall_s:.1f} s)")
+
     def views(self):
         yield search_table(self, self.scenario, self.hardware_limit_tok_s)
         if self.grid:

@@ -21,7 +21,7 @@ import numpy as np
 from taskgraph.dag.compiled import KIND_NAMES
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import TgError
-from taskgraph.output.report import Shown, validate_table
+from taskgraph.output.report import Shown, validate_table, warnings_of
 from taskgraph.specs import RoutingSpec, Scenario
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.tracing.writer import Traced, TraceRun
@@ -80,6 +80,12 @@ class Validation(Shown, Traced):
                 "pairs": [r.to_json() for r in self.results]}
 
     def views(self):
+        hardware = self.scenario.hardware
+        if hardware.calibrated is None:
+            yield from warnings_of({"warnings": [
+                f"hardware '{hardware.name}' holds datasheet figures, not this machine's: the "
+                "errors below compare two different machines. Run `tg calibrate --out P.yaml` "
+                "and pass `--set hardware=P.yaml`."]})
         yield validate_table(self.results, summary(self.results), self.scenario)
 
     def trace_runs(self) -> list[TraceRun]:

@@ -90,10 +90,9 @@ class Window:
         try:
             steps = int(text)
         except ValueError:
-            raise TgError(f"--trace-steps must be a number of decode steps or 'all', not "
-                          f"'{text}'.") from None
+            raise TgError(f"a number of decode steps or 'all', not '{text}'") from None
         if steps < 0:
-            raise TgError("--trace-steps must not be negative.")
+            raise TgError(f"a number of decode steps or 'all', not {steps}")
         return cls(steps)
 
     def mask(self, program: Program) -> np.ndarray:
