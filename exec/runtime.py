@@ -464,6 +464,9 @@ class Runtime:
         self.prefetch_slots = min(m.E, p.N * m.k) if self.prefetches else 0
         self.prefetch = PrefetchCounts(self.L)
         self.expert_copies_in_gpuffn = 0            # of those, copied by GPUFFN's later rounds
+        # decode's chosen experts and those not in the cache (a prefetched one is a miss too),
+        # per layer: the measured hit rate
+        self.decode_chosen, self.decode_missed = [0] * self.L, [0] * self.L
         if self.zero_copy:
             self._caches = None
             return
@@ -568,6 +571,9 @@ class Runtime:
         T = self._hidden(s, j).shape[0]
         wanted = torch.unique(self.expert_ids[j][:T]).tolist()          # sorted
         rounds = self._caches[l].plan(wanted, self._staging)
+        if s:       # decode: what the cache held of what the step chose (prefill finds it cold)
+            self.decode_chosen[l] += len(wanted)
+            self.decode_missed[l] += sum(len(r.copies) for r in rounds)
         if self._prefetch:
             self._take_prefetched(s, l, j, wanted, rounds)
         for e, slot in rounds[0].copies:

@@ -353,6 +353,23 @@ def test_expertin_copies_what_an_lru_cache_misses(tmp_path, runtimes, copy_log, 
         assert expected == [sum(map(len, sets)) for sets in wanted]
 
 
+@pytest.mark.parametrize("capacity,N", [(2, 1), (3, 1), (1, 2), (4, 3)])
+def test_the_simulators_replay_of_a_run_hits_what_its_cache_held(tmp_path, capacity, N):
+    """At the batch a routing trace was recorded with (one micro-batch a step), the simulator
+    replays it from the prefill on, as the executor's cache meets it: its hit rate, layer by
+    layer, is the run's own (`measured_hit_rate`, counted in ExpertIn). Replaying the decode
+    steps alone, twice (as it once did), put layer 0 at 33% where the run held 25%."""
+    rec = tmp_path / "routing.json"
+    sets = [f"policy.experts_gpu={capacity}", f"policy.N={N}", f"policy.mu={N}"]
+    ran = _execute("EC", *sets, steps=6, record_routing=rec).summary["experts"]
+    sim = api.simulate(TINY, schedule="EC", overrides=[
+        *sets, "workload.gen_len=6", "workload.routing.kind=trace",
+        f"workload.routing.trace={rec}"]).summary["experts"]
+    assert 0 < ran["measured_hit_rate"] < 1
+    assert sim["hit_rate_by_layer"] == pytest.approx(ran["measured_hit_rate_by_layer"],
+                                                     abs=1e-4)
+
+
 @pytest.mark.parametrize("capacity", [0, 3, 8])
 def test_a_popular_cache_copies_only_what_it_does_not_hold(tmp_path, runtimes, copy_log,
                                                           capacity):

@@ -280,26 +280,32 @@ def test_a_routing_trace_holds_k_different_integer_expert_ids_a_token(tmp_path, 
     assert run.returncode == 2 and words in run.stderr and "steps[1]" in run.stderr, run.stderr
 
 
-def test_a_traces_hit_rate_is_replayed_at_its_own_batch_and_warm(tmp_path):
-    """At the batch a trace was recorded with its steps are replayed, twice, counting the
-    second pass (one step used to give 0% hits, the cache starting empty); at another batch its
-    popularity is drawn from (a trace at batch 1 gave 65% hits at 64, where at most 50% can
-    be)."""
+def test_a_traces_hit_rate_is_replayed_from_its_prefill_at_its_own_batch(tmp_path):
+    """At the batch a trace was recorded with its steps are replayed from the prefill on, as the
+    executor's cache meets them (one step used to give 0% hits, the cache starting empty; then
+    100%, replayed twice, where the run held none); at another batch its popularity is drawn
+    from (a trace at batch 1 gave 65% hits at 64, where at most 50% can be)."""
     from taskgraph.dag.routing import Routing
 
     sc = load_scenario(TINY)
     m = sc.model
-    one_step = np.tile(np.arange(m.k), (m.L, 1, 1)).tolist()        # batch 1: experts 0, 1
     pairs = np.arange(m.E).reshape(-1, 2)          # a prompt whose tokens choose every expert
     prefill = np.tile(np.tile(pairs, (10, 1)), (m.L, 1, 1)).tolist()
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps({"format": "tg-routing/1", "E": m.E, "k": m.k, "L": m.L,
-                                "steps": [prefill, one_step]}))
-    traced = Routing.of(load_scenario(TINY, ["workload.routing.kind=trace",
-                                             f"workload.routing.trace={path}"]))
-    assert np.all(traced.cache_hits(1, 2, "lru") == 1.0)           # the same two, cached
+
+    def replayed(decode_experts, tokens=1):
+        path = tmp_path / "r.json"
+        step = np.tile(np.array(decode_experts), (m.L, 1, 1)).tolist()
+        path.write_text(json.dumps({"format": "tg-routing/1", "E": m.E, "k": m.k, "L": m.L,
+                                    "steps": [prefill, step]}))
+        return Routing.of(load_scenario(TINY, ["workload.routing.kind=trace",
+                                               f"workload.routing.trace={path}"]))
+
+    # the prefill's experts enter the cache in id order: a cache of two keeps 6 and 7
+    assert np.all(replayed([6, 7]).cache_hits(1, 2, "lru") == 1.0)
+    assert np.all(replayed([0, 1]).cache_hits(1, 2, "lru") == 0.0)
+    assert np.all(replayed([1, 7]).cache_hits(1, 2, "lru") == 0.5)
     # 64 tokens touch all 8 experts: a cache of 2 holds 2 of them
-    assert traced.cache_hits(64, m.k, "lru") == pytest.approx(np.full(m.L, m.k / m.E))
+    assert replayed([0, 1]).cache_hits(64, m.k, "lru") == pytest.approx(np.full(m.L, m.k / m.E))
 
 
 def test_huge_batches_replay_a_cache_in_bounded_time():

@@ -219,11 +219,12 @@ class Routing:
             return np.ones(self.L)
         if self._replays_trace(tokens):
             return np.array([_hit_rate(list(self._trace_steps(layer)), capacity, eviction,
-                                       self.popular(capacity)[layer], warm=True)
+                                       self.popular(capacity)[layer], warmup=1)
                              for layer in range(self.L)])
         layers = 1 if self.uniform_layers else self.L      # every layer alike: replay one
         out = [_hit_rate(self._drawn_steps(layer, tokens), capacity, eviction,
-                         self.popular(capacity)[layer], warm=False) for layer in range(layers)]
+                         self.popular(capacity)[layer], warmup=CACHE_STEPS)
+               for layer in range(layers)]
         return np.resize(np.array(out), self.L)
 
     def _replays_trace(self, tokens: int) -> bool:
@@ -232,7 +233,9 @@ class Routing:
         return self.trace is not None and {s.shape[1] for s in self.trace.decode} == {tokens}
 
     def _trace_steps(self, layer: int):
-        return (np.unique(step[layer]) for step in self.trace.decode)
+        """The recorded steps' chosen experts: the prefill's, which leaves the cache as the
+        executor's finds it at the first decode step, then each decode step's."""
+        return (np.unique(step[layer]) for step in self.trace.experts)
 
     def _drawn_steps(self, layer: int, tokens: int):
         """CACHE_STEPS steps to warm the cache, then CACHE_STEPS to count, drawn one at a time
@@ -249,13 +252,11 @@ class Routing:
         return bool(np.all(self.weights == self.weights[0]))
 
 
-def _hit_rate(steps, capacity: int, eviction: str, popular: np.ndarray, warm: bool) -> float:
+def _hit_rate(steps, capacity: int, eviction: str, popular: np.ndarray, warmup: int) -> float:
     """The share of the experts each step chooses that a cache of `capacity` already holds:
     LRU (a step's experts become the most recent, then the cache is cut to `capacity`) or the
-    `popular` ones, fixed. `steps`: each step's chosen experts. With `warm` the steps are
-    replayed twice and counted the second time (a trace's own steps); else the first half warms
-    the cache."""
-    steps = list(steps) * (2 if warm else 1)
+    `popular` ones, fixed. `steps`: each step's chosen experts; the first `warmup` of them fill
+    the cache and are not counted."""
     held = set(popular.tolist())
     cache: OrderedDict[int, None] = OrderedDict()
     hit = need = 0
@@ -270,7 +271,7 @@ def _hit_rate(steps, capacity: int, eviction: str, popular: np.ndarray, warm: bo
                 cache[e] = None
             while len(cache) > capacity:
                 cache.popitem(last=False)
-        if i >= len(steps) // 2:
+        if i >= warmup:
             hit, need = hit + found, need + len(wanted)
     return hit / need if need else 1.0
 

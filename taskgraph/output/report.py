@@ -93,8 +93,10 @@ def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:
     if "gpu_share" in x:
         return (f"{touched}; the {policy['experts_gpu']} placed on the GPU take "
                 f"{x['gpu_share']:.0%} of the tokens' experts")
-    return (f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits "
-            f"{x['hit_rate']:.0%}")
+    hits = f"{x['hit_rate']:.0%}"
+    if x.get("measured_hit_rate") is not None:          # an executed run: what its cache held
+        hits = f"{x['measured_hit_rate']:.0%} in decode (the model: {hits})"
+    return f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits {hits}"
 
 
 def queue_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
