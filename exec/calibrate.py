@@ -25,6 +25,15 @@ from taskgraph.specs import HardwareSpec, Scenario
 #: most), which is what separates a task's cost from the interference it suffers.
 FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S2", "S3", "S4") for mu in (1, 2, 4))
 
+#: Batch-1 runs of the expert-level schedules, for the task kinds only they have (Route,
+#: GPUFFN, Merge, CPUFFN, D5, D6, ExpertIn): unfitted, their fixed costs were a kernel launch's,
+#: and on an H200 Route (1.2 ms measured, waiting for the router's choice) and GPUFFN (1.2 ms)
+#: were priced at 0.03 and 0.2 ms (bench/results/h200-2026-11-26). The kinds the batch
+#: schedules have, the slowdown and the hand-off are fitted from FIT_RUNS alone.
+EXPERT_RUNS = ("EP", "EC")
+#: Decode steps of an expert run at least: at batch 1 a step is short.
+EXPERT_STEPS = 8
+
 #: Resources whose slowdown is fitted: the compute streams. Copies' fitted costs include the
 #: interference they meet on average (they are seldom alone, so it cannot be separated).
 SLOWED = ("gpu", "cpu")
@@ -80,8 +89,9 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     f_r the fraction of the task during which resource r was busy, fitted to the executor's own
     measured tasks over :data:`FIT_RUNS`: first each compute resource's factors a
     (:func:`_fit_slowdown`), then the kinds' costs on the durations with the slowdown divided
-    out. The hand-off is the median delay between a task's end and the start of a task on
-    another stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
+    out; the kinds only the expert schedules have, from :data:`EXPERT_RUNS` on one GPU. The
+    hand-off is the median delay between a task's end and the start of a task on another
+    stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
     price the kinds whose sizes do not vary."""
     from taskgraph.dag.compiled import KIND_NAMES
     from taskgraph.dag.schedules import SCHEDULES
@@ -93,14 +103,15 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     samples: dict[str, _Samples] = {}
     gaps: list[float] = []
     staged: set[str] = set()
-    for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
-        policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
-        sc, _ = for_schedule(scenario.model_copy(update={"policy": policy}), schedule)
+
+    def measure(sc: Scenario, schedule: str, skip: frozenset[str] = frozenset()) -> None:
+        """Execute `sc` with `schedule` and add its tasks to `samples`, but those of the kinds
+        in `skip`, and its hand-offs to `gaps` (a batch run's: nothing skipped)."""
         ex = execute_scenario(sc, schedule, device=device, check=False)
         # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
         # a profile fitted to part of a run is not: stop, and write nothing.
         if ex.failure is not None:
-            raise TgError(f"A task failed while measuring {schedule} at mu = {mu} "
+            raise TgError(f"A task failed while measuring {schedule} at mu = {sc.policy.mu} "
                           f"({type(ex.failure).__name__}); no profile was written.")
         if ex.run.interrupted:
             raise KeyboardInterrupt
@@ -115,8 +126,10 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         # launches wait for it: on an H100 GPU tasks stretched from 1 ms to 400 ms. The link's
         # pageable rate prices those copies; the other kinds are fitted from runs without them
         # where such runs have them (FIT_RUNS lists S1, which stages, first).
-        pageable = device == "cuda" and not SCHEDULES[schedule].staging
+        pageable = device == "cuda" and not SCHEDULES[schedule].weights_pinned
         for k in np.unique(kinds):
+            if KIND_NAMES[k] in skip:
+                continue
             if pageable and (KIND_NAMES[k] == "D3" or KIND_NAMES[k] in staged):
                 continue
             if not pageable:
@@ -126,8 +139,23 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
                 smp = samples.setdefault(KIND_NAMES[k], _Samples(int(resource[sel][0])))
                 smp.add(nbytes=nbytes[sel], roof=roof[sel], measured=run.durations[sel],
                         busy=busy[sel])
-        gaps += _handoff_gaps(prog, run)
+        if not skip:
+            gaps.extend(_handoff_gaps(prog, run))
+
+    for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
+        policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
+        measure(for_schedule(scenario.model_copy(update={"policy": policy}), schedule)[0],
+                schedule)
     slowdown = _fit_slowdown(samples)
+    if scenario.hardware.gpu.count == 1:         # the expert schedules run on one GPU
+        m, w = scenario.model, scenario.workload
+        policy = scenario.policy.model_copy(update={
+            "mu": 1, "N": 1, "experts_gpu": min(m.E - 1, max(m.k, scenario.policy.experts_gpu))})
+        one = scenario.model_copy(update={"policy": policy, "workload": w.model_copy(
+            update={"gen_len": max(w.gen_len, EXPERT_STEPS)})})
+        batch_kinds = frozenset(samples)
+        for schedule in EXPERT_RUNS * repeats:
+            measure(for_schedule(one, schedule)[0], schedule, skip=batch_kinds)
     fixed, gbps = {}, {}
     for kind, smp in samples.items():
         by = slowdown.get(RESOURCES[smp.resource], {})

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import ValidationError
 from rich.text import Text
@@ -41,6 +41,12 @@ class Executed:
 
     def write_routing(self, path: str | Path) -> None:
         write_routing(self.routing, path)
+
+    def routing_written(self) -> Iterator[Text]:
+        """The line saying where the router's decisions went, if they were written."""
+        if self.summary.get("routing"):
+            yield Text(f"wrote {self.summary['routing']}: the router's experts of the prefill "
+                       f"and {len(self.routing.experts) - 1} decode steps")
 
     def raise_if_failed(self, trace: str | Path | None = None) -> None:
         """A TgError if a task raised (the run stopped there); `trace`, if written, shows what
@@ -80,6 +86,7 @@ class Execution(Executed, Simulation):
         yield execute_table(self.summary)
         for row in (self.summary.get("outputs") or [])[:5]:
             yield Text(f"  {row['id']}: {row.get('text', row['output_ids'])}")
+        yield from self.routing_written()
         yield from warnings_of(self.summary)
 
     @property
@@ -684,8 +691,9 @@ def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
     runtime = ran.runtime
     if job.plan.schedule.ffn == "cache" and hasattr(runtime, "expert_copies"):
         # what EC's expert cache really copied (host -> device, misses) and held (its decode
-        # hit rate), beside what the model expects of it; GPUFFN's share is the later rounds of a micro-batch missing
-        # more experts than the staging area holds (exec.runtime.Runtime._GPUFFN)
+        # hit rate), beside what the model expects of it; GPUFFN's share of the copies is the
+        # later rounds of a micro-batch missing more experts than the staging area holds
+        # (exec.runtime.Runtime._GPUFFN)
         chosen, missed = runtime.decode_chosen, runtime.decode_missed
         summary["experts"] = {**summary.get("experts", {}),
                               "copies": runtime.expert_copies,
@@ -794,6 +802,7 @@ class QueueExecution(Executed, Shown, Traced):
 
     def views(self):
         yield execute_queue_table(self.summary)
+        yield from self.routing_written()
         yield from warnings_of(self.summary)
 
     @property

@@ -267,5 +267,5 @@ def exit_on_termination() -> Iterator[None]:
     try:
         yield
     finally:
-        for sig, old in before.items():
-            signal.signal(sig, old)
+        for sig, old in before.items():      # None: a handler not set from Python
+            signal.signal(sig, signal.SIG_DFL if old is None else old)

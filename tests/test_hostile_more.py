@@ -109,7 +109,7 @@ def test_compare_with_an_empty_schedule_list_says_so(capsys, schedules):
 
     assert main(["compare", "scenarios/tiny.yaml", "--schedules", schedules]) == 2
     err = capsys.readouterr().err
-    assert "--schedules names no schedule" in err and "Traceback" not in err
+    assert "--schedules: names no schedule" in err and "Traceback" not in err
 
 
 def _cells(tmp_path: Path, **changes) -> Path:
@@ -163,7 +163,7 @@ _PROC = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /pr
      "--vary gives 10,000 sweep points; tg sweeps at most 1,000"),
     (["validate", TINY, "--repeats", "1000000000"], "--repeats must be from 1 to 100"),
     (["validate", TINY, "--mu", "0"], "--mu 0 is not a micro-batch size"),
-    (["validate", TINY, "--schedules", " , "], "--schedules names no schedule"),
+    (["validate", TINY, "--schedules", " , "], "--schedules: names no schedule"),
     # an output no file can be created beside was found after the run, which was lost (/proc:
     # no file can be made there, whoever runs the test)
     pytest.param(["execute", TINY, "--device", "cpu", "--record-routing", "/proc/routing.json"],

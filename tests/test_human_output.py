@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from taskgraph.cli import main
+from taskgraph.cli.verbs import _APPLIED
 
 TINY = "scenarios/tiny.yaml"
 QUEUE = ["--set", "workload.lengths.preset=mtbench", "--set", "workload.lengths.count=12"]
@@ -125,7 +126,7 @@ def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):
 # What the command line keeps for itself: where results go and how they are printed, and what
 # it applies to the scenario before the API sees it (cli.verbs._load).
 CLI_OWN = {"command", "func", "json", "trace", "trace_steps", "gantt", "csv", "plot",
-           "batch_sizes", "scenario", "measurements", "overrides", "schedule", "steps"}
+           "batch_sizes", "scenario", "measurements", *_APPLIED}
 
 
 def test_every_option_reaches_the_api():

@@ -11,7 +11,6 @@ import os
 import sys
 
 from taskgraph.cli.parsing import check_outputs, parser
-from taskgraph.cli.verbs import TraceInterrupted
 from taskgraph.errors import TgError
 from taskgraph.files import exit_on_termination, forget_inputs
 
@@ -30,16 +29,12 @@ def main(argv: list[str] | None = None) -> int:
             forget_inputs()             # what this run reads, no output of it may replace
             check_outputs(args)
             return args.func(args) or 0
-    except TraceInterrupted:
-        print(f"tg {args.command}: interrupted while writing the trace; {args.trace} was left "
-              "as it was.", file=sys.stderr)
-        return 130
     except BrokenPipeError:       # e.g. `tg ... --json | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except TgError as err:
         print(f"tg {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:       # a file being written is left as it was (atomic_path)
         print(f"tg {args.command}: interrupted.", file=sys.stderr)
         return 130

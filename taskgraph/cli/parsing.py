@@ -12,8 +12,15 @@ from taskgraph.errors import TgError
 from taskgraph.tracing.writer import Window, require_perfetto
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, as every other bad input is (argparse prints the usage too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tg", description="One task graph for offloaded MoE inference: simulate schedules "
         "on modelled hardware and write Perfetto traces.")
     p.add_argument("--version", action="version", version=f"tg {__version__}")
@@ -50,12 +57,13 @@ def parser() -> argparse.ArgumentParser:
     _trace_args(c)
 
     c = command("compare", verbs.compare, "simulate several schedules side by side")
-    c.add_argument("--schedules", type=names, help="comma-separated (default: every schedule "
-                   "that runs on the machine)")
+    c.add_argument("--schedules", type=names, help=f"comma-separated, of {','.join(SCHEDULES)} "
+                   "(default: every one that runs on the machine)")
     c.add_argument("--check", action="store_true",
                    help="enforce the scenario's `expect` section; exit 1 if any check fails")
     c.add_argument("--batch-sizes", type=integers("default"), metavar="N,N,...|default",
-                   help="compare across batch sizes, each at the policy that fills the GPU")
+                   help="compare across batch sizes, each schedule (default S1,S4,S5,EP,EC) at "
+                   "the policy that fills its GPU; 'default': 1,2,4,...,256,504")
     c.add_argument("--plot", type=output(".png"), metavar="PNG", help="with --batch-sizes: "
                    "draw throughput and per-token latency against batch size")
     _backend_args(c, "the batch sizes' simulations")
@@ -71,14 +79,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=output(), metavar="FILE.jsonl", help="write each request's "
                    "generated tokens here (with --prompts)")
     c.add_argument("--profile", action="store_true", help="run under the PyTorch profiler; its "
-                   "ops (on CUDA also kernels and copies) go in the trace beside the tasks")
+                   "ops (on CUDA kernels and copies too) go in the --trace beside the tasks")
     c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
                    "engine: weights read in place, no copies (default: as a GPU machine)")
     c.add_argument("--processes", action="store_true", help="several GPUs: a process each, "
                    "talking over torch.distributed (gloo on the CPU backend, NCCL on CUDA)")
     c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json",
-                   help="write the router's top-k experts of every layer and token here, what "
-                   "workload.routing.trace replays (docs/experts.md)")
+                   help="write the router's top-k experts of every layer and token here (the "
+                   "first batch's), what workload.routing.trace replays (docs/experts.md)")
     _trace_args(c)
 
     c = command("calibrate", verbs.calibrate, "measure this machine and write a hardware "
@@ -176,7 +184,10 @@ def positive(text: str) -> int:
 
 def names(text: str) -> list[str]:
     """Comma-separated schedules (``--schedules``)."""
-    return [n.strip() for n in text.split(",") if n.strip()]
+    if not (out := [n.strip() for n in text.split(",") if n.strip()]):
+        raise argparse.ArgumentTypeError(f"names no schedule; known schedules: "
+                                         f"{', '.join(SCHEDULES)}")
+    return out
 
 
 def integers(*words: str) -> Callable[[str], list[int] | str]:

@@ -17,6 +17,7 @@ from taskgraph import api
 from taskgraph.errors import TgError
 from taskgraph.files import Output, refuse_input
 from taskgraph.output.report import progress_bar, stderr_console
+from taskgraph.specs import Scenario
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -66,9 +67,6 @@ def execute(args: argparse.Namespace) -> int:
     batches = scenario.requests is not None and not args.prompts
     result = _call(args, api.execute, scenario, "executing batches" if batches else "executing",
                    "batches" if batches else "segments")
-    if result.summary.get("routing"):
-        _said(args, f"wrote {args.record_routing}: the router's experts of the prefill and "
-                    f"{len(result.routing.experts) - 1} decode steps")
     if result.failure is not None:      # no figures: the trace shows what ran before it
         _outputs(args, result)
         result.raise_if_failed(args.trace)
@@ -139,11 +137,12 @@ def _load(args: argparse.Namespace, schedule: str | None = None):
 def _call(args: argparse.Namespace, verb: Callable, first: Any, label: str = "",
           unit: str = "segments", **fixed: Any):
     """`verb(first, ...)` with each option of the command line that is a parameter of `verb`
-    (but those _load applied, when `first` is the scenario it loaded) and `fixed`, under a
+    (but those _load applied, when `first` is the Scenario it loaded) and `fixed`, under a
     progress bar where it reports progress."""
     params = list(inspect.signature(verb).parameters)
-    skip = {params[0], *fixed, *(_APPLIED if not isinstance(first, str) else ())}
-    options = {k: v for k, v in vars(args).items() if k in params and k not in skip}
+    skip = {params[0], *fixed, *(_APPLIED if isinstance(first, Scenario) else ())}
+    options = {k: str(v) if isinstance(v, Output) else v      # a path as the API takes it
+               for k, v in vars(args).items() if k in params and k not in skip}
     if "progress" not in params:
         return verb(first, **options, **fixed)
     with progress_bar(_human(args), label, unit) as tick:
@@ -174,16 +173,9 @@ def _report(args: argparse.Namespace, result, summary: dict | None = None) -> in
     return 0
 
 
-class TraceInterrupted(Exception):
-    """Ctrl-C while the trace was written, after the results were reported."""
-
-
 def _outputs(args: argparse.Namespace, result) -> None:
     if getattr(args, "trace", None):
-        try:
-            slices = result.write_trace(args.trace, args.trace_steps.max_step)
-        except KeyboardInterrupt:
-            raise TraceInterrupted from None
+        slices = result.write_trace(args.trace, args.trace_steps.max_step)
         _said(args, f"wrote {args.trace}: {slices:,} task slices (open it at "
                     "https://ui.perfetto.dev)")
     if getattr(args, "gantt", None):

@@ -204,8 +204,9 @@ class Routing:
     def cache_hits(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
         """Per layer, the share of the experts a decode step touches that an expert cache of
         `capacity` experts per layer already holds: LRU (most recently used kept) or
-        ``popular`` (the most popular, fixed). Measured by replaying the trace's decode steps,
-        or CACHE_STEPS steps drawn from the routing after as many to warm the cache."""
+        ``popular`` (the most popular, fixed). Measured by replaying the trace (its prefill
+        fills the cache, its decode steps are counted), or CACHE_STEPS steps drawn from the
+        routing after as many to warm the cache."""
         key = ("hits", tokens, capacity, eviction)
         memo = self.trace.memo if self.trace is not None else self._hits
         if key not in memo:
