@@ -29,6 +29,9 @@ def test_calibration_is_a_hardware_profile(profile):
     assert hw.gpu.tflops > 0 and hw.cpu.mem_gbps > 0 and hw.link.h2d_gbps > 0
     # per-kind costs fitted from the executor's own tasks, for every kind it ran
     assert {"PreAttn", "PostAttn", "CPUAttn", "GPUAttn", "D3"} <= hw.task_overhead_us.keys()
+    # and those only the expert-level schedules run (EP and EC at batch 1): unfitted, Route and
+    # GPUFFN were priced at a launch's cost, on an H200 a fortieth and a fifth of what they took
+    assert {"Route", "GPUFFN", "Merge", "CPUFFN", "ExpertIn"} <= hw.task_overhead_us.keys()
     # usable as a base with overrides, too
     sc = load_scenario("scenarios/tiny.yaml", [f"hardware.file={profile}",
                                                "hardware.link.h2d_gbps=1"])
