@@ -25,8 +25,9 @@ def simulate(args: argparse.Namespace) -> int:
     if args.csv and scenario.requests is None:
         raise TgError("--csv writes each request's finish time; the scenario lists no requests "
                       "(give workload.requests or workload.lengths).")
-    result = _call(args, api.simulate, scenario, "simulating batches" if scenario.requests
-                   else "simulating", **_keep(args))
+    batches = scenario.requests is not None
+    result = _call(args, api.simulate, scenario, "simulating batches" if batches else "simulating",
+                   **_keep(args))
     if args.csv:
         result.write_csv(args.csv)
     return _report(args, result, result.summary)
