@@ -7,10 +7,16 @@
 #   3. with two GPUs or more: tensor parallel and pipeline runs, a process per GPU over NCCL;
 #   4. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it;
 #   5. the expert-level schedules (EP, EC, ECP) of Mixtral-8x7B's layers at batch 1, executed
-#      and simulated (`tg validate`) with PROFILE (default: the H100's of 2026-11-22).
+#      and simulated (`tg validate`) with PROFILE (default: the profile step `mixtral` wrote,
+#      else the H100's of 2026-11-22);
+#   6. (`mixtral`) `tg calibrate` on Mixtral-8x7B's layers (with the batch-1 EP and EC runs
+#      that fit the expert kinds), then the held-out S1, S2, S4 validated with it, twice each.
+# On a lent machine, first `. bench/device_setup.sh`.
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
 #
-#     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate,experts
+#     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate,mixtral,
+#                                                 experts (mixtral before experts: they run in
+#                                                 this order)
 #     SCHEDULES="S1 S4" bash bench/cuda_check.sh ...  (the schedules `execute` runs)
 set -uo pipefail
 OUT=${1:-cuda-check}
@@ -68,8 +74,18 @@ if [[ $STEPS == *validate* ]]; then
         && python3 -c "import json,sys; [print(p['schedule'], p['error']) for p in json.load(open(sys.argv[1]))['pairs']]" "$OUT/validate-mixtral.json"
 fi
 
+if [[ $STEPS == *mixtral* ]]; then
+    echo "== this machine's profile from Mixtral-8x7B's layers, and held-out S1, S2, S4 with it"
+    tg calibrate scenarios/mixtral-2layer.yaml --device cuda --out "$OUT/profile-mixtral.yaml"
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules S1,S2,S4 --mu 4 \
+        --repeats 2 --set policy.N=8 --set hardware="$OUT/profile-mixtral.yaml"
+fi
+
 if [[ $STEPS == *experts* ]]; then
     echo "== expert-level offloading at batch 1: Mixtral-8x7B's layers, measured and simulated"
+    if [[ -z ${PROFILE:-} && -f $OUT/profile-mixtral.yaml ]]; then
+        PROFILE=$OUT/profile-mixtral.yaml
+    fi
     PROFILE=${PROFILE:-bench/results/h100-2026-11-22/profile-from-mixtral-2layer.yaml}
     tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC,ECP --mu 1 \
         --repeats 1 --set policy.N=1 --set policy.mu=1 --set policy.experts_gpu=2 \
