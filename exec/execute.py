@@ -674,10 +674,6 @@ def _dispatch(job: _Job, w: Any, inputs: _Inputs, runtime: Any,
     return run, runtime
 
 
-def _share(part: int, whole: int) -> float | None:
-    return round(part / whole, 4) if whole else None
-
-
 def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
     """The run's summary, as a simulation's (its timings measured), with where it ran and, for
     an expert cache, what it copied."""
@@ -694,14 +690,16 @@ def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
         # hit rate), beside what the model expects of it; GPUFFN's share of the copies is the
         # later rounds of a micro-batch missing more experts than the staging area holds
         # (exec.runtime.Runtime._GPUFFN)
+        from taskgraph.exec.runtime import share
+
         chosen, missed = runtime.decode_chosen, runtime.decode_missed
         summary["experts"] = {**summary.get("experts", {}),
                               "copies": runtime.expert_copies,
                               "copies_by_layer": list(runtime.expert_copies_by_layer),
                               "copies_in_gpuffn": runtime.expert_copies_in_gpuffn,
-                              "measured_hit_rate": _share(sum(chosen) - sum(missed),
+                              "measured_hit_rate": share(sum(chosen) - sum(missed),
                                                           sum(chosen)),
-                              "measured_hit_rate_by_layer": [_share(c - m, c) for c, m
+                              "measured_hit_rate_by_layer": [share(c - m, c) for c, m
                                                              in zip(chosen, missed)]}
         if runtime.prefetches:
             # ECP's predictor as measured: its accuracy, and the share of the decode misses it

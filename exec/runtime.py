@@ -707,6 +707,11 @@ class Runtime:
                         raise AssertionError(f"{name} reads page {p}, outside {allowed}")
 
 
+def share(part: int, whole: int) -> float | None:
+    """part / whole, rounded, or None when there is no whole (a run that never looked)."""
+    return round(part / whole, 6) if whole else None
+
+
 class PrefetchCounts:
     """ECP's predictor, measured layer by layer over the decode steps: experts predicted (each
     step's distinct ones, from micro-batch 0's tokens), those of them the router then chose for
@@ -726,9 +731,6 @@ class PrefetchCounts:
         the predictor's guesses the router confirmed; ``covered`` (taken / misses) is the share
         of the cache's decode misses that were already on the device, what the simulator's
         ``policy.prefetch`` stands for."""
-        def share(a: int, b: int) -> float | None:
-            return round(a / b, 6) if b else None
-
         by_layer = [{"predicted": p, "used": u, "accuracy": share(u, p), "copies": c,
                      "taken": t, "misses": m, "covered": share(t, m)}
                     for p, u, c, t, m in zip(self.predicted, self.used, self.copies, self.taken,
