@@ -14,9 +14,17 @@ Each result has ``to_dict()`` (exactly what the verb's ``--json`` prints), shows
 verb's tables (``rich.print(result)``, or as HTML in a notebook), and, where the verb writes
 traces, ``write_trace(path)`` and ``write_gantt(png)``. Bad input raises
 :class:`~taskgraph.errors.TgError` with the message the command line prints. `progress(done,
-total)`, where given, is called as work completes.
+total)`, where given, is called as work completes. Where a verb writes a trace, `trace` is its
+path (Chrome JSON .json or .json.gz, or Perfetto protobuf .pftrace), covering prefill and
+`trace_steps` decode steps (None or "all": every one), and `gantt` a PNG of two layers of decode
+step 2; the run keeps the task times they need, and the result's view says what was written
+(``result.written``). Where a verb runs many simulations,
+`backend` says where: "pool" (this machine's cores) or "ray", joining `ray_address` ("auto":
+the cluster this node belongs to; ray://HOST:10001; None: a local Ray started for the call).
 
-The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions.
+The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions:
+each option is the parameter of the same name, and its ``--help`` is that parameter's line in
+the function's ``Args:`` section below, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from taskgraph.errors import TgError
 from taskgraph.specs import Scenario
 
 ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
+Path_ = Union[str, Path, None]
+Steps = Union[int, str, None]
 Overrides = Union[Mapping[str, Any], Iterable[str], None]
 Progress = Union[Callable[[int, int], None], None]
 
@@ -87,58 +97,92 @@ def _override_items(overrides: Overrides) -> list[str]:
 
 
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
-             overrides: Overrides = None, keep_runs: bool = False, progress: Progress = None,
-             keep_steps: int | None = 2):
+             overrides: Overrides = None, csv: Path_ = None, trace: Path_ = None,
+             trace_steps: Steps = 2, gantt: Path_ = None, progress: Progress = None):
     """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
-    whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`; `keep_runs`
-    keeps each batch's task times for traces). Returns a
-    :class:`~taskgraph.sim.simulate.Simulation` otherwise; a run of millions of tasks keeps the
-    task times of prefill and `keep_steps` decode steps (None: all) for its trace and chart."""
+    whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`). Returns a
+    :class:`~taskgraph.sim.simulate.Simulation` otherwise. A run of millions of tasks keeps the
+    task times its trace and chart need (prefill and `trace_steps` decode steps, at least 2),
+    and a request list's batches keep theirs only when a trace or chart is asked for.
+
+    Args:
+        schedule: override the scenario's schedule
+        csv: with a request list: write each request's batch, micro-batch and finish time here
+    """
     from taskgraph.serving.queue import simulate_queue
     from taskgraph.sim.simulate import simulate_scenario
 
     s, _ = load(scenario, overrides, schedule)
-    if s.requests is not None:
-        return simulate_queue(s, progress=progress, keep_runs=keep_runs)
-    return simulate_scenario(s, progress=progress, keep_steps=keep_steps)
+    steps = _trace_steps(trace_steps)
+    if s.requests is None:
+        if csv:
+            raise TgError("--csv writes each request's finish time; the scenario lists no "
+                          "requests (give workload.requests or workload.lengths).")
+        return _traced(simulate_scenario(s, progress=progress, keep_steps=_keep(trace, steps)),
+                       trace, steps, gantt)
+    result = simulate_queue(s, progress=progress, keep_runs=bool(trace or gantt))
+    if csv:
+        result.write_csv(csv)
+    return _traced(result, trace, steps, gantt)
 
 
 def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
-            overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
-            progress: Progress = None, keep_steps: int | None = 2):
-    """`tg compare`: several schedules side by side (default: every schedule that runs on the
-    machine); entries NAME:padded and NAME:refill batch a request list. `check` evaluates the
-    scenario's `expect` section (``result.failed`` lists what broke). Returns a
-    :class:`~taskgraph.study.compare.Comparison`."""
+            overrides: Overrides = None, check: bool = False, trace: Path_ = None,
+            trace_steps: Steps = 2, gantt: Path_ = None, progress: Progress = None):
+    """`tg compare`: several schedules side by side; entries NAME:padded and NAME:refill batch
+    a request list. ``result.failed`` lists the `expect` checks that broke. Returns a
+    :class:`~taskgraph.study.compare.Comparison`.
+
+    Args:
+        schedules: the schedules to compare (default: every one that runs on the machine)
+        check: enforce the scenario's `expect` section; exit 1 if any check fails
+    """
     from taskgraph.study.compare import compare as run
 
     names = None if schedules is None else [n.strip() for n in schedules if n.strip()]
     # the first schedule named is the scenario's own: its placement replaces the file's
     first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
     s, _ = load(scenario, overrides, first)
-    return run(s, names, check=check, keep_runs=keep_runs, progress=progress,
-               keep_steps=keep_steps)
+    steps = _trace_steps(trace_steps)
+    result = run(s, names, check=check, keep_runs=bool(trace or gantt), progress=progress,
+                 keep_steps=_keep(trace, steps))
+    return _traced(result, trace, steps, gantt)
 
 
 def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
               batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
-              backend: str = "pool", ray_address: str | None = None,
-              progress: Progress = None):
+              plot: Path_ = None, backend: str = "pool",
+              ray_address: str | None = None, progress: Progress = None):
     """`tg compare --batch-sizes`: each schedule (default S1, S4, S5, EP, EC) at each batch
-    size, at the policy that fills its GPU, simulated; where the batch schedules overtake the
-    expert-level ones. Returns a :class:`~taskgraph.study.crossover.Crossover`."""
+    size (default 1, 2, 4, ..., 256, 504), at the policy that fills its GPU, simulated; where
+    the batch schedules overtake the expert-level ones. Returns a
+    :class:`~taskgraph.study.crossover.Crossover`.
+
+    Args:
+        plot: draw throughput and per-token latency against batch size to this PNG
+    """
     from taskgraph.study.crossover import crossover as run
 
     s, _ = load(scenario, overrides, auto=False)
-    return run(s, schedules, batch_sizes, _backend(backend, ray_address), progress)
+    result = run(s, schedules, batch_sizes, _backend(backend, ray_address), progress)
+    if plot:
+        result.plot(plot)
+        result.written = (f"wrote {plot}",)
+    return result
 
 
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
            verify: bool = False, brute_force: bool = False, backend: str = "pool",
            ray_address: str | None = None, progress: Progress = None):
-    """`tg search`: the policies with the best predicted throughput; `verify` simulates the
-    top ones and re-ranks them, `brute_force` also simulates a coarse grid. Returns a
-    :class:`~taskgraph.study.search.SearchResult`."""
+    """`tg search`: the policies with the best predicted throughput. Returns a
+    :class:`~taskgraph.study.search.SearchResult`.
+
+    Args:
+        top: how many policies to list (default 10)
+        verify: simulate the top policies and re-rank them by simulated throughput
+        brute_force: also simulate a coarse grid: what trusting the predicted pick costs
+            against the best simulated policy
+    """
     from taskgraph.study.search import search_scenario
 
     jobs = _backend(backend, ray_address)
@@ -150,23 +194,42 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             overrides: Overrides = None, device: str = "auto", steps: int | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
             zero_copy: bool = False, profile: bool = False, processes: bool = False,
-            record_routing: str | Path | None = None, progress: Progress = None):
+            record_routing: Path_ = None, trace: Path_ = None, trace_steps: Steps = 2,
+            gantt: Path_ = None, progress: Progress = None):
     """`tg execute`: run a schedule for real (PyTorch) and check its tokens against the
-    sequential reference. `weights`: a Mixtral safetensors folder (default: synthetic, seeded);
-    `prompts`: a JSON-lines file of requests, whose tokens go to `out` when given.
-    `record_routing`: a JSON file to write the router's decisions to (``tg-routing/1``, what
-    ``workload.routing.trace`` replays; the first batch's when the run has several), taken
-    from the reference forward the tokens are checked against; ``result.routing`` holds them
-    (:class:`~taskgraph.dag.routing.RoutingTrace`) and ``summary["routing"]`` names the file. A
-    run that stops before its end writes none and says so in its warnings. A scenario
-    with a request list runs in the simulator's batches
+    sequential reference. The routing recorded is the reference forward's, the one the tokens
+    are checked against; ``result.routing`` holds it
+    (:class:`~taskgraph.dag.routing.RoutingTrace`) and ``summary["routing"]`` names the file.
+    A run that stops before its end writes none and says so in its warnings. A scenario with a
+    request list runs in the simulator's batches
     (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
     :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
-    ``result.failure`` holds its exception."""
+    ``result.failure`` holds its exception; the trace then shows what ran before it.
+
+    Args:
+        schedule: override the scenario's schedule
+        device: cpu, cuda, or auto (cuda when this machine has one)
+        steps: decode steps (default: workload.gen_len)
+        weights: a Hugging Face Mixtral safetensors checkpoint folder matching the model
+            (default: synthetic weights, seeded)
+        prompts: requests, a JSON object a line: prompt_ids or prompt, optional id and
+            max_new_tokens (docs/execute.md)
+        out: write each request's generated tokens here (JSON lines; with prompts)
+        zero_copy: CPU backend as an inference engine: weights read in place, no copies
+            (default: as a GPU machine)
+        profile: run under the PyTorch profiler; its ops (on CUDA kernels and copies too) go
+            in the trace beside the tasks
+        processes: several GPUs: a process each, talking over torch.distributed (gloo on the
+            CPU backend, NCCL on CUDA)
+        record_routing: write the router's top-k experts of every layer and token here
+            (JSON, tg-routing/1; the first batch's), what workload.routing.trace replays
+            (docs/experts.md)
+    """
     from taskgraph.exec.execute import execute_queue, execute_scenario
 
     if steps is not None and steps < 1:
         raise TgError(f"--steps must be at least 1, not {steps}.")
+    trace_steps = _trace_steps(trace_steps)
     items = _override_items(overrides) + ([f"workload.gen_len={steps}"] if steps else [])
     s, _ = load(scenario, items, schedule)
     if s.requests is not None and not prompts:
@@ -197,15 +260,19 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
                 "the router's decisions are recorded by the reference forward that follows it.")
         else:       # every finished run records: never an empty file
             raise TgError(f"The run recorded no routing; {record_routing} was not written.")
-    return result
+    return _traced(result, trace, trace_steps, gantt)
 
 
-def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
+def fit(measurements: str | Path, *, out: Path_ = None, loo: bool = True,
         backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
-    """`tg fit`: fit machine and implementation profiles to measured throughputs, with each
-    cell's leave-one-out error unless `loo` is False; `out` (a folder) receives the fitted
-    profiles, report.json, cells.csv and parity.png. Returns a
-    :class:`~taskgraph.study.fit.FitReport`."""
+    """`tg fit`: fit machine and implementation profiles to measured throughputs (the format
+    of shared/measurements/), with each cell's error and leave-one-out error. Returns a
+    :class:`~taskgraph.study.fit.FitReport`.
+
+    Args:
+        out: folder for the fitted profiles, report.json, cells.csv and parity.png
+        loo: refit without each cell in turn, for its leave-one-out error (default: True)
+    """
     import datetime
 
     from taskgraph.study.fit import run_fit, write_fit
@@ -222,11 +289,15 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
 def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
           out: str | Path, overrides: Overrides = None, backend: str = "pool",
           ray_address: str | None = None, progress: Progress = None):
-    """`tg sweep`: the policy search at every combination of the varied fields (a mapping
-    ``{"hardware.link.h2d_gbps": [8, 16, 32]}`` or ``"KEY=V1,V2"`` strings; the first is the x
-    axis, a second one line each); writes sweep.csv and sweep.png into `out`. The scenario is
+    """`tg sweep`: the policy search at every combination of the varied fields. The scenario is
     a file (each point is a job that reads it). Returns a
-    :class:`~taskgraph.study.sweep.Sweep`."""
+    :class:`~taskgraph.study.sweep.Sweep`.
+
+    Args:
+        vary: a scenario field and its values, KEY=V1,V2,... (repeatable; the first is the x
+            axis, a second one line each); from Python also a mapping of fields to values
+        out: output folder for sweep.csv and sweep.png
+    """
     from taskgraph.study.sweep import parse_vary
     from taskgraph.study.sweep import sweep as run
 
@@ -236,36 +307,65 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     return run(str(scenario), _override_items(overrides), parse_vary(items), out, jobs, progress)
 
 
-def batch(scenario: ScenarioLike, *, overrides: Overrides = None):
-    """`tg batch`: how the scenario's request list is packed into batches of micro-batches.
-    Returns a :class:`~taskgraph.serving.requests.Batching` (``write_csv(path)`` lists each
-    request's place)."""
+def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
+          csv: Path_ = None):
+    """`tg batch`: how the scenario's request list is packed into batches of micro-batches
+    (Algorithm 2; padded in arrival order with workload.padded). Returns a
+    :class:`~taskgraph.serving.requests.Batching`.
+
+    Args:
+        csv: write each request's batch and micro-batch (or 'aborted') here
+    """
     from taskgraph.serving.requests import batching
 
     s, _ = load(scenario, overrides)
-    return batching(s)
+    result = batching(s)
+    if csv:
+        result.write_csv(csv)
+    return result
 
 
 def validate(scenario: ScenarioLike, schedules: Iterable[str], *, overrides: Overrides = None,
-             mu: Iterable[int] | None = None, repeats: int = 3, device: str = "cpu",
-             backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
-    """`tg validate`: execute and simulate each schedule at each micro-batch size in `mu`
-    (default: the scenario's and half of it). Returns a
-    :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``)."""
+             mu: Iterable[int] | None = None, repeats: int = 3, plot: Path_ = None,
+             trace: Path_ = None, trace_steps: Steps = 2, gantt: Path_ = None,
+             device: str = "cpu", backend: str = "pool", ray_address: str | None = None,
+             progress: Progress = None):
+    """`tg validate`: execute and simulate the same graphs, each schedule at each micro-batch
+    size; where the model is wrong, task kind by task kind. Returns a
+    :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
+
+    Args:
+        schedules: schedules to validate (tg validate's default: all but PP, which on one
+            device is S4)
+        mu: micro-batch sizes, comma-separated (default: the scenario's and half of it)
+        repeats: executions per pair; the median run is kept (default 3)
+        plot: write the parity plot (PNG) here
+        device: cpu, cuda, or auto (cuda when this machine has one)
+    """
     from taskgraph.exec.execute import pick_device
     from taskgraph.study.validate import validate_scenario
 
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
     s, _ = load(scenario, overrides)
-    return validate_scenario(s, list(schedules), list(mu) if mu else None, repeats, dev, jobs,
-                             progress)
+    steps = _trace_steps(trace_steps)
+    result = validate_scenario(s, list(schedules), list(mu) if mu else None, repeats, dev,
+                               jobs, progress)
+    if plot:
+        result.parity_plot(plot)
+    return _traced(result, trace, steps, gantt)
 
 
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
               device: str = "cpu", progress: Progress = None):
-    """`tg calibrate`: measure this machine and write a hardware profile to `out` (YAML) that
-    any scenario can use. Returns a :class:`~taskgraph.exec.calibrate.Calibration`."""
+    """`tg calibrate`: measure this machine (rates by microbenchmark, per-task costs fitted from
+    the executor's own tasks) and write a hardware profile that any scenario can use; the
+    scenario's model shapes the runs. Returns a :class:`~taskgraph.exec.calibrate.Calibration`.
+
+    Args:
+        out: hardware profile to write (.yaml)
+        device: cpu, cuda, or auto (cuda when this machine has one)
+    """
     from taskgraph.exec.calibrate import calibrate_to
     from taskgraph.exec.execute import pick_device
     from taskgraph.files import refuse_input
@@ -277,9 +377,13 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
 
 
 def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None):
-    """`tg roofline`: draw the Hierarchical Roofline to `out` (PNG). Returns a
+    """`tg roofline`: draw the Hierarchical Roofline of a scenario. Returns a
     :class:`~taskgraph.output.plots.Roofline`: its turning points, the intensity of each task
-    kind, and where each belongs."""
+    kind, and where each belongs.
+
+    Args:
+        out: output PNG file
+    """
     from taskgraph.output.plots import Roofline
     from taskgraph.output.plots import roofline as draw
     from taskgraph.output.plots import roofline_points
@@ -290,10 +394,16 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
 
 
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
-          out: str | Path | None = None, overrides: Overrides = None):
-    """`tg graph`: one segment's task graph (0: prefill, d >= 1: decode step d; default a
-    middle decode step), written to `out` (.json or .dot) when given. Returns a
-    :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is ``.graph``)."""
+          out: Path_ = None, overrides: Overrides = None):
+    """`tg graph`: one segment's task graph, node-link JSON or Graphviz DOT. Returns a
+    :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is ``.graph``).
+
+    Args:
+        schedule: override the scenario's schedule
+        step: segment to export: 0 is prefill, d >= 1 decode step d (default: a middle decode
+            step)
+        out: output file: .json or .dot
+    """
     from taskgraph.dag.builder import build_segment, make_plan
     from taskgraph.output.export import SegmentGraph, write_graph
 
@@ -306,6 +416,33 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
     if out is not None:
         write_graph(segment.graph, out)
     return segment
+
+
+def _trace_steps(steps: Steps) -> int | None:
+    """`trace_steps` as the decode steps to draw (None: all), checked before the run."""
+    from taskgraph.tracing.writer import Window
+
+    try:
+        return Window.parse("all" if steps is None else str(steps)).max_step
+    except TgError as err:
+        raise TgError(f"trace_steps is {err}.") from None
+
+
+def _keep(trace: Path_, steps: int | None) -> int | None:
+    """The decode steps a long simulation keeps: the trace's, and the Gantt chart's step 2."""
+    return None if trace and steps is None else max(steps if trace else 2, 2)
+
+
+def _traced(result, trace: Path_, steps: int | None, gantt: Path_):
+    """`result`, its trace and Gantt chart written where asked and named in its view."""
+    if trace:
+        slices = result.write_trace(trace, steps)
+        result.written += (f"wrote {trace}: {slices:,} task slices (open it at "
+                           "https://ui.perfetto.dev)",)
+    if gantt:
+        result.write_gantt(gantt)
+        result.written += (f"wrote {gantt}",)
+    return result
 
 
 def _backend(kind: str, address: str | None):

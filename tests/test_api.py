@@ -116,6 +116,20 @@ def test_traces_from_results(tmp_path):
     assert tg.compare(SCENARIO, ["S1", "S2"]).write_trace(tmp_path / "c.json", steps=None) > slices
 
 
+def test_a_request_lists_trace_is_asked_of_the_run(tmp_path):
+    """A queue keeps its batches' task times only for a trace (millions of tasks): asked of the
+    call, the trace holds every batch, and the result's view names it. Written afterwards from
+    a run that kept none it was an empty trace, with no word why."""
+    queue = {"workload.lengths": {"preset": "mtbench", "count": 12, "seed": 1}}
+    trace, png = tmp_path / "q.json", tmp_path / "q.png"
+    result = tg.simulate(SCENARIO, overrides=queue, trace=trace, gantt=png, trace_steps="all")
+    events = json.loads(trace.read_text())["traceEvents"]
+    batches = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sum(1 for e in events if e.get("ph") == "X") > 0 and png.stat().st_size > 0
+    assert len([b for b in batches if "batch" in b]) == result.summary["requests"]["batches"]
+    assert f"wrote {trace}: " in _shown(result) and f"wrote {png}" in _shown(result)
+
+
 def test_results_show_in_a_notebook():
     bundle = tg.simulate(SCENARIO)._repr_mimebundle_()
     assert "tg simulate tiny" in bundle["text/plain"]
@@ -175,8 +189,9 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     (dict(overrides=5), "overrides are KEY=VALUE strings"),
     (dict(overrides=["policy.mu=2", 3]), "not ['policy.mu=2', 3]"),
     (dict(overrides=Path("x.yaml")), "x.yaml"),
-    (dict(keep_steps="x"), "keep_steps is a number of decode steps"),
-    (dict(keep_steps=True), "not True"),
+    (dict(trace_steps="x"), "trace_steps is a number of decode steps or 'all', not 'x'"),
+    (dict(trace_steps=True), "not 'True'"),
+    (dict(trace_steps=-1), "not -1"),
 ])
 def test_wrong_types_are_clear_errors_not_tracebacks(kwargs, words):
     """A notebook user's slip (an int where a list of strings goes) was a TypeError or an

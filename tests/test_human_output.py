@@ -125,8 +125,7 @@ def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):
 
 # What the command line keeps for itself: where results go and how they are printed, and what
 # it applies to the scenario before the API sees it (cli.verbs._load).
-CLI_OWN = {"command", "func", "json", "trace", "trace_steps", "gantt", "csv", "plot",
-           "batch_sizes", "scenario", "measurements", *_APPLIED}
+CLI_OWN = {"command", "func", "json", "batch_sizes", "scenario", "measurements", *_APPLIED}
 
 
 def test_every_option_reaches_the_api():
@@ -149,3 +148,18 @@ def test_every_option_reaches_the_api():
         dests = {a.dest for a in p._actions if a.dest != "help"}
         dropped = dests - params - CLI_OWN
         assert not dropped, f"tg {verb}: options no API parameter takes: {dropped}"
+
+
+def test_every_option_says_what_it_does():
+    """An option's help is, unless the command line gives its own, its API parameter's line in
+    the function's ``Args:`` section (cli.parsing._Parser): a parameter added without that line
+    shows no help, and fails here."""
+    import argparse
+
+    from taskgraph.cli.parsing import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for verb, p in sub.choices.items():
+        bare = [a.option_strings or a.dest for a in p._actions if not a.help]
+        assert not bare, f"tg {verb}: options without help: {bare}"
+

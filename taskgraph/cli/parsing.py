@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 from typing import Callable
 
-from taskgraph import __version__, files
+from taskgraph import __version__, api, files
 from taskgraph.cli import verbs
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import TgError
@@ -13,10 +15,28 @@ from taskgraph.tracing.writer import Window, require_perfetto
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line, as every other bad input is (argparse prints the usage too)."""
+    """An option's help is, unless given, its API parameter's line in the ``Args:`` section of
+    the `documented` function: one text for ``tg X --help`` and ``help(tg.X)``."""
+
+    def __init__(self, *args, documented: Callable | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.documented = _args_section(documented) if documented else {}
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        action.help = action.help or self.documented.get(action.dest)
+        return action
 
     def error(self, message: str):
+        """Usage errors as one line, as every other bad input is (argparse adds the usage)."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _args_section(func: Callable) -> dict[str, str]:
+    """A docstring's ``Args:`` entries (``name: text``, continued on deeper-indented lines)."""
+    section = (inspect.getdoc(func) or "").partition("\nArgs:\n")[2].split("\n\n")[0]
+    return {m[1]: " ".join(m[2].split()) for m in re.finditer(r"^ {4}(\w+): (.*(?:\n {8}.*)*)",
+                                                              section, re.M)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,10 +46,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tg {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, func: Callable, help: str, more: str = "", json: bool = True,
+    def command(name: str, help: str, more: str = "", json: bool = True,
                 schedule: bool = False, scenario: str = "scenario", default: str | None = None,
                 device: str | None = None) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help, description=f"{help}. {more}" if more else help)
+        """`tg name`, run by verbs.name; its options' help from api.name's docstring."""
+        c = sub.add_parser(name, help=help, description=f"{help}. {more}" if more else help,
+                           documented=getattr(api, name))
         if default:
             c.add_argument(scenario, nargs="?", default=default, help="a scenario whose model "
                            "shapes the executor runs (default: %(default)s)")
@@ -40,27 +62,23 @@ def parser() -> argparse.ArgumentParser:
                            metavar="KEY=VALUE", help="override a scenario field, e.g. "
                            "policy.mu=36 or hardware.link.h2d_gbps=25 (repeatable)")
         if schedule:
-            c.add_argument("--schedule", choices=list(SCHEDULES),
-                           help="override the scenario's schedule")
+            c.add_argument("--schedule", choices=list(SCHEDULES))
         if json:
             c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         if device:
             c.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"])
-        c.set_defaults(func=func)
+        c.set_defaults(func=getattr(verbs, name))
         return c
 
-    c = command("simulate", verbs.simulate, "simulate one schedule of a scenario (its whole "
-                "request queue, batch after batch, when the workload lists requests)",
-                schedule=True)
-    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv", help="with a request "
-                   "list: write each request's batch, micro-batch and finish time here")
+    c = command("simulate", "simulate one schedule of a scenario (its whole request queue, "
+                "batch after batch, when the workload lists requests)", schedule=True)
+    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
     _trace_args(c)
 
-    c = command("compare", verbs.compare, "simulate several schedules side by side")
+    c = command("compare", "simulate several schedules side by side")
     c.add_argument("--schedules", type=names, help=f"comma-separated, of {','.join(SCHEDULES)} "
                    "(default: every one that runs on the machine)")
-    c.add_argument("--check", action="store_true",
-                   help="enforce the scenario's `expect` section; exit 1 if any check fails")
+    c.add_argument("--check", action="store_true")
     c.add_argument("--batch-sizes", type=integers("default"), metavar="N,N,...|default",
                    help="compare across batch sizes, each schedule (default S1,S4,S5,EP,EC) at "
                    "the policy that fills its GPU; 'default': 1,2,4,...,256,504")
@@ -69,88 +87,64 @@ def parser() -> argparse.ArgumentParser:
     _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
 
-    c = command("execute", verbs.execute, "run a schedule for real with real kernels, checked "
-                "against a sequential reference forward", schedule=True, device="auto")
-    c.add_argument("--steps", type=positive, help="decode steps (default: workload.gen_len)")
-    c.add_argument("--weights", metavar="DIR", help="a Hugging Face Mixtral safetensors "
-                   "checkpoint matching the model (default: synthetic weights, seeded)")
-    c.add_argument("--prompts", metavar="FILE.jsonl", help="requests, a JSON object a line: "
-                   "prompt_ids or prompt, optional id and max_new_tokens (docs/execute.md)")
-    c.add_argument("--out", type=output(), metavar="FILE.jsonl", help="write each request's "
-                   "generated tokens here (with --prompts)")
-    c.add_argument("--profile", action="store_true", help="run under the PyTorch profiler; its "
-                   "ops (on CUDA kernels and copies too) go in the --trace beside the tasks")
-    c.add_argument("--zero-copy", action="store_true", help="CPU backend as an inference "
-                   "engine: weights read in place, no copies (default: as a GPU machine)")
-    c.add_argument("--processes", action="store_true", help="several GPUs: a process each, "
-                   "talking over torch.distributed (gloo on the CPU backend, NCCL on CUDA)")
-    c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json",
-                   help="write the router's top-k experts of every layer and token here (the "
-                   "first batch's), what workload.routing.trace replays (docs/experts.md)")
+    c = command("execute", "run a schedule for real with real kernels, checked against a "
+                "sequential reference forward", schedule=True, device="auto")
+    c.add_argument("--steps", type=positive)
+    c.add_argument("--weights", metavar="DIR")
+    c.add_argument("--prompts", metavar="FILE.jsonl")
+    c.add_argument("--out", type=output(), metavar="FILE.jsonl")
+    c.add_argument("--profile", action="store_true")
+    c.add_argument("--zero-copy", action="store_true")
+    c.add_argument("--processes", action="store_true")
+    c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json")
     _trace_args(c)
 
-    c = command("calibrate", verbs.calibrate, "measure this machine and write a hardware "
-                "profile", "Rates by microbenchmark, per-task costs fitted from the executor's "
-                "own tasks; any scenario can use the profile.", default="scenarios/tiny.yaml",
-                device="cpu")
-    c.add_argument("--out", type=output(".yaml", ".yml"), required=True,
-                   help="hardware profile to write (.yaml)")
+    c = command("calibrate", "measure this machine and write a hardware profile", "Rates by "
+                "microbenchmark, per-task costs fitted from the executor's own tasks; any "
+                "scenario can use the profile.", default="scenarios/tiny.yaml", device="cpu")
+    c.add_argument("--out", type=output(".yaml", ".yml"), required=True)
 
-    c = command("fit", verbs.fit, "fit machine and implementation profiles to measured "
-                "throughputs", "By simulation, from end-to-end measurements (the format of "
+    c = command("fit", "fit machine and implementation profiles to measured throughputs",
+                "By simulation, from end-to-end measurements (the format of "
                 "shared/measurements/); each cell's error and leave-one-out error.",
                 scenario="measurements")
-    c.add_argument("--out", type=output(folder=True), required=True, metavar="DIR",
-                   help="folder for the fitted profiles, report.json, cells.csv and parity.png")
+    c.add_argument("--out", type=output(folder=True), required=True, metavar="DIR")
     c.add_argument("--no-loo", dest="loo", action="store_false",
                    help="skip leave-one-out refits")
     _backend_args(c)
 
-    c = command("validate", verbs.validate, "execute and simulate the same graphs; report, task "
-                "kind by task kind, where the model is wrong", device="cpu")
-    # PP on the one device validate runs on is S4
+    c = command("validate", "execute and simulate the same graphs; report, task kind by task "
+                "kind, where the model is wrong", device="cpu")
     c.add_argument("--schedules", type=names, default=[n for n, s in SCHEDULES.items()
-                                                       if s.parallel != "pipeline"],
-                   help="schedules to validate (default: all but PP)")
-    c.add_argument("--mu", type=integers(), help="micro-batch sizes, comma-separated "
-                   "(default: the scenario's and half of it)")
-    c.add_argument("--repeats", type=int, default=3,
-                   help="executions per pair; the median run is kept (default 3)")
-    c.add_argument("--plot", type=output(".png"), metavar="PNG", help="write the parity plot")
+                                                       if s.parallel != "pipeline"])
+    c.add_argument("--mu", type=integers())
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--plot", type=output(".png"), metavar="PNG")
     _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
 
-    c = command("search", verbs.search, "find the policy with the best predicted throughput")
-    c.add_argument("--top", type=int, default=10, help="how many policies to list (default 10)")
-    c.add_argument("--verify", action="store_true",
-                   help="simulate the top policies and re-rank them by simulated throughput")
-    c.add_argument("--brute-force", action="store_true", help="also simulate a coarse grid: "
-                   "what trusting the predicted pick costs against the best simulated policy")
+    c = command("search", "find the policy with the best predicted throughput")
+    c.add_argument("--top", type=int, default=10)
+    c.add_argument("--verify", action="store_true")
+    c.add_argument("--brute-force", action="store_true")
     _backend_args(c, "the simulations of --verify and --brute-force")
 
-    c = command("sweep", verbs.sweep, "re-run the policy search across hardware or workload "
-                "values")
-    c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
-                   help="a scenario field and its values (repeatable; the first is the x axis)")
-    c.add_argument("--out", type=output(folder=True), required=True,
-                   help="output folder for sweep.csv and sweep.png")
+    c = command("sweep", "re-run the policy search across hardware or workload values")
+    c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...")
+    c.add_argument("--out", type=output(folder=True), required=True)
     _backend_args(c)
 
-    c = command("batch", verbs.batch, "pack a scenario's request list into batches of "
-                "micro-batches (Algorithm 2; padded in arrival order with workload.padded)")
-    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv", help="write each "
-                   "request's batch and micro-batch (or 'aborted') here")
+    c = command("batch", "pack a scenario's request list into batches of micro-batches "
+                "(Algorithm 2; padded in arrival order with workload.padded)")
+    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
 
-    c = command("roofline", verbs.roofline, "plot the Hierarchical Roofline of a scenario (PNG)",
-                json=False)
-    c.add_argument("--out", type=output(".png"), required=True, help="output PNG file")
+    c = command("roofline", "plot the Hierarchical Roofline of a scenario (PNG)", json=False)
+    c.add_argument("--out", type=output(".png"), required=True)
 
-    c = command("graph", verbs.graph, "export one step's task graph (node-link JSON or "
-                "Graphviz DOT)", json=False, schedule=True)
-    c.add_argument("--step", type=int, default=None, help="segment to export: 0 is prefill, "
-                   "d >= 1 decode step d (default: a middle decode step)")
-    c.add_argument("--out", type=output(".json", ".dot"), required=True,
-                   help="output file: .json or .dot")
+    c = command("graph", "export one step's task graph (node-link JSON or Graphviz DOT)",
+                json=False, schedule=True)
+    c.add_argument("--step", type=int, default=None)
+    c.add_argument("--out", type=output(".json", ".dot"), required=True)
     return p
 
 
@@ -168,7 +162,7 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--trace", type=output(".json", ".json.gz", ".pftrace"), metavar="PATH",
                    help="write a trace: Chrome JSON (.json, .json.gz) or Perfetto protobuf "
                    "(.pftrace); Perfetto opens both")
-    c.add_argument("--trace-steps", type=window, default="2", metavar="N|all",
+    c.add_argument("--trace-steps", type=window, default=2, metavar="N|all",
                    help="decode steps the trace covers after prefill (default 2; 'all')")
 
 
@@ -203,9 +197,10 @@ def integers(*words: str) -> Callable[[str], list[int] | str]:
     return parse
 
 
-def window(text: str) -> Window:
+def window(text: str) -> int | None:
+    """Decode steps to draw, or 'all' (None)."""
     try:
-        return Window.parse(text)
+        return Window.parse(text).max_step
     except TgError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

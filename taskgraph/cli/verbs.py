@@ -22,14 +22,8 @@ from taskgraph.specs import Scenario
 
 def simulate(args: argparse.Namespace) -> int:
     scenario = _load(args)
-    if args.csv and scenario.requests is None:
-        raise TgError("--csv writes each request's finish time; the scenario lists no requests "
-                      "(give workload.requests or workload.lengths).")
-    batches = scenario.requests is not None
-    result = _call(args, api.simulate, scenario, "simulating batches" if batches else "simulating",
-                   **_keep(args))
-    if args.csv:
-        result.write_csv(args.csv)
+    label = "simulating batches" if scenario.requests is not None else "simulating"
+    result = _call(args, api.simulate, scenario, label)
     return _report(args, result, result.summary)
 
 
@@ -39,7 +33,7 @@ def compare(args: argparse.Namespace) -> int:
     if args.plot:
         raise TgError("--plot draws a comparison across batch sizes; give --batch-sizes.")
     first = api.parse_entry(args.schedules[0])[0] if args.schedules else None
-    result = _call(args, api.compare, _load(args, first), "simulating", **_keep(args))
+    result = _call(args, api.compare, _load(args, first), "simulating")
     code = _report(args, result, result.results[-1] if result.interrupted else None)
     if not code:
         result.raise_if_failed(args.scenario)
@@ -51,13 +45,8 @@ def _crossover(args: argparse.Namespace) -> int:
         raise TgError("--batch-sizes runs many policies; --check, --trace and --gantt take one "
                       "scenario's: drop them, or --batch-sizes.")
     sizes = None if args.batch_sizes == "default" else args.batch_sizes
-    result = _call(args, api.crossover, _load(args), "simulating", "points",
-                   batch_sizes=sizes)
-    code = _report(args, result)
-    if args.plot:
-        result.plot(args.plot)
-        _said(args, f"wrote {args.plot}")
-    return code
+    return _report(args, _call(args, api.crossover, _load(args), "simulating", "points",
+                               batch_sizes=sizes))
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -69,7 +58,8 @@ def execute(args: argparse.Namespace) -> int:
     result = _call(args, api.execute, scenario, "executing batches" if batches else "executing",
                    "batches" if batches else "segments")
     if result.failure is not None:      # no figures: the trace shows what ran before it
-        _outputs(args, result)
+        for line in result.written:
+            _said(args, line)
         result.raise_if_failed(args.trace)
     code = _report(args, result, result.summary)
     result.raise_if_mismatched()
@@ -85,10 +75,7 @@ def fit(args: argparse.Namespace) -> int:
 
 
 def validate(args: argparse.Namespace) -> int:
-    result = _call(args, api.validate, _load(args), "validating")
-    if args.plot:
-        result.parity_plot(args.plot)
-    return _report(args, result)
+    return _report(args, _call(args, api.validate, _load(args), "validating"))
 
 
 def search(args: argparse.Namespace) -> int:
@@ -100,10 +87,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def batch(args: argparse.Namespace) -> int:
-    result = _call(args, api.batch, _load(args))
-    if args.csv:
-        result.write_csv(args.csv)
-    return _report(args, result)
+    return _report(args, _call(args, api.batch, _load(args)))
 
 
 def roofline(args: argparse.Namespace) -> int:
@@ -150,38 +134,19 @@ def _call(args: argparse.Namespace, verb: Callable, first: Any, label: str = "",
         return verb(first, **options, **fixed, progress=tick)
 
 
-def _keep(args: argparse.Namespace) -> dict[str, Any]:
-    """What a simulation keeps of its task times: the runs for a trace or chart at all, and
-    the decode steps the trace draws (the Gantt chart's step 2 at least)."""
-    steps = args.trace_steps.max_step if args.trace else 2
-    return {"keep_runs": bool(args.trace or args.gantt),
-            "keep_steps": None if steps is None else max(steps, 2)}
-
-
 def _report(args: argparse.Namespace, result, summary: dict | None = None) -> int:
-    """A result as JSON on stdout or as its tables on stderr, then the trace and Gantt chart
-    asked of it; 130 if `summary` says Ctrl-C ended the run early."""
+    """A result as JSON on stdout or as its tables (and the files written) on stderr; 130 if
+    `summary` says Ctrl-C ended the run early."""
     if _human(args):
         stderr_console().print(result)
     else:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-    _outputs(args, result)
     if (summary or {}).get("interrupted"):
         print("tg: interrupted; the figures and trace cover what ran before Ctrl-C.",
               file=sys.stderr)
         return 130
     return 0
-
-
-def _outputs(args: argparse.Namespace, result) -> None:
-    if getattr(args, "trace", None):
-        slices = result.write_trace(args.trace, args.trace_steps.max_step)
-        _said(args, f"wrote {args.trace}: {slices:,} task slices (open it at "
-                    "https://ui.perfetto.dev)")
-    if getattr(args, "gantt", None):
-        result.write_gantt(args.gantt)
-        _said(args, f"wrote {args.gantt}")
 
 
 def _said(args: argparse.Namespace, line: str) -> None:
