@@ -1,7 +1,7 @@
 """Each `tg` verb: the API function of the same name called with the command line's options
 (each option is the parameter of the same name: `tests/test_human_output.py` checks that none is
-dropped), its result printed (JSON on stdout with ``--json``, tables on stderr otherwise), the
-files asked of it written, and its exit status."""
+dropped), its result printed (JSON on stdout with ``--json``; otherwise its tables, and the files
+the API wrote for it, on stderr), and its exit status."""
 
 from __future__ import annotations
 
