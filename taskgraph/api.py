@@ -14,17 +14,14 @@ Each result has ``to_dict()`` (exactly what the verb's ``--json`` prints), shows
 verb's tables (``rich.print(result)``, or as HTML in a notebook), and, where the verb writes
 traces, ``write_trace(path)`` and ``write_gantt(png)``. Bad input raises
 :class:`~taskgraph.errors.TgError` with the message the command line prints. `progress(done,
-total)`, where given, is called as work completes. Where a verb writes a trace, `trace` is its
-path (Chrome JSON .json or .json.gz, or Perfetto protobuf .pftrace), covering prefill and
-`trace_steps` decode steps (None or "all": every one), and `gantt` a PNG of two layers of decode
-step 2; the run keeps the task times they need, and the result's view says what was written
-(``result.written``). Where a verb runs many simulations,
+total)`, where given, is called as work completes. Where a verb runs many simulations,
 `backend` says where: "pool" (this machine's cores) or "ray", joining `ray_address` ("auto":
 the cluster this node belongs to; ray://HOST:10001; None: a local Ray started for the call).
 
 The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions:
 each option is the parameter of the same name, and its ``--help`` is that parameter's line in
-the function's ``Args:`` section below, so the two cannot drift apart.
+the function's ``Args:`` section below, so the two cannot drift apart (the command line says
+itself what ``--set``, ``--backend``, ``--ray-address`` and its outputs do).
 """
 
 from __future__ import annotations
@@ -37,8 +34,6 @@ from taskgraph.errors import TgError
 from taskgraph.specs import Scenario
 
 ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
-Path_ = Union[str, Path, None]
-Steps = Union[int, str, None]
 Overrides = Union[Mapping[str, Any], Iterable[str], None]
 Progress = Union[Callable[[int, int], None], None]
 
@@ -97,45 +92,47 @@ def _override_items(overrides: Overrides) -> list[str]:
 
 
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
-             overrides: Overrides = None, csv: Path_ = None, trace: Path_ = None,
-             trace_steps: Steps = 2, gantt: Path_ = None, progress: Progress = None):
+             overrides: Overrides = None, csv: str | Path | None = None, keep_runs: bool = False,
+             keep_steps: int | None = 2, progress: Progress = None):
     """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
     whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`). Returns a
-    :class:`~taskgraph.sim.simulate.Simulation` otherwise. A run of millions of tasks keeps the
-    task times its trace and chart need (prefill and `trace_steps` decode steps, at least 2),
-    and a request list's batches keep theirs only when a trace or chart is asked for.
+    :class:`~taskgraph.sim.simulate.Simulation` otherwise.
 
     Args:
         schedule: override the scenario's schedule
         csv: with a request list: write each request's batch, micro-batch and finish time here
+        keep_runs: with a request list: keep each batch's task times, for ``write_trace`` and
+            ``write_gantt`` (a 20,000-request queue is 17 M tasks)
+        keep_steps: a run of millions of tasks keeps the task times of prefill and this many
+            decode steps (None: all) for its trace and chart
     """
     from taskgraph.serving.queue import simulate_queue
     from taskgraph.sim.simulate import simulate_scenario
 
     s, _ = load(scenario, overrides, schedule)
-    steps = _trace_steps(trace_steps)
     if s.requests is None:
         if csv:
             raise TgError("--csv writes each request's finish time; the scenario lists no "
                           "requests (give workload.requests or workload.lengths).")
-        return _traced(simulate_scenario(s, progress=progress, keep_steps=_keep(trace, steps)),
-                       trace, steps, gantt)
-    result = simulate_queue(s, progress=progress, keep_runs=bool(trace or gantt))
+        return simulate_scenario(s, progress=progress, keep_steps=keep_steps)
+    result = simulate_queue(s, progress=progress, keep_runs=keep_runs)
     if csv:
         result.write_csv(csv)
-    return _traced(result, trace, steps, gantt)
+    return result
 
 
 def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
-            overrides: Overrides = None, check: bool = False, trace: Path_ = None,
-            trace_steps: Steps = 2, gantt: Path_ = None, progress: Progress = None):
+            overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
+            keep_steps: int | None = 2, progress: Progress = None):
     """`tg compare`: several schedules side by side; entries NAME:padded and NAME:refill batch
     a request list. ``result.failed`` lists the `expect` checks that broke. Returns a
     :class:`~taskgraph.study.compare.Comparison`.
 
     Args:
         schedules: the schedules to compare (default: every one that runs on the machine)
-        check: enforce the scenario's `expect` section; exit 1 if any check fails
+        check: check the scenario's `expect` section; a check that fails is an error (exit 1)
+        keep_runs: keep a request list's batches' task times (see `simulate`)
+        keep_steps: the decode steps a long run keeps the task times of (see `simulate`)
     """
     from taskgraph.study.compare import compare as run
 
@@ -143,15 +140,13 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     # the first schedule named is the scenario's own: its placement replaces the file's
     first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
     s, _ = load(scenario, overrides, first)
-    steps = _trace_steps(trace_steps)
-    result = run(s, names, check=check, keep_runs=bool(trace or gantt), progress=progress,
-                 keep_steps=_keep(trace, steps))
-    return _traced(result, trace, steps, gantt)
+    return run(s, names, check=check, keep_runs=keep_runs, progress=progress,
+               keep_steps=keep_steps)
 
 
 def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
               batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
-              plot: Path_ = None, backend: str = "pool",
+              plot: str | Path | None = None, backend: str = "pool",
               ray_address: str | None = None, progress: Progress = None):
     """`tg compare --batch-sizes`: each schedule (default S1, S4, S5, EP, EC) at each batch
     size (default 1, 2, 4, ..., 256, 504), at the policy that fills its GPU, simulated; where
@@ -159,6 +154,8 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
     :class:`~taskgraph.study.crossover.Crossover`.
 
     Args:
+        schedules: the schedules to compare (default S1, S4, S5, EP, EC)
+        batch_sizes: the batch sizes (default 1, 2, 4, ..., 256, 504)
         plot: draw throughput and per-token latency against batch size to this PNG
     """
     from taskgraph.study.crossover import crossover as run
@@ -167,7 +164,6 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
     result = run(s, schedules, batch_sizes, _backend(backend, ray_address), progress)
     if plot:
         result.plot(plot)
-        result.written = (f"wrote {plot}",)
     return result
 
 
@@ -194,8 +190,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             overrides: Overrides = None, device: str = "auto", steps: int | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
             zero_copy: bool = False, profile: bool = False, processes: bool = False,
-            record_routing: Path_ = None, trace: Path_ = None, trace_steps: Steps = 2,
-            gantt: Path_ = None, progress: Progress = None):
+            record_routing: str | Path | None = None, progress: Progress = None):
     """`tg execute`: run a schedule for real (PyTorch) and check its tokens against the
     sequential reference. The routing recorded is the reference forward's, the one the tokens
     are checked against; ``result.routing`` holds it
@@ -204,7 +199,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     request list runs in the simulator's batches
     (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
     :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
-    ``result.failure`` holds its exception; the trace then shows what ran before it.
+    ``result.failure`` holds its exception; its trace shows what ran before it.
 
     Args:
         schedule: override the scenario's schedule
@@ -214,22 +209,21 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             (default: synthetic weights, seeded)
         prompts: requests, a JSON object a line: prompt_ids or prompt, optional id and
             max_new_tokens (docs/execute.md)
-        out: write each request's generated tokens here (JSON lines; with prompts)
+        out: write each request's generated tokens here (JSON lines; with --prompts)
         zero_copy: CPU backend as an inference engine: weights read in place, no copies
             (default: as a GPU machine)
         profile: run under the PyTorch profiler; its ops (on CUDA kernels and copies too) go
-            in the trace beside the tasks
+            in the trace (--trace, write_trace) beside the tasks
         processes: several GPUs: a process each, talking over torch.distributed (gloo on the
             CPU backend, NCCL on CUDA)
         record_routing: write the router's top-k experts of every layer and token here
-            (JSON, tg-routing/1; the first batch's), what workload.routing.trace replays
+            (JSON; the first batch's), what workload.routing.trace replays
             (docs/experts.md)
     """
     from taskgraph.exec.execute import execute_queue, execute_scenario
 
     if steps is not None and steps < 1:
         raise TgError(f"--steps must be at least 1, not {steps}.")
-    trace_steps = _trace_steps(trace_steps)
     items = _override_items(overrides) + ([f"workload.gen_len={steps}"] if steps else [])
     s, _ = load(scenario, items, schedule)
     if s.requests is not None and not prompts:
@@ -260,10 +254,10 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
                 "the router's decisions are recorded by the reference forward that follows it.")
         else:       # every finished run records: never an empty file
             raise TgError(f"The run recorded no routing; {record_routing} was not written.")
-    return _traced(result, trace, trace_steps, gantt)
+    return result
 
 
-def fit(measurements: str | Path, *, out: Path_ = None, loo: bool = True,
+def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
         backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
     """`tg fit`: fit machine and implementation profiles to measured throughputs (the format
     of shared/measurements/), with each cell's error and leave-one-out error. Returns a
@@ -289,13 +283,14 @@ def fit(measurements: str | Path, *, out: Path_ = None, loo: bool = True,
 def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
           out: str | Path, overrides: Overrides = None, backend: str = "pool",
           ray_address: str | None = None, progress: Progress = None):
-    """`tg sweep`: the policy search at every combination of the varied fields. The scenario is
-    a file (each point is a job that reads it). Returns a
+    """`tg sweep`: the policy search at every combination of the varied fields, given as
+    ``"KEY=V1,V2"`` strings or a mapping ``{"hardware.link.h2d_gbps": [8, 16, 32]}``. The
+    scenario is a file (each point is a job that reads it). Returns a
     :class:`~taskgraph.study.sweep.Sweep`.
 
     Args:
         vary: a scenario field and its values, KEY=V1,V2,... (repeatable; the first is the x
-            axis, a second one line each); from Python also a mapping of fields to values
+            axis, a second one line each)
         out: output folder for sweep.csv and sweep.png
     """
     from taskgraph.study.sweep import parse_vary
@@ -308,7 +303,7 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
 
 
 def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
-          csv: Path_ = None):
+          csv: str | Path | None = None):
     """`tg batch`: how the scenario's request list is packed into batches of micro-batches
     (Algorithm 2; padded in arrival order with workload.padded). Returns a
     :class:`~taskgraph.serving.requests.Batching`.
@@ -325,9 +320,9 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
     return result
 
 
-def validate(scenario: ScenarioLike, schedules: Iterable[str], *, overrides: Overrides = None,
-             mu: Iterable[int] | None = None, repeats: int = 3, plot: Path_ = None,
-             trace: Path_ = None, trace_steps: Steps = 2, gantt: Path_ = None,
+def validate(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
+             overrides: Overrides = None,
+             mu: Iterable[int] | None = None, repeats: int = 3, plot: str | Path | None = None,
              device: str = "cpu", backend: str = "pool", ray_address: str | None = None,
              progress: Progress = None):
     """`tg validate`: execute and simulate the same graphs, each schedule at each micro-batch
@@ -335,25 +330,27 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str], *, overrides: Ove
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
 
     Args:
-        schedules: schedules to validate (tg validate's default: all but PP, which on one
-            device is S4)
+        schedules: schedules to validate (default: all but PP, which on the one device
+            validate runs on is S4)
         mu: micro-batch sizes, comma-separated (default: the scenario's and half of it)
         repeats: executions per pair; the median run is kept (default 3)
         plot: write the parity plot (PNG) here
         device: cpu, cuda, or auto (cuda when this machine has one)
     """
+    from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.exec.execute import pick_device
     from taskgraph.study.validate import validate_scenario
 
+    if schedules is None:
+        schedules = [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
     s, _ = load(scenario, overrides)
-    steps = _trace_steps(trace_steps)
     result = validate_scenario(s, list(schedules), list(mu) if mu else None, repeats, dev,
                                jobs, progress)
     if plot:
         result.parity_plot(plot)
-    return _traced(result, trace, steps, gantt)
+    return result
 
 
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
@@ -394,7 +391,7 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
 
 
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
-          out: Path_ = None, overrides: Overrides = None):
+          out: str | Path | None = None, overrides: Overrides = None):
     """`tg graph`: one segment's task graph, node-link JSON or Graphviz DOT. Returns a
     :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is ``.graph``).
 
@@ -416,33 +413,6 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
     if out is not None:
         write_graph(segment.graph, out)
     return segment
-
-
-def _trace_steps(steps: Steps) -> int | None:
-    """`trace_steps` as the decode steps to draw (None: all), checked before the run."""
-    from taskgraph.tracing.writer import Window
-
-    try:
-        return Window.parse("all" if steps is None else str(steps)).max_step
-    except TgError as err:
-        raise TgError(f"trace_steps is {err}.") from None
-
-
-def _keep(trace: Path_, steps: int | None) -> int | None:
-    """The decode steps a long simulation keeps: the trace's, and the Gantt chart's step 2."""
-    return None if trace and steps is None else max(steps if trace else 2, 2)
-
-
-def _traced(result, trace: Path_, steps: int | None, gantt: Path_):
-    """`result`, its trace and Gantt chart written where asked and named in its view."""
-    if trace:
-        slices = result.write_trace(trace, steps)
-        result.written += (f"wrote {trace}: {slices:,} task slices (open it at "
-                           "https://ui.perfetto.dev)",)
-    if gantt:
-        result.write_gantt(gantt)
-        result.written += (f"wrote {gantt}",)
-    return result
 
 
 def _backend(kind: str, address: str | None):

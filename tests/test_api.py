@@ -116,18 +116,32 @@ def test_traces_from_results(tmp_path):
     assert tg.compare(SCENARIO, ["S1", "S2"]).write_trace(tmp_path / "c.json", steps=None) > slices
 
 
-def test_a_request_lists_trace_is_asked_of_the_run(tmp_path):
-    """A queue keeps its batches' task times only for a trace (millions of tasks): asked of the
-    call, the trace holds every batch, and the result's view names it. Written afterwards from
-    a run that kept none it was an empty trace, with no word why."""
+def test_a_request_lists_trace_needs_its_batches_kept(tmp_path):
+    """A queue keeps its batches' task times only when asked (millions of tasks): kept, the
+    trace holds every batch, and a comparison's names each entry's; not kept, drawing is a
+    clear error. It was an empty trace with no word why, and an AttributeError for a
+    comparison."""
     queue = {"workload.lengths": {"preset": "mtbench", "count": 12, "seed": 1}}
-    trace, png = tmp_path / "q.json", tmp_path / "q.png"
-    result = tg.simulate(SCENARIO, overrides=queue, trace=trace, gantt=png, trace_steps="all")
-    events = json.loads(trace.read_text())["traceEvents"]
-    batches = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert sum(1 for e in events if e.get("ph") == "X") > 0 and png.stat().st_size > 0
-    assert len([b for b in batches if "batch" in b]) == result.summary["requests"]["batches"]
-    assert f"wrote {trace}: " in _shown(result) and f"wrote {png}" in _shown(result)
+    kept = tg.simulate(SCENARIO, overrides=queue, keep_runs=True)
+    kept.write_trace(tmp_path / "q.json", steps=None)
+    names = _process_names(tmp_path / "q.json")
+    assert names == [f"{b + 1}. batch {b}" for b in range(kept.summary["requests"]["batches"])]
+    both = tg.compare(SCENARIO, ["S1", "S4:padded"], overrides=queue, keep_runs=True)
+    both.write_trace(tmp_path / "c.json")
+    assert [n.split(". ", 1)[1] for n in _process_names(tmp_path / "c.json")] == \
+        ["S1 batch 0", "S1 batch 1", "S4:padded batch 0", "S4:padded batch 1"]
+    for result in (tg.simulate(SCENARIO, overrides=queue),
+                   tg.compare(SCENARIO, ["S1", "S4:padded"], overrides=queue)):
+        for draw in (lambda: result.write_trace(tmp_path / "x.json"),
+                     lambda: result.write_gantt(tmp_path / "x.png")):
+            with pytest.raises(TgError, match="kept no task times.*keep_runs=True"):
+                draw()
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "x.png").exists()
+
+
+def _process_names(path) -> list[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted(e["args"]["name"] for e in events if e.get("name") == "process_name")
 
 
 def test_results_show_in_a_notebook():
@@ -189,9 +203,8 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     (dict(overrides=5), "overrides are KEY=VALUE strings"),
     (dict(overrides=["policy.mu=2", 3]), "not ['policy.mu=2', 3]"),
     (dict(overrides=Path("x.yaml")), "x.yaml"),
-    (dict(trace_steps="x"), "trace_steps is a number of decode steps or 'all', not 'x'"),
-    (dict(trace_steps=True), "not 'True'"),
-    (dict(trace_steps=-1), "not -1"),
+    (dict(keep_steps="x"), "keep_steps is a number of decode steps"),
+    (dict(keep_steps=True), "not True"),
 ])
 def test_wrong_types_are_clear_errors_not_tracebacks(kwargs, words):
     """A notebook user's slip (an int where a list of strings goes) was a TypeError or an

@@ -125,7 +125,8 @@ def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):
 
 # What the command line keeps for itself: where results go and how they are printed, and what
 # it applies to the scenario before the API sees it (cli.verbs._load).
-CLI_OWN = {"command", "func", "json", "batch_sizes", "scenario", "measurements", *_APPLIED}
+CLI_OWN = {"command", "func", "json", "trace", "trace_steps", "gantt", "batch_sizes",
+           "scenario", "measurements", *_APPLIED}
 
 
 def test_every_option_reaches_the_api():

@@ -24,7 +24,10 @@ class _Parser(argparse.ArgumentParser):
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
-        action.help = action.help or self.documented.get(action.dest)
+        if action.help is None and action.dest in self.documented:
+            text = self.documented[action.dest].replace("%", "%%")    # argparse formats it
+            shown = action.default not in (None, False) and "default" not in text
+            action.help = text + (" (default: %(default)s)" if shown else "")
         return action
 
     def error(self, message: str):
@@ -115,8 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = command("validate", "execute and simulate the same graphs; report, task kind by task "
                 "kind, where the model is wrong", device="cpu")
-    c.add_argument("--schedules", type=names, default=[n for n, s in SCHEDULES.items()
-                                                       if s.parallel != "pipeline"])
+    c.add_argument("--schedules", type=names)
     c.add_argument("--mu", type=integers())
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--plot", type=output(".png"), metavar="PNG")

@@ -1,7 +1,7 @@
 """Each `tg` verb: the API function of the same name called with the command line's options
 (each option is the parameter of the same name: `tests/test_human_output.py` checks that none is
-dropped), its result printed (JSON on stdout with ``--json``; otherwise its tables, and the files
-the API wrote for it, on stderr), and its exit status."""
+dropped), its result printed (JSON on stdout with ``--json``, tables on stderr otherwise), the
+files asked of it written, and its exit status."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from taskgraph.specs import Scenario
 def simulate(args: argparse.Namespace) -> int:
     scenario = _load(args)
     label = "simulating batches" if scenario.requests is not None else "simulating"
-    result = _call(args, api.simulate, scenario, label)
+    result = _call(args, api.simulate, scenario, label, **_keep(args))
     return _report(args, result, result.summary)
 
 
@@ -33,7 +33,7 @@ def compare(args: argparse.Namespace) -> int:
     if args.plot:
         raise TgError("--plot draws a comparison across batch sizes; give --batch-sizes.")
     first = api.parse_entry(args.schedules[0])[0] if args.schedules else None
-    result = _call(args, api.compare, _load(args, first), "simulating")
+    result = _call(args, api.compare, _load(args, first), "simulating", **_keep(args))
     code = _report(args, result, result.results[-1] if result.interrupted else None)
     if not code:
         result.raise_if_failed(args.scenario)
@@ -45,8 +45,11 @@ def _crossover(args: argparse.Namespace) -> int:
         raise TgError("--batch-sizes runs many policies; --check, --trace and --gantt take one "
                       "scenario's: drop them, or --batch-sizes.")
     sizes = None if args.batch_sizes == "default" else args.batch_sizes
-    return _report(args, _call(args, api.crossover, _load(args), "simulating", "points",
+    code = _report(args, _call(args, api.crossover, _load(args), "simulating", "points",
                                batch_sizes=sizes))
+    if args.plot:
+        _said(args, f"wrote {args.plot}")
+    return code
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -58,8 +61,7 @@ def execute(args: argparse.Namespace) -> int:
     result = _call(args, api.execute, scenario, "executing batches" if batches else "executing",
                    "batches" if batches else "segments")
     if result.failure is not None:      # no figures: the trace shows what ran before it
-        for line in result.written:
-            _said(args, line)
+        _outputs(args, result)
         result.raise_if_failed(args.trace)
     code = _report(args, result, result.summary)
     result.raise_if_mismatched()
@@ -134,19 +136,38 @@ def _call(args: argparse.Namespace, verb: Callable, first: Any, label: str = "",
         return verb(first, **options, **fixed, progress=tick)
 
 
+def _keep(args: argparse.Namespace) -> dict[str, Any]:
+    """What a simulation keeps of its task times: the runs for a trace or chart at all, and
+    the decode steps the trace draws (the Gantt chart's step 2 at least)."""
+    steps = args.trace_steps if args.trace else 2
+    return {"keep_runs": bool(args.trace or args.gantt),
+            "keep_steps": None if steps is None else max(steps, 2)}
+
+
 def _report(args: argparse.Namespace, result, summary: dict | None = None) -> int:
-    """A result as JSON on stdout or as its tables (and the files written) on stderr; 130 if
-    `summary` says Ctrl-C ended the run early."""
+    """A result as JSON on stdout or as its tables on stderr, then the trace and Gantt chart
+    asked of it; 130 if `summary` says Ctrl-C ended the run early."""
     if _human(args):
         stderr_console().print(result)
     else:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
+    _outputs(args, result)
     if (summary or {}).get("interrupted"):
         print("tg: interrupted; the figures and trace cover what ran before Ctrl-C.",
               file=sys.stderr)
         return 130
     return 0
+
+
+def _outputs(args: argparse.Namespace, result) -> None:
+    if getattr(args, "trace", None):
+        slices = result.write_trace(args.trace, args.trace_steps)
+        _said(args, f"wrote {args.trace}: {slices:,} task slices (open it at "
+                    "https://ui.perfetto.dev)")
+    if getattr(args, "gantt", None):
+        result.write_gantt(args.gantt)
+        _said(args, f"wrote {args.gantt}")
 
 
 def _said(args: argparse.Namespace, line: str) -> None:

@@ -24,9 +24,7 @@ def _policy(p: dict[str, Any]) -> str:
 class Shown:
     """A result that shows itself as its tables: `console.print(result)` in a terminal (what
     the command line prints), the same tables as HTML in a notebook. Subclasses say what they
-    show in `views()`; the files written from it (a trace, a chart) are named after them."""
-
-    written: tuple[str, ...] = ()       # a line per file, added by whoever wrote it
+    show in `views()`."""
 
     def views(self) -> Iterator[RenderableType]:
         raise NotImplementedError
@@ -34,7 +32,6 @@ class Shown:
     def __rich_console__(self, console: Console, options: ConsoleOptions
                          ) -> Iterator[RenderableType]:
         yield from self.views()
-        yield from map(Text, self.written)      # paths are user text, never markup
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         console = Console(file=io.StringIO(), record=True, width=110, highlight=False,

@@ -7,7 +7,7 @@ Plain data in and out: the command line chooses the names and prints the results
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from taskgraph.dag.builder import make_plan
@@ -17,7 +17,7 @@ from taskgraph.expect import Check, evaluate
 from taskgraph.output.report import Shown, check_table, compare_table, warnings_of
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import for_schedule
-from taskgraph.serving.queue import simulate_queue
+from taskgraph.serving.queue import QueueRun, simulate_queue
 from taskgraph.serving.requests import with_padding
 from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import Scenario
@@ -36,7 +36,6 @@ class Comparison(Shown, Traced):
     notes: dict[str, str] = field(default_factory=dict)     # how a schedule's policy was adapted
     left_out: dict[str, str] = field(default_factory=dict)  # name -> why its memory does not fit
     checks: list[Check] | None = None                 # the `expect` section, when checked
-    queue_runs: list = field(default_factory=list)    # request lists: batches, by entry
 
     @property
     def results(self) -> list[dict]:
@@ -80,12 +79,17 @@ class Comparison(Shown, Traced):
             yield check_table(self.checks)
 
     def trace_runs(self) -> list:
-        return self.queue_runs or [s.trace_run(f"{n} simulated") for n, s in self.sims.items()]
+        return self._runs(lambda q: q.trace_runs())
 
     def gantt_runs(self) -> list:
         # a request list: the first batch of each queue, where the schedules' steps differ
-        return ([r for r in self.queue_runs if r.label.endswith((" batch 0", " window 0"))]
-                or self.trace_runs())
+        return self._runs(lambda q: q.gantt_runs())
+
+    def _runs(self, of_queue: Callable[[QueueRun], list]) -> list:
+        """Each schedule's run, or a request list's batches labelled with their entry."""
+        return [replace(r, label=f"{entry} {r.label}") for entry, s in self.sims.items()
+                for r in (of_queue(s) if isinstance(s, QueueRun) else
+                          [s.trace_run("simulated")])]
 
 
 def parse_entry(entry: str) -> tuple[str, str | None]:
@@ -196,9 +200,6 @@ def compare_queues(scenario: Scenario, entries: list[str], keep_runs: bool,
         if note:
             out.notes[name] = note
         out.sims[entry] = q = simulate_queue(adapted, progress=progress, keep_runs=keep_runs)
-        for run in q.trace_runs():
-            run.label = f"{entry} {run.label}"
-            out.queue_runs.append(run)
         if q.summary["interrupted"]:
             break
     return out

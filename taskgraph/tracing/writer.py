@@ -139,7 +139,7 @@ def write_trace(path: str | Path, runs: list[TraceRun], window: Window = Window(
             raise TgError(
                 f"The run '{run.label}' kept the task times of prefill and {run.kept_steps} "
                 "decode steps (a run of millions of tasks keeps only what its trace asks for); "
-                "simulate it with the trace's steps (--trace-steps; trace_steps in the "
+                "simulate it with the trace's steps (--trace-steps, or keep_steps in the "
                 "Python API).")
     encode = _write_proto if path.suffix == ".pftrace" else _write_json
     if encode is _write_proto:
