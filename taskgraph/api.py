@@ -129,14 +129,15 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     :class:`~taskgraph.study.compare.Comparison`.
 
     Args:
-        schedules: the schedules to compare (default: every one that runs on the machine)
+        schedules: the schedules to compare, comma-separated or a list (default: every one
+            that runs on the machine)
         check: check the scenario's `expect` section; a check that fails is an error (exit 1)
         keep_runs: keep a request list's batches' task times (see `simulate`)
         keep_steps: the decode steps a long run keeps the task times of (see `simulate`)
     """
     from taskgraph.study.compare import compare as run
 
-    names = None if schedules is None else [n.strip() for n in schedules if n.strip()]
+    names = _names(schedules)
     # the first schedule named is the scenario's own: its placement replaces the file's
     first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
     s, _ = load(scenario, overrides, first)
@@ -330,8 +331,8 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
 
     Args:
-        schedules: schedules to validate (default: all but PP, which on the one device
-            validate runs on is S4)
+        schedules: schedules to validate, comma-separated or a list (default: all but PP,
+            which on the one device validate runs on is S4)
         mu: micro-batch sizes, comma-separated (default: the scenario's and half of it)
         repeats: executions per pair; the median run is kept (default 3)
         plot: write the parity plot (PNG) here
@@ -341,12 +342,11 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     from taskgraph.exec.execute import pick_device
     from taskgraph.study.validate import validate_scenario
 
-    if schedules is None:
-        schedules = [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
+    names = _names(schedules) or [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
     s, _ = load(scenario, overrides)
-    result = validate_scenario(s, list(schedules), list(mu) if mu else None, repeats, dev,
+    result = validate_scenario(s, names, list(mu) if mu else None, repeats, dev,
                                jobs, progress)
     if plot:
         result.parity_plot(plot)
@@ -413,6 +413,14 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
     if out is not None:
         write_graph(segment.graph, out)
     return segment
+
+
+def _names(schedules: Iterable[str] | str | None) -> list[str] | None:
+    """Schedules as a list or comma-separated, as --schedules takes them ("S1" is not S, 1)."""
+    if schedules is None:
+        return None
+    return [n.strip() for n in (schedules.split(",") if isinstance(schedules, str)
+                                else schedules) if n.strip()]
 
 
 def _backend(kind: str, address: str | None):

@@ -459,11 +459,14 @@ def _resolve_path(text: str, base_dir: Path) -> Path:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (the second would
-    silently win)."""
+    silently win). A merge (``<<: *defaults``) is no repeat: the mapping's own keys override
+    what it merges, as YAML says."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 raise yaml.constructor.ConstructorError(

@@ -81,6 +81,12 @@ def test_compare_is_tg_compare(capsys):
     assert result.checks is None and not result.failed
 
 
+def test_schedules_are_a_list_or_comma_separated():
+    """As --schedules takes them: a plain "S1" was iterated letter by letter."""
+    assert [r["schedule"] for r in tg.compare(SCENARIO, "S1, S4").results] == ["S1", "S4"]
+    assert [r["schedule"] for r in tg.compare(SCENARIO, "S2").results] == ["S2"]
+
+
 def test_compare_check_reports_what_broke(tmp_path, capsys):
     doc = {**TINY, "expect": {"beats": {"S4": ["S1"]}, "min_throughput_tok_s": {"S1": 1e9}}}
     result = tg.compare(doc, ["S1", "S4"], check=True)

@@ -151,6 +151,19 @@ def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
     assert _files(tmp_path) == {"s.json"}
 
 
+def test_yaml_merge_keys_are_no_repeats(tmp_path):
+    """`<<:` merges a mapping whose keys the mapping's own override (YAML's merge); the
+    unique-key loader refused every merge as a repeated key. A key given twice by the mapping
+    itself is still refused."""
+    head = "model: tiny\nhardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
+    merged, twice = tmp_path / "merged.yaml", tmp_path / "twice.yaml"
+    merged.write_text(head + "policy: {<<: {N: 8, mu: 2}, mu: 4}\n")
+    assert (load_scenario(merged).policy.N, load_scenario(merged).policy.mu) == (8, 4)
+    twice.write_text(head + "policy: {<<: {N: 8}, mu: 2, mu: 4}\n")
+    with pytest.raises(TgError, match="appears twice"):
+        load_scenario(twice)
+
+
 @pytest.mark.parametrize("name", ["t.json", "t.pftrace"])
 def test_interrupting_the_trace_write_keeps_the_results_and_the_old_file(tmp_path, name,
                                                                         monkeypatch, capsys):
