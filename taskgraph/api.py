@@ -121,7 +121,7 @@ def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
     return result
 
 
-def compare(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
+def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
             overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
             keep_steps: int | None = 2, progress: Progress = None):
     """`tg compare`: several schedules side by side; entries NAME:padded and NAME:refill batch
@@ -321,11 +321,10 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
     return result
 
 
-def validate(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
-             overrides: Overrides = None,
-             mu: Iterable[int] | None = None, repeats: int = 3, plot: str | Path | None = None,
-             device: str = "cpu", backend: str = "pool", ray_address: str | None = None,
-             progress: Progress = None):
+def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
+             overrides: Overrides = None, mu: Iterable[int] | None = None, repeats: int = 3,
+             plot: str | Path | None = None, device: str = "cpu", backend: str = "pool",
+             ray_address: str | None = None, progress: Progress = None):
     """`tg validate`: execute and simulate the same graphs, each schedule at each micro-batch
     size; where the model is wrong, task kind by task kind. Returns a
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
@@ -346,8 +345,8 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | None = None, *,
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
     s, _ = load(scenario, overrides)
-    result = validate_scenario(s, names, list(mu) if mu else None, repeats, dev,
-                               jobs, progress)
+    result = validate_scenario(s, names, list(mu) if mu else None, repeats, dev, jobs,
+                               progress)
     if plot:
         result.parity_plot(plot)
     return result
