@@ -20,8 +20,9 @@ the cluster this node belongs to; ray://HOST:10001; None: a local Ray started fo
 
 The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions:
 each option is the parameter of the same name, and its ``--help`` is that parameter's line in
-the function's ``Args:`` section below, so the two cannot drift apart (the command line says
-itself what ``--set``, ``--backend``, ``--ray-address`` and its outputs do).
+the function's ``Args:`` section below, as the verb's help is the docstring's first paragraph,
+so the two cannot drift apart (the command line says itself what ``--set``, ``--backend``,
+``--ray-address`` and its outputs do).
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def _override_items(overrides: Overrides) -> list[str]:
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
              overrides: Overrides = None, csv: str | Path | None = None, keep_runs: bool = False,
              keep_steps: int | None = 2, progress: Progress = None):
-    """`tg simulate`: one schedule of a scenario, or, when the workload lists requests, its
-    whole queue batch after batch (:class:`~taskgraph.serving.queue.QueueRun`). Returns a
+    """`tg simulate`: simulate one schedule of a scenario (its whole request queue, batch after
+    batch, when the workload lists requests).
+
+    Returns a :class:`~taskgraph.serving.queue.QueueRun` for a request list, a
     :class:`~taskgraph.sim.simulate.Simulation` otherwise.
 
     Args:
@@ -124,9 +127,11 @@ def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
 def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
             overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
             keep_steps: int | None = 2, progress: Progress = None):
-    """`tg compare`: several schedules side by side; entries NAME:padded and NAME:refill batch
-    a request list. ``result.failed`` lists the `expect` checks that broke. Returns a
-    :class:`~taskgraph.study.compare.Comparison`.
+    """`tg compare`: simulate several schedules side by side. Entries NAME:padded and
+    NAME:refill batch a request list.
+
+    Returns a :class:`~taskgraph.study.compare.Comparison`; ``result.failed`` lists the
+    `expect` checks that broke.
 
     Args:
         schedules: the schedules to compare, comma-separated or a list (default: every one
@@ -171,8 +176,9 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
            verify: bool = False, brute_force: bool = False, backend: str = "pool",
            ray_address: str | None = None, progress: Progress = None):
-    """`tg search`: the policies with the best predicted throughput. Returns a
-    :class:`~taskgraph.study.search.SearchResult`.
+    """`tg search`: find the policy with the best predicted throughput.
+
+    Returns a :class:`~taskgraph.study.search.SearchResult`.
 
     Args:
         top: how many policies to list (default 10)
@@ -192,15 +198,17 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
             zero_copy: bool = False, profile: bool = False, processes: bool = False,
             record_routing: str | Path | None = None, progress: Progress = None):
-    """`tg execute`: run a schedule for real (PyTorch) and check its tokens against the
-    sequential reference. The routing recorded is the reference forward's, the one the tokens
-    are checked against; ``result.routing`` holds it
-    (:class:`~taskgraph.dag.routing.RoutingTrace`) and ``summary["routing"]`` names the file.
-    A run that stops before its end writes none and says so in its warnings. A scenario with a
-    request list runs in the simulator's batches
+    """`tg execute`: run a schedule for real with real kernels, checked against a sequential
+    reference forward.
+
+    A scenario with a request list runs in the simulator's batches
     (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
     :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
-    ``result.failure`` holds its exception; its trace shows what ran before it.
+    ``result.failure`` holds its exception; its trace shows what ran before it. The routing
+    recorded is the reference forward's, the one the tokens are checked against:
+    ``result.routing`` holds it (:class:`~taskgraph.dag.routing.RoutingTrace`) and
+    ``summary["routing"]`` names the file; a run that stops before its end writes none and
+    says so in its warnings.
 
     Args:
         schedule: override the scenario's schedule
@@ -260,9 +268,11 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
 
 def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
         backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
-    """`tg fit`: fit machine and implementation profiles to measured throughputs (the format
-    of shared/measurements/), with each cell's error and leave-one-out error. Returns a
-    :class:`~taskgraph.study.fit.FitReport`.
+    """`tg fit`: fit machine and implementation profiles to measured throughputs. By
+    simulation, from end-to-end measurements (the format of shared/measurements/); each cell's
+    error and leave-one-out error.
+
+    Returns a :class:`~taskgraph.study.fit.FitReport`.
 
     Args:
         out: folder for the fitted profiles, report.json, cells.csv and parity.png
@@ -284,10 +294,11 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
 def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
           out: str | Path, overrides: Overrides = None, backend: str = "pool",
           ray_address: str | None = None, progress: Progress = None):
-    """`tg sweep`: the policy search at every combination of the varied fields, given as
-    ``"KEY=V1,V2"`` strings or a mapping ``{"hardware.link.h2d_gbps": [8, 16, 32]}``. The
-    scenario is a file (each point is a job that reads it). Returns a
-    :class:`~taskgraph.study.sweep.Sweep`.
+    """`tg sweep`: re-run the policy search across hardware or workload values.
+
+    At every combination of the varied fields, given as ``"KEY=V1,V2"`` strings or a mapping
+    ``{"hardware.link.h2d_gbps": [8, 16, 32]}``. The scenario is a file (each point is a job
+    that reads it). Returns a :class:`~taskgraph.study.sweep.Sweep`.
 
     Args:
         vary: a scenario field and its values, KEY=V1,V2,... (repeatable; the first is the x
@@ -305,9 +316,10 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
 
 def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
           csv: str | Path | None = None):
-    """`tg batch`: how the scenario's request list is packed into batches of micro-batches
-    (Algorithm 2; padded in arrival order with workload.padded). Returns a
-    :class:`~taskgraph.serving.requests.Batching`.
+    """`tg batch`: pack a scenario's request list into batches of micro-batches (Algorithm 2;
+    padded in arrival order with workload.padded).
+
+    Returns a :class:`~taskgraph.serving.requests.Batching`.
 
     Args:
         csv: write each request's batch and micro-batch (or 'aborted') here
@@ -325,8 +337,10 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
              overrides: Overrides = None, mu: Iterable[int] | None = None, repeats: int = 3,
              plot: str | Path | None = None, device: str = "cpu", backend: str = "pool",
              ray_address: str | None = None, progress: Progress = None):
-    """`tg validate`: execute and simulate the same graphs, each schedule at each micro-batch
-    size; where the model is wrong, task kind by task kind. Returns a
+    """`tg validate`: execute and simulate the same graphs; report, task kind by task kind,
+    where the model is wrong.
+
+    Each schedule at each micro-batch size. Returns a
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
 
     Args:
@@ -354,9 +368,12 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
 
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
               device: str = "cpu", progress: Progress = None):
-    """`tg calibrate`: measure this machine (rates by microbenchmark, per-task costs fitted from
-    the executor's own tasks) and write a hardware profile that any scenario can use; the
-    scenario's model shapes the runs. Returns a :class:`~taskgraph.exec.calibrate.Calibration`.
+    """`tg calibrate`: measure this machine and write a hardware profile. Rates by
+    microbenchmark, per-task costs fitted from the executor's own tasks; any scenario can use
+    the profile.
+
+    The scenario's model shapes the runs. Returns a
+    :class:`~taskgraph.exec.calibrate.Calibration`.
 
     Args:
         out: hardware profile to write (.yaml)
@@ -373,9 +390,10 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
 
 
 def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None):
-    """`tg roofline`: draw the Hierarchical Roofline of a scenario. Returns a
-    :class:`~taskgraph.output.plots.Roofline`: its turning points, the intensity of each task
-    kind, and where each belongs.
+    """`tg roofline`: plot the Hierarchical Roofline of a scenario (PNG).
+
+    Returns a :class:`~taskgraph.output.plots.Roofline`: its turning points, the intensity of
+    each task kind, and where each belongs.
 
     Args:
         out: output PNG file
@@ -391,8 +409,10 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
 
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
           out: str | Path | None = None, overrides: Overrides = None):
-    """`tg graph`: one segment's task graph, node-link JSON or Graphviz DOT. Returns a
-    :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is ``.graph``).
+    """`tg graph`: export one step's task graph (node-link JSON or Graphviz DOT).
+
+    Returns a :class:`~taskgraph.output.export.SegmentGraph` (its networkx DiGraph is
+    ``.graph``).
 
     Args:
         schedule: override the scenario's schedule

@@ -151,16 +151,18 @@ def test_every_option_reaches_the_api():
         assert not dropped, f"tg {verb}: options no API parameter takes: {dropped}"
 
 
-def test_every_option_says_what_it_does():
-    """An option's help is, unless the command line gives its own, its API parameter's line in
-    the function's ``Args:`` section (cli.parsing._Parser): a parameter added without that line
-    shows no help, and fails here."""
+def test_every_verb_and_option_says_what_it_does():
+    """A verb's help is its API function's first sentence, and an option's, unless the command
+    line gives its own, its API parameter's line in the function's ``Args:`` section
+    (cli.parsing): a parameter added without that line shows no help, and fails here."""
     import argparse
 
     from taskgraph.cli.parsing import parser
 
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {a.dest: a.help for a in sub._choices_actions}
     for verb, p in sub.choices.items():
+        assert len(listed[verb]) > 20 and p.description.startswith(listed[verb]), verb
         bare = [a.option_strings or a.dest for a in p._actions if not a.help]
         assert not bare, f"tg {verb}: options without help: {bare}"
 

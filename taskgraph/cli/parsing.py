@@ -35,6 +35,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _summary(func: Callable) -> tuple[str, str]:
+    """A verb's help and description: its docstring's first sentence, and its first paragraph
+    (after "`tg X`: ")."""
+    paragraph = " ".join((inspect.getdoc(func) or ": ").split("\n\n")[0].split())
+    description = paragraph.partition(": ")[2]
+    return description.split(". ")[0].rstrip("."), description
+
+
 def _args_section(func: Callable) -> dict[str, str]:
     """A docstring's ``Args:`` entries (``name: text``, continued on deeper-indented lines)."""
     section = (inspect.getdoc(func) or "").partition("\nArgs:\n")[2].split("\n\n")[0]
@@ -49,11 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tg {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, help: str, more: str = "", json: bool = True,
-                schedule: bool = False, scenario: str = "scenario", default: str | None = None,
+    def command(name: str, json: bool = True, schedule: bool = False,
+                scenario: str = "scenario", default: str | None = None,
                 device: str | None = None) -> argparse.ArgumentParser:
-        """`tg name`, run by verbs.name; its options' help from api.name's docstring."""
-        c = sub.add_parser(name, help=help, description=f"{help}. {more}" if more else help,
+        """`tg name`, run by verbs.name; its help and its options' from api.name's docstring."""
+        help, description = _summary(getattr(api, name))
+        c = sub.add_parser(name, help=help, description=description,
                            documented=getattr(api, name))
         if default:
             c.add_argument(scenario, nargs="?", default=default, help="a scenario whose model "
@@ -73,12 +82,11 @@ def parser() -> argparse.ArgumentParser:
         c.set_defaults(func=getattr(verbs, name))
         return c
 
-    c = command("simulate", "simulate one schedule of a scenario (its whole request queue, "
-                "batch after batch, when the workload lists requests)", schedule=True)
+    c = command("simulate", schedule=True)
     c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
     _trace_args(c)
 
-    c = command("compare", "simulate several schedules side by side")
+    c = command("compare")
     c.add_argument("--schedules", type=names, help=f"comma-separated, of {','.join(SCHEDULES)} "
                    "(default: every one that runs on the machine)")
     c.add_argument("--check", action="store_true")
@@ -90,8 +98,7 @@ def parser() -> argparse.ArgumentParser:
     _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
 
-    c = command("execute", "run a schedule for real with real kernels, checked against a "
-                "sequential reference forward", schedule=True, device="auto")
+    c = command("execute", schedule=True, device="auto")
     c.add_argument("--steps", type=positive)
     c.add_argument("--weights", metavar="DIR")
     c.add_argument("--prompts", metavar="FILE.jsonl")
@@ -102,22 +109,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json")
     _trace_args(c)
 
-    c = command("calibrate", "measure this machine and write a hardware profile", "Rates by "
-                "microbenchmark, per-task costs fitted from the executor's own tasks; any "
-                "scenario can use the profile.", default="scenarios/tiny.yaml", device="cpu")
+    c = command("calibrate", default="scenarios/tiny.yaml", device="cpu")
     c.add_argument("--out", type=output(".yaml", ".yml"), required=True)
 
-    c = command("fit", "fit machine and implementation profiles to measured throughputs",
-                "By simulation, from end-to-end measurements (the format of "
-                "shared/measurements/); each cell's error and leave-one-out error.",
-                scenario="measurements")
+    c = command("fit", scenario="measurements")
     c.add_argument("--out", type=output(folder=True), required=True, metavar="DIR")
     c.add_argument("--no-loo", dest="loo", action="store_false",
                    help="skip leave-one-out refits")
     _backend_args(c)
 
-    c = command("validate", "execute and simulate the same graphs; report, task kind by task "
-                "kind, where the model is wrong", device="cpu")
+    c = command("validate", device="cpu")
     c.add_argument("--schedules", type=names)
     c.add_argument("--mu", type=integers())
     c.add_argument("--repeats", type=int, default=3)
@@ -125,26 +126,24 @@ def parser() -> argparse.ArgumentParser:
     _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
 
-    c = command("search", "find the policy with the best predicted throughput")
+    c = command("search")
     c.add_argument("--top", type=int, default=10)
     c.add_argument("--verify", action="store_true")
     c.add_argument("--brute-force", action="store_true")
     _backend_args(c, "the simulations of --verify and --brute-force")
 
-    c = command("sweep", "re-run the policy search across hardware or workload values")
+    c = command("sweep")
     c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...")
     c.add_argument("--out", type=output(folder=True), required=True)
     _backend_args(c)
 
-    c = command("batch", "pack a scenario's request list into batches of micro-batches "
-                "(Algorithm 2; padded in arrival order with workload.padded)")
+    c = command("batch")
     c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
 
-    c = command("roofline", "plot the Hierarchical Roofline of a scenario (PNG)", json=False)
+    c = command("roofline", json=False)
     c.add_argument("--out", type=output(".png"), required=True)
 
-    c = command("graph", "export one step's task graph (node-link JSON or Graphviz DOT)",
-                json=False, schedule=True)
+    c = command("graph", json=False, schedule=True)
     c.add_argument("--step", type=int, default=None)
     c.add_argument("--out", type=output(".json", ".dot"), required=True)
     return p
