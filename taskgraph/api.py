@@ -21,8 +21,8 @@ the cluster this node belongs to; ray://HOST:10001; None: a local Ray started fo
 The command line (:mod:`taskgraph.cli`) is argument parsing and printing over these functions:
 each option is the parameter of the same name, and its ``--help`` is that parameter's line in
 the function's ``Args:`` section below, as the verb's help is the docstring's first paragraph,
-so the two cannot drift apart (the command line says itself what ``--set``, ``--backend``,
-``--ray-address`` and its outputs do).
+so the two cannot drift apart (the command line says itself what ``--set``, ``--json``,
+``--backend``, ``--ray-address``, ``--trace`` and ``--gantt`` do).
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None
     `expect` checks that broke.
 
     Args:
-        schedules: the schedules to compare, comma-separated or a list (default: every one
-            that runs on the machine)
-        check: check the scenario's `expect` section; a check that fails is an error (exit 1)
+        schedules: the schedules to compare, comma-separated (default: every one that runs on
+            the machine)
+        check: check the scenario's `expect` section (tg compare exits 1 if a check fails)
         keep_runs: keep a request list's batches' task times (see `simulate`)
         keep_steps: the decode steps a long run keeps the task times of (see `simulate`)
     """
@@ -150,7 +150,7 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None
                keep_steps=keep_steps)
 
 
-def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
+def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None,
               batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
               plot: str | Path | None = None, backend: str = "pool",
               ray_address: str | None = None, progress: Progress = None):
@@ -167,7 +167,7 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | None = None,
     from taskgraph.study.crossover import crossover as run
 
     s, _ = load(scenario, overrides, auto=False)
-    result = run(s, schedules, batch_sizes, _backend(backend, ray_address), progress)
+    result = run(s, _names(schedules), batch_sizes, _backend(backend, ray_address), progress)
     if plot:
         result.plot(plot)
     return result
@@ -212,7 +212,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
 
     Args:
         schedule: override the scenario's schedule
-        device: cpu, cuda, or auto (cuda when this machine has one)
+        device: cpu, cuda, or auto: cuda when this machine has one
         steps: decode steps (default: workload.gen_len)
         weights: a Hugging Face Mixtral safetensors checkpoint folder matching the model
             (default: synthetic weights, seeded)
@@ -344,18 +344,20 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
     :class:`~taskgraph.study.validate.Validation` (``write_trace``, ``parity_plot``).
 
     Args:
-        schedules: schedules to validate, comma-separated or a list (default: all but PP,
-            which on the one device validate runs on is S4)
+        schedules: schedules to validate, comma-separated (default: all but PP, which on the
+            one device validate runs on is S4)
         mu: micro-batch sizes, comma-separated (default: the scenario's and half of it)
         repeats: executions per pair; the median run is kept (default 3)
         plot: write the parity plot (PNG) here
-        device: cpu, cuda, or auto (cuda when this machine has one)
+        device: cpu, cuda, or auto: cuda when this machine has one
     """
     from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.exec.execute import pick_device
     from taskgraph.study.validate import validate_scenario
 
-    names = _names(schedules) or [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
+    names = _names(schedules)
+    if names is None:
+        names = [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
     s, _ = load(scenario, overrides)
@@ -377,7 +379,7 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
 
     Args:
         out: hardware profile to write (.yaml)
-        device: cpu, cuda, or auto (cuda when this machine has one)
+        device: cpu, cuda, or auto: cuda when this machine has one
     """
     from taskgraph.exec.calibrate import calibrate_to
     from taskgraph.exec.execute import pick_device

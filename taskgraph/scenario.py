@@ -460,24 +460,49 @@ def _resolve_path(text: str, base_dir: Path) -> Path:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (the second would
     silently win). A merge (``<<: *defaults``) is no repeat: the mapping's own keys override
-    what it merges, as YAML says."""
+    what it merges, as YAML says; each mapping is checked as written, before a merge rewrites
+    it (PyYAML merges in place, into the anchored mapping itself). A merged mapping that merges
+    again is refused: PyYAML 6 lets the inner merge's keys win over that mapping's own."""
 
-    def construct_mapping(self, node, deep=False):
+    _MERGE = "tag:yaml.org,2002:merge"
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()
+        self._merging: set[int] = set()      # the mappings that merge others
+
+    def flatten_mapping(self, node):
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._check_keys(node)
+        super().flatten_mapping(node)
+
+    def _check_keys(self, node) -> None:
         seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float, bool)):
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a key must be a name or a number, not a list or a mapping",
-                    key_node.start_mark)
+        for key_node, value_node in node.value:
+            if key_node.tag == self._MERGE:
+                key = "<<"
+                self._refuse_nested_merge(value_node, key_node.start_mark)
+                self._merging.add(id(node))
+            else:
+                key = self.construct_object(key_node)
+                if not isinstance(key, (str, int, float, bool)):
+                    raise yaml.constructor.ConstructorError(
+                        None, None, "a key must be a name or a number, not a list or a mapping",
+                        key_node.start_mark)
             if key in seen:
-                mark = key_node.start_mark
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {_short(key)} appears twice", mark)
+                    None, None, f"the key {_short(key)} appears twice", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_nested_merge(self, value_node, mark) -> None:
+        merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+        for m in merged:
+            if isinstance(m, yaml.MappingNode) and (
+                    id(m) in self._merging or any(k.tag == self._MERGE for k, _ in m.value)):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "this merges a mapping that merges another, which PyYAML "
+                    "resolves wrongly; merge both here instead (<<: [*a, *b])", mark)
 
 
 def _read_text(path: Path, what: str) -> str:

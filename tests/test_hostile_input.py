@@ -5,6 +5,7 @@ file left behind."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -151,17 +152,36 @@ def test_concurrent_writers_each_leave_a_valid_trace(tmp_path):
     assert _files(tmp_path) == {"s.json"}
 
 
-def test_yaml_merge_keys_are_no_repeats(tmp_path):
+@pytest.mark.parametrize("policy,expected", [
+    ("{<<: {N: 8, mu: 2}, mu: 4}", (8, 4)),                    # its own keys override
+    ("{<<: [{N: 8}, {mu: 2}], mu: 4}", (8, 4)),                # a list of merges
+    ("{N: 8, mu: 2, N: 9}", "the key 'N' appears twice"),
+    ("{<<: {N: 8, mu: 2, mu: 4}}", "the key 'mu' appears twice"),   # inside what it merges
+    ("{<<: {N: 8}, <<: {mu: 4}, mu: 2}", "the key '<<' appears twice"),
+    ("{<<: 5}", "expected a mapping or list of mappings for merging"),
+])
+def test_yaml_merge_keys_merge_and_a_repeat_is_refused(tmp_path, policy, expected):
     """`<<:` merges a mapping whose keys the mapping's own override (YAML's merge); the
-    unique-key loader refused every merge as a repeated key. A key given twice by the mapping
-    itself is still refused."""
-    head = "model: tiny\nhardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
-    merged, twice = tmp_path / "merged.yaml", tmp_path / "twice.yaml"
-    merged.write_text(head + "policy: {<<: {N: 8, mu: 2}, mu: 4}\n")
-    assert (load_scenario(merged).policy.N, load_scenario(merged).policy.mu) == (8, 4)
-    twice.write_text(head + "policy: {<<: {N: 8}, mu: 2, mu: 4}\n")
-    with pytest.raises(TgError, match="appears twice"):
-        load_scenario(twice)
+    unique-key loader refused every merge as a repeated key. A key given twice, by the mapping
+    or by what it merges, is still refused."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: tiny\nhardware: t4\nworkload: {{prompt_len: 4, gen_len: 2}}\n"
+                    f"policy: {policy}\n")
+    if isinstance(expected, tuple):
+        assert (load_scenario(path).policy.N, load_scenario(path).policy.mu) == expected
+    else:
+        with pytest.raises(TgError, match=re.escape(expected)):
+            load_scenario(path)
+
+
+def test_a_merge_of_a_merge_is_refused_not_resolved_wrongly(tmp_path):
+    """PyYAML 6 resolves `c` below to N: 8 (the inner merge wins over p's own N: 9); tg refuses
+    the nested merge instead of simulating a policy nobody wrote."""
+    path = tmp_path / "s.yaml"
+    path.write_text("model: tiny\nhardware: t4\nworkload: &p {<<: {gen_len: 8}, gen_len: 2}\n"
+                    "policy: {N: 8, mu: 2}\nschedule: {<<: *p}\n")
+    with pytest.raises(TgError, match="merges a mapping that merges another"):
+        load_scenario(path)
 
 
 @pytest.mark.parametrize("name", ["t.json", "t.pftrace"])

@@ -35,12 +35,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _summary(func: Callable) -> tuple[str, str]:
-    """A verb's help and description: its docstring's first sentence, and its first paragraph
-    (after "`tg X`: ")."""
-    paragraph = " ".join((inspect.getdoc(func) or ": ").split("\n\n")[0].split())
-    description = paragraph.partition(": ")[2]
-    return description.split(". ")[0].rstrip("."), description
+def _summary(name: str, func: Callable) -> tuple[str, str]:
+    """`tg name`'s help and description: its API function's first sentence and first paragraph
+    (after "`tg name`: ")."""
+    paragraph = " ".join((inspect.getdoc(func) or "").split("\n\n")[0].split())
+    description = paragraph.removeprefix(f"`tg {name}`: ")
+    return re.split(r"\.\s+(?=[A-Z])", description)[0].rstrip("."), description
 
 
 def _args_section(func: Callable) -> dict[str, str]:
@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
                 scenario: str = "scenario", default: str | None = None,
                 device: str | None = None) -> argparse.ArgumentParser:
         """`tg name`, run by verbs.name; its help and its options' from api.name's docstring."""
-        help, description = _summary(getattr(api, name))
+        help, description = _summary(name, getattr(api, name))
         c = sub.add_parser(name, help=help, description=description,
                            documented=getattr(api, name))
         if default:

@@ -106,9 +106,9 @@ class QueueRun(Shown, Traced):
 
     def trace_runs(self) -> list[TraceRun]:
         if any(r.run is None for r in self.batches):        # else an empty trace, saying nothing
-            raise TgError("This request list's batches kept no task times to draw: they keep "
-                          "them only when asked (keep_runs=True in the Python API; --trace and "
-                          "--gantt ask), for a 20,000-request queue is 17 M tasks.")
+            raise TgError("This request list's batches kept no task times to draw. A "
+                          "20,000-request queue is 17 M tasks, so they are kept only when asked: "
+                          "keep_runs=True in the Python API (--trace and --gantt ask).")
         part = "window" if isinstance(self.packing, Refill) else "batch"
         return [TraceRun(f"{part} {b}", r.program, r.run.start, r.run.end, r.offset_s)
                 for b, r in enumerate(self.batches)]
