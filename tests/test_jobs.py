@@ -118,10 +118,10 @@ def test_ctrl_c_cancels_the_jobs_not_finished(backend, tmp_path, capsys):
                                  open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                                  for pid in pids), 60, "the cancelled jobs' workers to end")
     else:
-        # once the pool's workers have exited, nothing can write a mark any more
-        for child in multiprocessing.active_children():
-            child.join(timeout=30)
-        assert not multiprocessing.active_children()
+        # once the pool's workers have exited, nothing can write a mark any more. They are
+        # killed, but the pool's own thread reaps them: a join here can return before that
+        # thread has recorded the exit, so wait for the record rather than join once.
+        wait_for(lambda: not multiprocessing.active_children(), 30, "the pool's workers to end")
     assert sorted(p.name for p in marks.iterdir()) == ["0"]
 
 
