@@ -8,7 +8,7 @@
 #   4. `tg calibrate --device cuda`: this machine's profile, and `tg validate` with it;
 #   5. the expert-level schedules (EP, EC, ECP) of Mixtral-8x7B's layers at batch 1, executed
 #      and simulated (`tg validate`) with PROFILE (default: the profile step `mixtral` wrote,
-#      else the H100's of 2026-11-22);
+#      else the H100's of 2026-11-26);
 #   6. (`mixtral`) `tg calibrate` on Mixtral-8x7B's layers (with the batch-1 EP and EC runs
 #      that fit the expert kinds), then the held-out S1, S2, S4 validated with it, twice each.
 # On a lent machine, first `. bench/device_setup.sh`.
@@ -86,7 +86,7 @@ if [[ $STEPS == *experts* ]]; then
     if [[ -z ${PROFILE:-} && -f $OUT/profile-mixtral.yaml ]]; then
         PROFILE=$OUT/profile-mixtral.yaml
     fi
-    PROFILE=${PROFILE:-bench/results/h100-2026-11-22/profile-from-mixtral-2layer.yaml}
+    PROFILE=${PROFILE:-bench/results/h100-2026-11-26/profile-from-mixtral-2layer.yaml}
     tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC,ECP --mu 1 \
         --repeats 1 --set policy.N=1 --set policy.mu=1 --set policy.experts_gpu=2 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-experts.json" \

@@ -200,3 +200,37 @@ def test_a_machine_speed_shift_is_told_from_model_error():
     assert _speed_shift([-0.2, -0.3, -0.25, -0.1, 0.01]) == pytest.approx(-0.2)
     # some kinds off, others right: a model error, no shift to report
     assert _speed_shift([0.3, -0.02, 0.01, 0.4, -0.2]) is None
+
+
+def test_a_caches_prefill_does_not_price_its_decode_experts(monkeypatch):
+    """EC's prefill misses more experts than its staging slots hold, and there the executor's
+    GPUFFN copies the later rounds itself: on an H100 those copies (PCIe, 6 ms an expert) made
+    the fit price a decode GPUFFN of 0.65 ms at 7.2. Here EC's prefill GPUFFN tasks are made
+    50 ms longer, as such copies would make them: the fitted cost must still price the decode
+    GPUFFN tasks as they ran."""
+    from taskgraph.dag.compiled import KIND_NAMES
+    from taskgraph.exec import calibrate, execute
+
+    real, ran = execute.execute_scenario, []
+
+    def copying_prefill(sc, schedule, **kwargs):
+        ex = real(sc, schedule, **kwargs)
+        gpuffn = ex.program.column("kind") == KIND_NAMES.index("GPUFFN")
+        if schedule == "EC":
+            ex.run.end[gpuffn & (ex.program.step == 0)] += 0.05
+            ex.run.durations[:] = ex.run.end - ex.run.start
+            ran.append(ex)
+        return ex
+
+    monkeypatch.setattr(execute, "execute_scenario", copying_prefill)
+    monkeypatch.setattr(calibrate, "FIT_RUNS", ())            # the expert runs alone
+    sc = load_scenario("scenarios/tiny.yaml")
+    fit = calibrate.fit_tasks(sc, sc.hardware.model_dump(), repeats=1)
+    ex = ran[0]
+    prog = ex.program
+    decode = (prog.column("kind") == KIND_NAMES.index("GPUFFN")) & (prog.step > 0)
+    nbytes = prog.column("nbytes")[decode]
+    rate = fit.gbps.get("GPUFFN")           # none fitted: the roof's (microseconds here)
+    priced = fit.fixed_us["GPUFFN"] * 1e-6 + (nbytes / (rate * 1e9) if rate else 0.0)
+    measured = ex.run.durations[decode]
+    assert np.median(priced) < 3 * np.median(measured) + 1e-3
