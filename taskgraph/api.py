@@ -13,7 +13,8 @@ Every function takes a scenario as a file path, a mapping (the YAML document) or
 Each result has ``to_dict()`` (exactly what the verb's ``--json`` prints), shows itself as the
 verb's tables (``rich.print(result)``, or as HTML in a notebook), and, where the verb writes
 traces, ``write_trace(path)`` and ``write_gantt(png)``. Bad input raises
-:class:`~taskgraph.errors.TgError` with the message the command line prints. `progress(done,
+:class:`~taskgraph.errors.TgError` with the message the command line prints; a path a function
+writes is checked before any work (:func:`writes`). `progress(done,
 total)`, where given, is called as work completes. Where a verb runs many simulations,
 `backend` says where: "pool" (this machine's cores) or "ray", joining `ray_address` ("auto":
 the cluster this node belongs to; ray://HOST:10001; None: a local Ray started for the call).
@@ -27,6 +28,8 @@ so the two cannot drift apart (the command line says itself what ``--set``, ``--
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Union
@@ -92,6 +95,47 @@ def _override_items(overrides: Overrides) -> list[str]:
     return items
 
 
+#: What a parameter of :func:`writes` names when the function writes a folder there.
+FOLDER = None
+
+
+def writes(**paths: tuple[str, ...] | None) -> Callable[[Callable], Callable]:
+    """The files a function writes, by parameter: the suffixes each may end in (none: any), or
+    :data:`FOLDER`. Each path given is checked before any work, as the command line checks its
+    options (:func:`taskgraph.files.check_outputs`): a bad one must not cost a run. The
+    function's ``writes`` holds them, for the command line's checks."""
+    def wrap(func: Callable) -> Callable:
+        signature = inspect.signature(func)
+
+        @functools.wraps(func)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            given = signature.bind(*args, **kwargs).arguments
+            _check_writes(paths, given)
+            return func(*args, **kwargs)
+
+        checked.writes = paths
+        return checked
+    return wrap
+
+
+def _check_writes(paths: dict[str, tuple[str, ...] | None], given: dict[str, Any]) -> None:
+    from taskgraph.files import Output, check_outputs
+
+    outputs = {}
+    for name, suffixes in paths.items():
+        flag, path = f"--{name.replace('_', '-')}", given.get(name)
+        if path is None:
+            continue
+        if not isinstance(path, (str, Path)):
+            raise TgError(f"{flag} is a path (a str or Path), not {type(path).__name__}.")
+        outputs[flag] = Output(str(path), *(suffixes or ()), folder=suffixes is FOLDER)
+    # what no output may replace: the inputs the command line names too
+    inputs = [given[k] for k in ("scenario", "measurements", "prompts")
+              if isinstance(given.get(k), (str, Path))]
+    check_outputs(outputs, inputs)
+
+
+@writes(csv=(".csv",))
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
              overrides: Overrides = None, csv: str | Path | None = None, keep_runs: bool = False,
              keep_steps: int | None = 2, progress: Progress = None):
@@ -150,6 +194,7 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None
                keep_steps=keep_steps)
 
 
+@writes(plot=(".png",))
 def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None,
               batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
               plot: str | Path | None = None, backend: str = "pool",
@@ -193,6 +238,7 @@ def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10
     return search_scenario(s, top, verify, brute_force, jobs, progress)
 
 
+@writes(out=(), record_routing=(".json",))
 def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             overrides: Overrides = None, device: str = "auto", steps: int | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
@@ -266,6 +312,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     return result
 
 
+@writes(out=FOLDER)
 def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
         backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
     """`tg fit`: fit machine and implementation profiles to measured throughputs. By
@@ -291,6 +338,7 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
     return report
 
 
+@writes(out=FOLDER)
 def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
           out: str | Path, overrides: Overrides = None, backend: str = "pool",
           ray_address: str | None = None, progress: Progress = None):
@@ -314,6 +362,7 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     return run(str(scenario), _override_items(overrides), parse_vary(items), out, jobs, progress)
 
 
+@writes(csv=(".csv",))
 def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
           csv: str | Path | None = None):
     """`tg batch`: pack a scenario's request list into batches of micro-batches (Algorithm 2;
@@ -333,6 +382,7 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
     return result
 
 
+@writes(plot=(".png",))
 def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
              overrides: Overrides = None, mu: Iterable[int] | None = None, repeats: int = 3,
              plot: str | Path | None = None, device: str = "cpu", backend: str = "pool",
@@ -368,6 +418,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
     return result
 
 
+@writes(out=(".yaml", ".yml"))
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
               device: str = "cpu", progress: Progress = None):
     """`tg calibrate`: measure this machine and write a hardware profile. Rates by
@@ -391,6 +442,7 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     return calibrate_to(s, str(out), dev, progress)
 
 
+@writes(out=(".png",))
 def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None):
     """`tg roofline`: plot the Hierarchical Roofline of a scenario (PNG).
 
@@ -409,6 +461,7 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
     return Roofline(out, roofline_points(s))
 
 
+@writes(out=(".json", ".dot"))
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
           out: str | Path | None = None, overrides: Overrides = None):
     """`tg graph`: export one step's task graph (node-link JSON or Graphviz DOT).

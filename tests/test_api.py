@@ -226,3 +226,23 @@ def test_roofline_is_a_typed_result(tmp_path, capsys):
     assert set(result.to_dict()) >= {"turning_points", "intensities", "verdicts"}
     assert main(["roofline", "scenarios/tiny.yaml", "--out", str(tmp_path / "c.png")]) == 0
     assert "belongs on the" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb,kwargs,words", [
+    ("simulate", dict(csv=123), "--csv is a path (a str or Path), not int"),
+    ("batch", dict(csv="requests.txt"), "--csv 'requests.txt' must end in .csv"),
+    ("sweep", dict(vary=["hardware.link.h2d_gbps=1,2"], out=SCENARIO), "give a folder"),
+    ("roofline", dict(out=SCENARIO), "is the input"),
+    ("graph", dict(out="g.svg"), "must end in .json or .dot"),
+])
+def test_a_bad_output_path_fails_before_any_work(verb, kwargs, words, monkeypatch):
+    """From Python as from the command line, a path a function cannot write is found before
+    the run it would lose: a simulation of a 20,000-request queue, minutes of calibration.
+    Here any work at all (loading the scenario) fails the test."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("work began before the output path was checked")
+
+    monkeypatch.setattr(tg.api, "load", no_work)
+    monkeypatch.setattr("taskgraph.study.sweep.sweep", no_work)
+    with pytest.raises(TgError, match=re.escape(words)):
+        getattr(tg, verb)(SCENARIO, **kwargs)

@@ -16,14 +16,18 @@ from taskgraph.tracing.writer import Window, require_perfetto
 
 class _Parser(argparse.ArgumentParser):
     """An option's help is, unless given, its API parameter's line in the ``Args:`` section of
-    the `documented` function: one text for ``tg X --help`` and ``help(tg.X)``."""
+    the `documented` function: one text for ``tg X --help`` and ``help(tg.X)``; a path the
+    function writes is checked as its ``writes`` says (:func:`taskgraph.api.writes`)."""
 
     def __init__(self, *args, documented: Callable | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
         self.documented = _args_section(documented) if documented else {}
+        self.writes = getattr(documented, "writes", {})
+        super().__init__(*args, **kwargs)       # which adds --help
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
+        if action.type is None and action.dest in self.writes:
+            action.type = output(self.writes[action.dest])
         if action.help is None and action.dest in self.documented:
             text = self.documented[action.dest].replace("%", "%%")    # argparse formats it
             shown = action.default not in (None, False) and "default" not in text
@@ -83,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
         return c
 
     c = command("simulate", schedule=True)
-    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
+    c.add_argument("--csv", metavar="FILE.csv")
     _trace_args(c)
 
     c = command("compare")
@@ -93,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-sizes", type=integers("default"), metavar="N,N,...|default",
                    help="compare across batch sizes, each schedule (default S1,S4,S5,EP,EC) at "
                    "the policy that fills its GPU; 'default': 1,2,4,...,256,504")
-    c.add_argument("--plot", type=output(".png"), metavar="PNG", help="with --batch-sizes: "
-                   "draw throughput and per-token latency against batch size")
+    c.add_argument("--plot", type=output(api.crossover.writes["plot"]), metavar="PNG",
+                   help="with --batch-sizes: draw throughput and per-token latency against "
+                   "batch size")
     _backend_args(c, "the batch sizes' simulations")
     _trace_args(c)
 
@@ -102,18 +107,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=positive)
     c.add_argument("--weights", metavar="DIR")
     c.add_argument("--prompts", metavar="FILE.jsonl")
-    c.add_argument("--out", type=output(), metavar="FILE.jsonl")
+    c.add_argument("--out", metavar="FILE.jsonl")
     c.add_argument("--profile", action="store_true")
     c.add_argument("--zero-copy", action="store_true")
     c.add_argument("--processes", action="store_true")
-    c.add_argument("--record-routing", type=output(".json"), metavar="FILE.json")
+    c.add_argument("--record-routing", metavar="FILE.json")
     _trace_args(c)
 
     c = command("calibrate", default="scenarios/tiny.yaml", device="cpu")
-    c.add_argument("--out", type=output(".yaml", ".yml"), required=True)
+    c.add_argument("--out", required=True)
 
     c = command("fit", scenario="measurements")
-    c.add_argument("--out", type=output(folder=True), required=True, metavar="DIR")
+    c.add_argument("--out", required=True, metavar="DIR")
     c.add_argument("--no-loo", dest="loo", action="store_false",
                    help="skip leave-one-out refits")
     _backend_args(c)
@@ -122,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--schedules", type=names)
     c.add_argument("--mu", type=integers())
     c.add_argument("--repeats", type=int, default=3)
-    c.add_argument("--plot", type=output(".png"), metavar="PNG")
+    c.add_argument("--plot", metavar="PNG")
     _backend_args(c, "the simulations (executions measure this machine and run here)")
     _trace_args(c)
 
@@ -134,18 +139,18 @@ def parser() -> argparse.ArgumentParser:
 
     c = command("sweep")
     c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...")
-    c.add_argument("--out", type=output(folder=True), required=True)
+    c.add_argument("--out", required=True)
     _backend_args(c)
 
     c = command("batch")
-    c.add_argument("--csv", type=output(".csv"), metavar="FILE.csv")
+    c.add_argument("--csv", metavar="FILE.csv")
 
     c = command("roofline", json=False)
-    c.add_argument("--out", type=output(".png"), required=True)
+    c.add_argument("--out", required=True)
 
     c = command("graph", json=False, schedule=True)
     c.add_argument("--step", type=int, default=None)
-    c.add_argument("--out", type=output(".json", ".dot"), required=True)
+    c.add_argument("--out", required=True)
     return p
 
 
@@ -158,17 +163,19 @@ def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
 
 
 def _trace_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--gantt", type=output(".png"), metavar="PNG", help="draw a Gantt chart of "
-                   "two layers of decode step 2 (one row per stream) to PNG")
-    c.add_argument("--trace", type=output(".json", ".json.gz", ".pftrace"), metavar="PATH",
+    c.add_argument("--gantt", type=output((".png",)), metavar="PNG", help="draw a Gantt chart "
+                   "of two layers of decode step 2 (one row per stream) to PNG")
+    c.add_argument("--trace", type=output((".json", ".json.gz", ".pftrace")), metavar="PATH",
                    help="write a trace: Chrome JSON (.json, .json.gz) or Perfetto protobuf "
                    "(.pftrace); Perfetto opens both")
     c.add_argument("--trace-steps", type=window, default=2, metavar="N|all",
                    help="decode steps the trace covers after prefill (default 2; 'all')")
 
 
-def output(*suffixes: str, folder: bool = False) -> Callable[[str], files.Output]:
-    return lambda text: files.Output(text, *suffixes, folder=folder)
+def output(suffixes: tuple[str, ...] | None) -> Callable[[str], files.Output]:
+    """A path the run writes: a file ending in one of `suffixes` (any, if none), or a folder
+    (None: :data:`taskgraph.api.FOLDER`)."""
+    return lambda text: files.Output(text, *(suffixes or ()), folder=suffixes is api.FOLDER)
 
 
 def positive(text: str) -> int:
