@@ -536,6 +536,9 @@ class Scenario(BaseModel):
     _requests: list | None = PrivateAttr(default=None)
     # The router decisions of `workload.routing.trace` (taskgraph.dag.routing.RoutingTrace).
     _routing_trace: object = PrivateAttr(default=None)
+    # The experts each layer keeps on the GPU where fixed, an (L, experts_gpu) array; None: the
+    # routing's most popular (taskgraph.dag.routing.Routing.popular).
+    _experts_kept: object = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _experts_fit_the_model(self) -> "Scenario":
@@ -552,6 +555,14 @@ class Scenario(BaseModel):
     def routing_trace(self):
         """The recorded router decisions `workload.routing.trace` names (None otherwise)."""
         return self._routing_trace
+
+    @property
+    def experts_kept(self):
+        """The experts each layer keeps on the GPU where that set is fixed (EP; EC evicting by
+        popularity), where pinned: `tg validate` pins those the executed run kept, which its
+        scenario's routing chose, when it simulates the run on its own routing trace. None: the
+        routing's most popular."""
+        return self._experts_kept
 
     @property
     def requests(self) -> list | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -112,6 +113,8 @@ class Routing:
         # what synthetic steps are drawn in proportion to (a popularity per layer)
         self.weights = weights if weights is not None else q / k
         self._hits: dict[tuple, np.ndarray] = {}
+        # the experts each layer keeps, where the scenario pins them (Scenario.experts_kept)
+        self.pinned: np.ndarray | None = None
 
     @classmethod
     def uniform(cls, model: ModelSpec, seed: int = 0) -> "Routing":
@@ -120,6 +123,12 @@ class Routing:
 
     @classmethod
     def of(cls, scenario: Scenario) -> "Routing":
+        routing = cls._of(scenario)
+        routing.pinned = scenario.experts_kept
+        return routing
+
+    @classmethod
+    def _of(cls, scenario: Scenario) -> "Routing":
         m, spec = scenario.model, scenario.workload.routing
         if spec.kind == "trace":
             trace = scenario.routing_trace
@@ -185,21 +194,49 @@ class Routing:
 
     # --- experts held on the GPU -----------------------------------------------------------
     def popular(self, n: int) -> np.ndarray:
-        """The `n` most popular experts of each layer (shape (L, n)): what a static placement
-        keeps on the GPU (llama.cpp's -ot, Fiddler)."""
+        """The `n` experts each layer keeps on the GPU where they are fixed (EP's placement, a
+        cache evicting by popularity), shape (L, n): its `n` most popular, what a static
+        placement keeps (llama.cpp's -ot, Fiddler), or those the scenario pins."""
+        if self.pinned is not None:
+            if self.pinned.shape != (self.L, n):
+                raise ValueError(f"{n} experts a layer asked of a pinned {self.pinned.shape}")
+            return self.pinned
         return np.argsort(-self.q, axis=1, kind="stable")[:, :n]
 
-    def split(self, tokens, n: int) -> tuple[float, float, float]:
-        """With each layer's `n` most popular experts on the GPU: the share of token-expert
-        pairs they take, and the expected distinct experts touched on the GPU and off it."""
+    def split(self, tokens, n: int) -> tuple[Any, Any, Any]:
+        """With each layer's `n` experts :meth:`popular` on the GPU: the share of token-expert
+        pairs they take, and the expected distinct experts touched on the GPU and off it. At
+        the batch a trace was recorded with, its decode steps' own (its prefill's many tokens
+        route otherwise)."""
         t = np.asarray(tokens, dtype=float)
         on = np.zeros_like(self.q, dtype=bool)
         np.put_along_axis(on, self.popular(n), True, axis=1)
-        share = float(np.mean(np.sum(self.q * on, axis=1))) / self.k
+        share = np.full(t.shape, np.mean(np.sum(self.q * on, axis=1)) / self.k)
         touched = 1.0 - (1.0 - self.q[:, :, None]) ** t.reshape(-1)
         gpu = np.mean(np.sum(touched * on[:, :, None], axis=1), axis=0).reshape(t.shape)
         cpu = np.mean(np.sum(touched * ~on[:, :, None], axis=1), axis=0).reshape(t.shape)
-        return share, _scalar(gpu), _scalar(cpu)
+        if (measured := self._measured_split(on)) is not None:
+            batch, *own = measured
+            at = t == batch
+            share, gpu, cpu = (np.where(at, m, a) for m, a in zip(own, (share, gpu, cpu)))
+        return _scalar(share), _scalar(gpu), _scalar(cpu)
+
+    def _measured_split(self, on: np.ndarray) -> tuple[int, float, float, float] | None:
+        """A trace's decode batch, and over its decode steps and layers the mean share of
+        choices the experts `on` (L x E) take, and distinct experts chosen on and off them."""
+        if self.trace is None or len({s.shape[1] for s in self.trace.decode}) != 1:
+            return None
+        key = ("split", on.tobytes())
+        if key not in self.trace.memo:
+            rows = []
+            for step in self.trace.decode:
+                for layer, chosen in enumerate(step):
+                    kept = on[layer][chosen]
+                    distinct_kept = on[layer][np.unique(chosen)]
+                    rows.append((kept.mean(), distinct_kept.sum(), (~distinct_kept).sum()))
+            self.trace.memo[key] = (self.trace.decode[0].shape[1],
+                                    *(float(x) for x in np.mean(rows, axis=0)))
+        return self.trace.memo[key]
 
     def cache_hits(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
         """Per layer, the share of the experts a decode step touches that an expert cache of
@@ -207,7 +244,8 @@ class Routing:
         ``popular`` (the most popular, fixed). Measured by replaying the trace (its prefill
         fills the cache, its decode steps are counted), or CACHE_STEPS steps drawn from the
         routing after as many to warm the cache."""
-        key = ("hits", tokens, capacity, eviction)
+        key = ("hits", tokens, capacity, eviction,
+               None if self.pinned is None else self.pinned.tobytes())
         memo = self.trace.memo if self.trace is not None else self._hits
         if key not in memo:
             memo[key] = self._replay(tokens, capacity, eviction)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph.dag.compiled import KIND_NAMES
+from taskgraph.dag.routing import Routing
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.output.report import Shown, validate_table, warnings_of
@@ -178,6 +179,10 @@ def as_measured(scenario: Scenario, execution) -> Scenario:
       as a routing trace, not on the scenario's ``workload.routing``. A random checkpoint's
       tokens repeat, and so do its experts: Mixtral-8x7B's layers with seeded weights, at batch
       1, hit 47% of them in EC's cache of two where uniform routing gives 26%.
+      The experts the run kept on the GPU (EP's placement, a cache's fixed set) stay those it
+      kept: its scenario's routing chose them, and the trace's most popular are others (on an
+      H100 those took half of the trace's choices, and EP's CPU experts were priced 8.0 ms a
+      layer where they took 10.8).
     * ECP's ``policy.prefetch``, the share of the cache's misses its predictor had copied
       ahead, is what the executor's predictor achieved (``covered``): the simulator has no
       predictor of its own. With the default of 0 (every guess wasted) ECP was simulated 83%
@@ -195,6 +200,8 @@ def as_measured(scenario: Scenario, execution) -> Scenario:
     simulated = scenario.model_copy(update=update)
     if execution.routing is not None:
         simulated._routing_trace = execution.routing
+        n = scenario.policy.experts_gpu
+        simulated._experts_kept = Routing.of(scenario).popular(n) if n else None
     return simulated
 
 
