@@ -14,7 +14,7 @@ Each result has ``to_dict()`` (exactly what the verb's ``--json`` prints), shows
 verb's tables (``rich.print(result)``, or as HTML in a notebook), and, where the verb writes
 traces, ``write_trace(path)`` and ``write_gantt(png)``. Bad input raises
 :class:`~taskgraph.errors.TgError` with the message the command line prints; a path a function
-writes is checked before any work (:func:`writes`). `progress(done,
+writes is checked before any work (:func:`verb`). `progress(done,
 total)`, where given, is called as work completes. Where a verb runs many simulations,
 `backend` says where: "pool" (this machine's cores) or "ray", joining `ray_address` ("auto":
 the cluster this node belongs to; ray://HOST:10001; None: a local Ray started for the call).
@@ -28,9 +28,12 @@ so the two cannot drift apart (the command line says itself what ``--set``, ``--
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -52,6 +55,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
     """The scenario, overridden and validated, with `schedule` (an override like any other, so
     that its placement replaces the file's) and, with `auto`, ``policy: auto`` replaced by the
     search's best. Returns it with that search's result (None when the policy was given)."""
+    from taskgraph.files import refuse_input
     from taskgraph.scenario import _apply_override, load_scenario, scenario_from_dict
     from taskgraph.study.search import resolve_auto_policy
 
@@ -71,6 +75,8 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
     else:
         raise TgError(f"A scenario is a file path, a mapping or a Scenario, not "
                       f"{type(scenario).__name__}.")
+    for flag, path in _WRITING.get().items():      # a profile, a request list it names
+        refuse_input(path, flag)
     return resolve_auto_policy(loaded) if auto else (loaded, None)
 
 
@@ -95,47 +101,80 @@ def _override_items(overrides: Overrides) -> list[str]:
     return items
 
 
-#: What a parameter of :func:`writes` names when the function writes a folder there.
-FOLDER = None
+@dataclass(frozen=True)
+class Folder:
+    """What a parameter of :func:`verb` names when the function writes a folder there, and the
+    files of fixed names it writes in it."""
+
+    holds: tuple[str, ...] = ()
 
 
-def writes(**paths: tuple[str, ...] | None) -> Callable[[Callable], Callable]:
-    """The files a function writes, by parameter: the suffixes each may end in (none: any), or
-    :data:`FOLDER`. Each path given is checked before any work, as the command line checks its
-    options (:func:`taskgraph.files.check_outputs`): a bad one must not cost a run. The
-    function's ``writes`` holds them, for the command line's checks."""
+def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
+    """A verb of the API, writing files at the parameters `writes` names: a file ending in one
+    of the suffixes given (any, if none), or a :class:`Folder`. Each path given is checked
+    before any work, as the command line checks its options (:func:`taskgraph.files.
+    check_outputs`), and again once the scenario is loaded, against the files it read: a bad
+    one must not cost a run. The files a call reads are inputs no output may replace while it
+    runs (:func:`taskgraph.files.inputs_of_call`). The function's ``writes`` holds `writes`,
+    for the command line's checks."""
     def wrap(func: Callable) -> Callable:
         signature = inspect.signature(func)
 
         @functools.wraps(func)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            given = signature.bind(*args, **kwargs).arguments
-            _check_writes(paths, given)
-            return func(*args, **kwargs)
+            from taskgraph.files import inputs_of_call
 
-        checked.writes = paths
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError:       # the call itself says it the way Python does
+                return func(*args, **kwargs)
+            outputs = _outputs(writes, given)
+            with inputs_of_call():
+                token = _WRITING.set(outputs)
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    _WRITING.reset(token)
+
+        checked.writes = writes
         return checked
     return wrap
 
 
-def _check_writes(paths: dict[str, tuple[str, ...] | None], given: dict[str, Any]) -> None:
-    from taskgraph.files import Output, check_outputs
+def output(text: str, spec: tuple[str, ...] | Folder):
+    """`text` as the path a :func:`verb` writes at a parameter declared `spec`."""
+    from taskgraph.files import Output
+
+    if isinstance(spec, Folder):
+        return Output(text, folder=True, holds=spec.holds)
+    return Output(text, *spec)
+
+
+# The outputs of the verb running (flag -> Output): `load` refuses any that it read.
+_WRITING: contextvars.ContextVar[dict] = contextvars.ContextVar("writing", default={})
+
+
+def _outputs(writes: dict[str, tuple[str, ...] | Folder], given: dict[str, Any]) -> dict:
+    from taskgraph.files import check_outputs
 
     outputs = {}
-    for name, suffixes in paths.items():
+    for name, spec in writes.items():
         flag, path = f"--{name.replace('_', '-')}", given.get(name)
         if path is None:
             continue
-        if not isinstance(path, (str, Path)):
-            raise TgError(f"{flag} is a path (a str or Path), not {type(path).__name__}.")
-        outputs[flag] = Output(str(path), *(suffixes or ()), folder=suffixes is FOLDER)
+        text = os.fspath(path) if isinstance(path, os.PathLike) else path
+        if not isinstance(text, str):
+            raise TgError(f"{flag} is a path (a str or os.PathLike), not "
+                          f"{type(path).__name__}.")
+        outputs[flag] = output(text, spec)
     # what no output may replace: the inputs the command line names too
     inputs = [given[k] for k in ("scenario", "measurements", "prompts")
-              if isinstance(given.get(k), (str, Path))]
+              if isinstance(given.get(k), (str, os.PathLike))]
     check_outputs(outputs, inputs)
+    return outputs
 
 
-@writes(csv=(".csv",))
+@verb(csv=(".csv",))
 def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
              overrides: Overrides = None, csv: str | Path | None = None, keep_runs: bool = False,
              keep_steps: int | None = 2, progress: Progress = None):
@@ -168,6 +207,7 @@ def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
     return result
 
 
+@verb()
 def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
             overrides: Overrides = None, check: bool = False, keep_runs: bool = False,
             keep_steps: int | None = 2, progress: Progress = None):
@@ -194,7 +234,7 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None
                keep_steps=keep_steps)
 
 
-@writes(plot=(".png",))
+@verb(plot=(".png",))
 def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None,
               batch_sizes: Iterable[int] | None = None, *, overrides: Overrides = None,
               plot: str | Path | None = None, backend: str = "pool",
@@ -218,6 +258,7 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = No
     return result
 
 
+@verb()
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
            verify: bool = False, brute_force: bool = False, backend: str = "pool",
            ray_address: str | None = None, progress: Progress = None):
@@ -238,7 +279,7 @@ def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10
     return search_scenario(s, top, verify, brute_force, jobs, progress)
 
 
-@writes(out=(), record_routing=(".json",))
+@verb(out=(), record_routing=(".json",))
 def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             overrides: Overrides = None, device: str = "auto", steps: int | None = None,
             weights: str | None = None, prompts: str | None = None, out: str | None = None,
@@ -312,7 +353,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     return result
 
 
-@writes(out=FOLDER)
+@verb(out=Folder(("report.json", "cells.csv", "parity.png")))
 def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
         backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
     """`tg fit`: fit machine and implementation profiles to measured throughputs. By
@@ -338,7 +379,7 @@ def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = 
     return report
 
 
-@writes(out=FOLDER)
+@verb(out=Folder(("sweep.csv", "sweep.png")))
 def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str], *,
           out: str | Path, overrides: Overrides = None, backend: str = "pool",
           ray_address: str | None = None, progress: Progress = None):
@@ -362,7 +403,7 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     return run(str(scenario), _override_items(overrides), parse_vary(items), out, jobs, progress)
 
 
-@writes(csv=(".csv",))
+@verb(csv=(".csv",))
 def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
           csv: str | Path | None = None):
     """`tg batch`: pack a scenario's request list into batches of micro-batches (Algorithm 2;
@@ -382,7 +423,7 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
     return result
 
 
-@writes(plot=(".png",))
+@verb(plot=(".png",))
 def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
              overrides: Overrides = None, mu: Iterable[int] | None = None, repeats: int = 3,
              plot: str | Path | None = None, device: str = "cpu", backend: str = "pool",
@@ -418,7 +459,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
     return result
 
 
-@writes(out=(".yaml", ".yml"))
+@verb(out=(".yaml", ".yml"))
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
               device: str = "cpu", progress: Progress = None):
     """`tg calibrate`: measure this machine and write a hardware profile. Rates by
@@ -434,15 +475,13 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     """
     from taskgraph.exec.calibrate import calibrate_to
     from taskgraph.exec.execute import pick_device
-    from taskgraph.files import refuse_input
 
     dev = pick_device(device)
     s, _ = load(scenario, overrides, auto=False)
-    refuse_input(out, "--out")            # before minutes of measuring, not after
     return calibrate_to(s, str(out), dev, progress)
 
 
-@writes(out=(".png",))
+@verb(out=(".png",))
 def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None):
     """`tg roofline`: plot the Hierarchical Roofline of a scenario (PNG).
 
@@ -461,7 +500,7 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
     return Roofline(out, roofline_points(s))
 
 
-@writes(out=(".json", ".dot"))
+@verb(out=(".json", ".dot"))
 def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | None = None,
           out: str | Path | None = None, overrides: Overrides = None):
     """`tg graph`: export one step's task graph (node-link JSON or Graphviz DOT).

@@ -109,6 +109,19 @@ def forget_inputs() -> None:
     _INPUTS.clear()
 
 
+@contextmanager
+def inputs_of_call() -> Iterator[None]:
+    """A call of the Python API: what it reads is an input while it runs (with what its caller
+    read), and not after it, so that a notebook's next call may write a file an earlier one
+    read."""
+    before = set(_INPUTS)
+    try:
+        yield
+    finally:
+        _INPUTS.clear()
+        _INPUTS.update(before)
+
+
 def refuse_input(path: str | Path, flag: str = "") -> None:
     """A clear error if writing `path` would replace a file this run read."""
     try:
@@ -121,12 +134,24 @@ def refuse_input(path: str | Path, flag: str = "") -> None:
 
 
 class Output(str):
-    """A path a run will write: a folder, or a file ending in one of `suffixes` (any, if none)."""
+    """A path a run will write: a file ending in one of `suffixes` (any, if none), or a folder
+    (`folder`) whose files named in `holds` it writes."""
 
-    def __new__(cls, text: str, *suffixes: str, folder: bool = False) -> "Output":
+    def __new__(cls, text: str, *suffixes: str, folder: bool = False,
+                holds: tuple[str, ...] = ()) -> "Output":
         path = super().__new__(cls, text)
-        path.suffixes, path.folder = suffixes, folder
+        path.suffixes, path.folder, path.holds = suffixes, folder, holds
         return path
+
+
+def written_in_place(path: Path) -> bool:
+    """A device or a pipe (``/dev/null``, ``/dev/stdout`` into a pipe): written where it is,
+    never replaced by a file, so the folder it lies in need take no new file."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def check_outputs(outputs: dict[str, Output], inputs: list[str | Path]) -> None:
@@ -136,38 +161,52 @@ def check_outputs(outputs: dict[str, Output], inputs: list[str | Path]) -> None:
     inputs = [Path(p) for p in inputs]
     written: dict[Path, str] = {}
     for flag, text in outputs.items():
-        folder, suffixes = text.folder, text.suffixes
         if not text.strip():
             raise TgError(f"{flag} is empty; give a path.")
-        path = Path(text)
+        plain_text(text, flag)
         try:
-            where = path.resolve()
-        except (OSError, RuntimeError) as err:      # a loop of symbolic links
-            raise TgError(f"{flag} '{text}' cannot be resolved: {err}.") from None
-        if where in written:
-            raise TgError(f"{flag} and {written[where]} name the same file '{text}'; one would "
-                          "replace the other. Give each its own path.")
-        written[where] = flag
-        if path.exists() and path.is_dir() != folder:
-            raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
-                          f"{'a folder' if folder else 'a file path'}.")
-        parent = next((p for p in path.absolute().parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
-        # where the file (atomic_path writes beside the file a link names) or in the folder
-        written_in = where if folder and where.is_dir() else next(
-            (p for p in where.parents if p.exists()), None)
-        if written_in is not None and written_in.is_dir() and (why := _unwritable(written_in)):
-            raise TgError(f"{flag} '{text}' cannot be written: nothing can be created in "
-                          f"'{written_in}' ({why}).")
-        for source in inputs:
-            if path.exists() and source.exists() and path.resolve() == source.resolve():
-                raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
-                              "it. Choose another path.")
-        if suffixes and not folder and not text.endswith(suffixes):
-            endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
-                else suffixes[0]
-            raise TgError(f"{flag} '{text}' must end in {endings}.")
+            _check_output(flag, text, inputs, written)
+        except (OSError, ValueError) as err:        # a name too long, a folder not searchable
+            raise TgError(f"{flag} '{text}' cannot be written: "
+                          f"{getattr(err, 'strerror', None) or err}.") from None
+
+
+def _check_output(flag: str, text: Output, inputs: list[Path], written: dict[Path, str]) -> None:
+    folder, suffixes = text.folder, text.suffixes
+    path = Path(text)
+    try:
+        where = path.resolve()
+    except RuntimeError as err:                     # a loop of symbolic links
+        raise TgError(f"{flag} '{text}' cannot be resolved: {err}.") from None
+    if where in written:
+        raise TgError(f"{flag} and {written[where]} name the same file '{text}'; one would "
+                      "replace the other. Give each its own path.")
+    written[where] = flag
+    if path.exists() and path.is_dir() != folder:
+        raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
+                      f"{'a folder' if folder else 'a file path'}.")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise TgError(f"{flag} '{text}' lies under '{parent}', which is a file.")
+    # where the file (atomic_path writes beside the file a link names) or in the folder
+    written_in = where if folder and where.is_dir() else next(
+        (p for p in where.parents if p.exists()), None)
+    if (written_in is not None and written_in.is_dir() and not written_in_place(path)
+            and (why := _unwritable(written_in))):
+        raise TgError(f"{flag} '{text}' cannot be written: nothing can be created in "
+                      f"'{written_in}' ({why}).")
+    for source in inputs:
+        if path.exists() and source.exists() and path.resolve() == source.resolve():
+            raise TgError(f"{flag} '{text}' is the input {source}; writing it would replace "
+                          "it. Choose another path.")
+    for name in text.holds:
+        if (path / name).is_dir():
+            raise TgError(f"{flag} '{text}' holds a folder '{name}' where a file of that name "
+                          "is written; remove it or give another folder.")
+    if suffixes and not folder and not text.endswith(suffixes):
+        endings = ", ".join(suffixes[:-1]) + " or " + suffixes[-1] if len(suffixes) > 1 \
+            else suffixes[0]
+        raise TgError(f"{flag} '{text}' must end in {endings}.")
 
 
 def _unwritable(folder: Path) -> str | None:
@@ -193,12 +232,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     refuse_input(path)
     try:
-        target = path.resolve()          # (a loop of symbolic links raises here)
-        if target.exists() and not target.is_file():
-            if target.is_dir():
-                raise TgError(f"'{path}' is a folder; give a file path.")
-            yield target                          # a device or a pipe: written in place
+        if written_in_place(path):
+            yield path
             return
+        target = path.resolve()          # (a loop of symbolic links raises here)
+        if target.is_dir():
+            raise TgError(f"'{path}' is a folder; give a file path.")
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{target.stem}.",
                                     suffix=f".partial{''.join(target.suffixes)}",

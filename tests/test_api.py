@@ -229,7 +229,7 @@ def test_roofline_is_a_typed_result(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("verb,kwargs,words", [
-    ("simulate", dict(csv=123), "--csv is a path (a str or Path), not int"),
+    ("simulate", dict(csv=123), "--csv is a path (a str or os.PathLike), not int"),
     ("batch", dict(csv="requests.txt"), "--csv 'requests.txt' must end in .csv"),
     ("sweep", dict(vary=["hardware.link.h2d_gbps=1,2"], out=SCENARIO), "give a folder"),
     ("roofline", dict(out=SCENARIO), "is the input"),
@@ -246,3 +246,35 @@ def test_a_bad_output_path_fails_before_any_work(verb, kwargs, words, monkeypatc
     monkeypatch.setattr("taskgraph.study.sweep.sweep", no_work)
     with pytest.raises(TgError, match=re.escape(words)):
         getattr(tg, verb)(SCENARIO, **kwargs)
+
+
+def test_an_output_the_scenario_reads_is_refused_before_the_run(tmp_path, monkeypatch):
+    """A request list the scenario names, given as the CSV to write: from the command line it
+    was refused at once; from Python only when written, after the simulation. And a file an
+    earlier call read is not an input of the next call, which does not read it (a notebook's
+    second call may write what its first read)."""
+    requests = tmp_path / "requests.csv"
+    requests.write_text("prompt_len,gen_len\n" + "8,4\n" * 6)
+    overrides = {"workload.requests": str(requests)}
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the simulation began before the output path was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr("taskgraph.serving.queue.simulate_queue", no_work)
+        with pytest.raises(TgError, match=re.escape(f"--csv '{requests}' is an input")):
+            tg.simulate(SCENARIO, overrides=overrides, csv=requests)
+    before = requests.read_text()
+    tg.simulate(SCENARIO, overrides=overrides)
+    tg.batch(SCENARIO, overrides={"workload.lengths": {"preset": "mtbench", "count": 3}},
+             csv=requests)
+    assert requests.read_text() != before and requests.read_text().startswith("id,")
+
+
+def test_paths_may_be_any_path_like(tmp_path):
+    class PathLike:
+        def __fspath__(self):
+            return str(tmp_path / "r.png")
+
+    tg.roofline(SCENARIO, out=PathLike())
+    assert (tmp_path / "r.png").stat().st_size > 0

@@ -349,6 +349,29 @@ def test_a_full_disk_is_an_error_and_dev_null_stays_a_device(tmp_path, capsys):
     assert Path("/dev/null").is_char_device()
 
 
+def test_dev_stdout_into_a_pipe_is_written_in_place(tmp_path):
+    """`--out /dev/stdout | cat`: stdout a pipe, /dev/stdout resolves to /proc/PID/fd/pipe:[N],
+    which is no path; the output was refused ('nothing can be created in /proc/PID/fd')."""
+    pytest.importorskip("torch")
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt_ids": [1, 2, 3]}\n')
+    run = subprocess.run([sys.executable, "-m", "taskgraph.cli", "execute", TINY, "--device",
+                          "cpu", "--steps", "1", "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                          "/dev/stdout"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[0])["id"] == "a"
+
+
+def test_a_folder_in_the_way_of_a_file_a_folder_output_holds_is_refused_first(tmp_path):
+    """`tg sweep --out DIR` where DIR/sweep.csv is a folder: found after the sweep, as `tg fit`
+    found DIR/report.json after minutes of fitting, having written the profiles before it."""
+    (tmp_path / "out" / "sweep.csv").mkdir(parents=True)
+    with pytest.raises(TgError, match="holds a folder 'sweep.csv'"):
+        import taskgraph as tg
+
+        tg.sweep(TINY, ["workload.gen_len=2,3"], out=tmp_path / "out",
+                 progress=lambda *a: pytest.fail("the sweep began"))
+
+
 def _damaged_checkpoints():
     def outside(folder: Path) -> None:
         index = folder / "model.safetensors.index.json"

@@ -17,7 +17,7 @@ from taskgraph.tracing.writer import Window, require_perfetto
 class _Parser(argparse.ArgumentParser):
     """An option's help is, unless given, its API parameter's line in the ``Args:`` section of
     the `documented` function: one text for ``tg X --help`` and ``help(tg.X)``; a path the
-    function writes is checked as its ``writes`` says (:func:`taskgraph.api.writes`)."""
+    function writes is checked as its ``writes`` says (:func:`taskgraph.api.verb`)."""
 
     def __init__(self, *args, documented: Callable | None = None, **kwargs):
         self.documented = _args_section(documented) if documented else {}
@@ -172,10 +172,9 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
                    help="decode steps the trace covers after prefill (default 2; 'all')")
 
 
-def output(suffixes: tuple[str, ...] | None) -> Callable[[str], files.Output]:
-    """A path the run writes: a file ending in one of `suffixes` (any, if none), or a folder
-    (None: :data:`taskgraph.api.FOLDER`)."""
-    return lambda text: files.Output(text, *(suffixes or ()), folder=suffixes is api.FOLDER)
+def output(spec: tuple[str, ...] | api.Folder) -> Callable[[str], files.Output]:
+    """A path the run writes, declared as the API's are (:func:`taskgraph.api.verb`)."""
+    return lambda text: api.output(text, spec)
 
 
 def positive(text: str) -> int:

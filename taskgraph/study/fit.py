@@ -32,7 +32,7 @@ import numpy as np
 
 from taskgraph import presets
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path
+from taskgraph.files import Output, atomic_path, check_outputs
 from taskgraph.output.report import Shown, fit_table
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.study.measurements import Cell
@@ -455,6 +455,10 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     writer.writerows(rows)
     texts["cells.csv"] = table.getvalue()
     out = Path(out)
+    # every file checked before the first is written: a folder in the way of the last must not
+    # leave the first ones, a set that does not belong together
+    check_outputs({f"--out ({name})": Output(str(out / name))
+                   for name in [*texts, "parity.png"]}, [])
     written = []
     for name, text in texts.items():
         with atomic_path(out / name) as tmp:
