@@ -132,8 +132,8 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         # copies the later rounds inside GPUFFN, where the model prices them in ExpertIn
         # (exec.runtime.Runtime._GPUFFN), so neither task is what the model calls it. Fitted
         # with them, on an H100, GPUFFN came out at 103 GB/s: 7.2 ms for EC's decode's 0.65.
-        mixed = ((step == 0) & np.isin(kinds, [KIND_NAMES.index("GPUFFN"), KIND_NAMES.index("ExpertIn")])
-                 & (SCHEDULES[schedule].ffn == "cache"))
+        copied = [KIND_NAMES.index("GPUFFN"), KIND_NAMES.index("ExpertIn")]
+        mixed = (step == 0) & np.isin(kinds, copied) & (SCHEDULES[schedule].ffn == "cache")
         for k in np.unique(kinds):
             if KIND_NAMES[k] in skip:
                 continue

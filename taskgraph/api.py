@@ -54,7 +54,9 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
          auto: bool = True) -> tuple[Scenario, Any]:
     """The scenario, overridden and validated, with `schedule` (an override like any other, so
     that its placement replaces the file's) and, with `auto`, ``policy: auto`` replaced by the
-    search's best. Returns it with that search's result (None when the policy was given)."""
+    search's best. Returns it with that search's result (None when the policy was given).
+    Within a :func:`verb`, an output of it that loading read (a profile, a request list) is
+    refused before the search."""
     from taskgraph.files import refuse_input
     from taskgraph.scenario import _apply_override, load_scenario, scenario_from_dict
     from taskgraph.study.search import resolve_auto_policy
@@ -119,6 +121,7 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
     for the command line's checks."""
     def wrap(func: Callable) -> Callable:
         signature = inspect.signature(func)
+        assert set(writes) <= set(signature.parameters), f"{func.__name__} has no {writes}"
 
         @functools.wraps(func)
         def checked(*args: Any, **kwargs: Any) -> Any:
@@ -141,7 +144,7 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def output(text: str, spec: tuple[str, ...] | Folder):
+def output_path(text: str, spec: tuple[str, ...] | Folder):
     """`text` as the path a :func:`verb` writes at a parameter declared `spec`."""
     from taskgraph.files import Output
 
@@ -166,7 +169,7 @@ def _outputs(writes: dict[str, tuple[str, ...] | Folder], given: dict[str, Any])
         if not isinstance(text, str):
             raise TgError(f"{flag} is a path (a str or os.PathLike), not "
                           f"{type(path).__name__}.")
-        outputs[flag] = output(text, spec)
+        outputs[flag] = output_path(text, spec)
     # what no output may replace: the inputs the command line names too
     inputs = [given[k] for k in ("scenario", "measurements", "prompts")
               if isinstance(given.get(k), (str, os.PathLike))]

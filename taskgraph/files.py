@@ -104,22 +104,41 @@ def _umask() -> int:
     return mask
 
 
-def forget_inputs() -> None:
-    """A new run (one command line) starts with no inputs read."""
+@contextmanager
+def command_inputs() -> Iterator[None]:
+    """One command line: it starts with no inputs read, and what any of its calls reads stays
+    an input to its end (it writes a trace after the verb's call returns)."""
+    global _COMMAND
     _INPUTS.clear()
+    _COMMAND = True
+    try:
+        yield
+    finally:
+        _COMMAND = False
+        _INPUTS.clear()
 
 
 @contextmanager
 def inputs_of_call() -> Iterator[None]:
     """A call of the Python API: what it reads is an input while it runs (with what its caller
-    read), and not after it, so that a notebook's next call may write a file an earlier one
-    read."""
-    before = set(_INPUTS)
+    read), and, outside a command line, not after it, so that a notebook's next call may write a
+    file an earlier one read. One set for the process: calls in several threads at once share
+    it."""
+    if _COMMAND:
+        yield
+        return
+    with _LOCK:
+        before = set(_INPUTS)
     try:
         yield
     finally:
-        _INPUTS.clear()
-        _INPUTS.update(before)
+        with _LOCK:
+            _INPUTS.clear()
+            _INPUTS.update(before)
+
+
+_COMMAND = False
+_LOCK = threading.Lock()
 
 
 def refuse_input(path: str | Path, flag: str = "") -> None:
@@ -182,6 +201,9 @@ def _check_output(flag: str, text: Output, inputs: list[Path], written: dict[Pat
         raise TgError(f"{flag} and {written[where]} name the same file '{text}'; one would "
                       "replace the other. Give each its own path.")
     written[where] = flag
+    refuse_input(path, flag)
+    for name in text.holds:
+        refuse_input(path / name, flag)
     if path.exists() and path.is_dir() != folder:
         raise TgError(f"{flag} '{text}' is {'a file' if folder else 'a folder'}; give "
                       f"{'a folder' if folder else 'a file path'}.")

@@ -278,3 +278,21 @@ def test_paths_may_be_any_path_like(tmp_path):
 
     tg.roofline(SCENARIO, out=PathLike())
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_a_command_keeps_what_its_calls_read_to_its_end(tmp_path):
+    """The command line writes --trace and --gantt after the verb's call returns: a file that
+    call read (a checkpoint's config.json, read by the executor) must still be refused then,
+    while from Python the next call may write what an earlier one read."""
+    from taskgraph import files
+
+    read = tmp_path / "config.json"
+    read.write_text("{}")
+    with files.command_inputs():
+        with files.inputs_of_call():
+            files.note_input(read)
+        with pytest.raises(TgError, match="is an input of this run"):
+            files.refuse_input(read, "--trace")
+    with files.inputs_of_call():
+        files.note_input(read)
+    files.refuse_input(read, "--trace")

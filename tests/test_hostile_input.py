@@ -364,10 +364,10 @@ def test_dev_stdout_into_a_pipe_is_written_in_place(tmp_path):
 def test_a_folder_in_the_way_of_a_file_a_folder_output_holds_is_refused_first(tmp_path):
     """`tg sweep --out DIR` where DIR/sweep.csv is a folder: found after the sweep, as `tg fit`
     found DIR/report.json after minutes of fitting, having written the profiles before it."""
+    import taskgraph as tg
+
     (tmp_path / "out" / "sweep.csv").mkdir(parents=True)
     with pytest.raises(TgError, match="holds a folder 'sweep.csv'"):
-        import taskgraph as tg
-
         tg.sweep(TINY, ["workload.gen_len=2,3"], out=tmp_path / "out",
                  progress=lambda *a: pytest.fail("the sweep began"))
 

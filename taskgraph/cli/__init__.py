@@ -12,7 +12,7 @@ import sys
 
 from taskgraph.cli.parsing import check_outputs, parser
 from taskgraph.errors import TgError
-from taskgraph.files import exit_on_termination, forget_inputs
+from taskgraph.files import command_inputs, exit_on_termination
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         parser_.print_help(sys.stderr)
         return 2
     try:
-        with exit_on_termination():
-            forget_inputs()             # what this run reads, no output of it may replace
+        with exit_on_termination(), command_inputs():   # no output may replace what it reads
             check_outputs(args)
             return args.func(args) or 0
     except BrokenPipeError:       # e.g. `tg ... --json | head`

@@ -174,7 +174,7 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
 
 def output(spec: tuple[str, ...] | api.Folder) -> Callable[[str], files.Output]:
     """A path the run writes, declared as the API's are (:func:`taskgraph.api.verb`)."""
-    return lambda text: api.output(text, spec)
+    return lambda text: api.output_path(text, spec)
 
 
 def positive(text: str) -> int:

@@ -199,7 +199,8 @@ class Routing:
         placement keeps (llama.cpp's -ot, Fiddler), or those the scenario pins."""
         if self.pinned is not None:
             if self.pinned.shape != (self.L, n):
-                raise ValueError(f"{n} experts a layer asked of a pinned {self.pinned.shape}")
+                raise TgError(f"policy.experts_gpu = {n}, but the scenario pins "
+                              f"{self.pinned.shape[1]} experts a layer on the GPU.")
             return self.pinned
         return np.argsort(-self.q, axis=1, kind="stable")[:, :n]
 
@@ -207,7 +208,8 @@ class Routing:
         """With each layer's `n` experts :meth:`popular` on the GPU: the share of token-expert
         pairs they take, and the expected distinct experts touched on the GPU and off it. At
         the batch a trace was recorded with, its decode steps' own (its prefill's many tokens
-        route otherwise)."""
+        route otherwise); as for :meth:`distinct`, a task is taken for a decode step by its
+        token count alone."""
         t = np.asarray(tokens, dtype=float)
         on = np.zeros_like(self.q, dtype=bool)
         np.put_along_axis(on, self.popular(n), True, axis=1)
@@ -241,7 +243,7 @@ class Routing:
     def cache_hits(self, tokens: int, capacity: int, eviction: str) -> np.ndarray:
         """Per layer, the share of the experts a decode step touches that an expert cache of
         `capacity` experts per layer already holds: LRU (most recently used kept) or
-        ``popular`` (the most popular, fixed). Measured by replaying the trace (its prefill
+        ``popular`` (a fixed set, :meth:`popular`). Measured by replaying the trace (its prefill
         fills the cache, its decode steps are counted), or CACHE_STEPS steps drawn from the
         routing after as many to warm the cache."""
         key = ("hits", tokens, capacity, eviction,

@@ -257,7 +257,8 @@ class TaskWork:
         return self.routing.cache_hits(self.p.N, self.p.experts_gpu, self.p.eviction)
 
     def _placed(self, t: Number) -> tuple[float, Number, Number]:
-        """With the policy's experts_gpu most popular experts of each layer on the GPU (EP): the
+        """With the policy's experts_gpu experts of each layer on the GPU (EP; the most popular,
+        or those pinned: Routing.popular): the
         share of token-expert pairs they take, and the distinct experts touched on the GPU and
         on the CPU. Otherwise (S5) every expert is the CPU's."""
         if self.ffn != "split":

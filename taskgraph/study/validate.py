@@ -200,8 +200,9 @@ def as_measured(scenario: Scenario, execution) -> Scenario:
     simulated = scenario.model_copy(update=update)
     if execution.routing is not None:
         simulated._routing_trace = execution.routing
-        n = scenario.policy.experts_gpu
-        simulated._experts_kept = Routing.of(scenario).popular(n) if n else None
+        sched, p = SCHEDULES[scenario.schedule], scenario.policy
+        if p.experts_gpu and (sched.ffn == "split" or p.eviction == "popular"):
+            simulated._experts_kept = Routing.of(scenario).popular(p.experts_gpu)
     return simulated
 
 
