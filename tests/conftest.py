@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,6 +25,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--runslow"):
         settings.load_profile("slow")
+    # A suite started in the background of a script (`pytest &`) inherits Ctrl-C ignored, as
+    # would every tg the tests start and then interrupt: a Ctrl-C test would wait for a run that
+    # cannot hear it (and leave it running). Its children get the default back.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
