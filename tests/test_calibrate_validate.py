@@ -129,22 +129,34 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tm
     assert ecp["simulated"]["decode_layer_ms"] == at[covered] != at[0]
 
 
+#: An expert schedule at batch 1, as the expert-routing tests validate it.
+BATCH_1 = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
+
+
+def _validated_with_routing(capsys, tmp_path, schedule: str):
+    """`tg validate`'s pair of `schedule` at BATCH_1, and the routing trace the same run
+    records (`tg execute --record-routing`: seeded weights route alike)."""
+    from taskgraph import api
+
+    assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in BATCH_1), []),
+                 "--schedules", schedule, "--mu", "1", "--repeats", "1", "--json"]) == 0
+    (pair,) = json.loads(capsys.readouterr().out)["pairs"]
+    trace = tmp_path / "routing.json"
+    api.execute("scenarios/tiny.yaml", schedule=schedule, overrides=BATCH_1, device="cpu",
+                record_routing=trace)
+    return pair, trace
+
+
 def test_validate_simulates_the_expert_schedules_on_the_runs_own_routing(capsys, tmp_path):
     """Which experts a batch routes to is an input of the model: an expert schedule's pair is
     simulated on the executed run's router decisions, as if `tg execute --record-routing` had
     written them and the scenario replayed them, not on the scenario's uniform routing."""
     from taskgraph import api
 
-    sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
-    assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
-                 "--schedules", "EC", "--mu", "1", "--repeats", "1", "--json"]) == 0
-    (ec,) = json.loads(capsys.readouterr().out)["pairs"]
-    trace = tmp_path / "routing.json"
-    api.execute("scenarios/tiny.yaml", schedule="EC", overrides=sets, device="cpu",
-                record_routing=trace)
+    ec, trace = _validated_with_routing(capsys, tmp_path, "EC")
     replayed = api.simulate("scenarios/tiny.yaml", schedule="EC", overrides=[
-        *sets, "workload.routing.kind=trace", f"workload.routing.trace={trace}"]).summary
-    uniform = api.simulate("scenarios/tiny.yaml", schedule="EC", overrides=sets).summary
+        *BATCH_1, "workload.routing.kind=trace", f"workload.routing.trace={trace}"]).summary
+    uniform = api.simulate("scenarios/tiny.yaml", schedule="EC", overrides=BATCH_1).summary
     assert ec["simulated"]["experts"] == replayed["experts"] != uniform["experts"]
     assert ec["simulated"]["decode_layer_ms"] == replayed["decode_layer_ms"]
 
@@ -155,15 +167,7 @@ def test_validate_keeps_eps_experts_where_the_run_kept_them(capsys, tmp_path):
     trace's most popular instead, and priced its decode on the trace's prefill and decode
     choices together: on an H100 it gave the GPU half of the choices, CPUFFN 8.0 ms against
     10.8 measured. The pair's split must be the run's decode steps' on the experts it kept."""
-    from taskgraph import api
-
-    sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
-    assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
-                 "--schedules", "EP", "--mu", "1", "--repeats", "1", "--json"]) == 0
-    (ep,) = json.loads(capsys.readouterr().out)["pairs"]
-    trace = tmp_path / "routing.json"
-    api.execute("scenarios/tiny.yaml", schedule="EP", overrides=sets, device="cpu",
-                record_routing=trace)
+    ep, trace = _validated_with_routing(capsys, tmp_path, "EP")
     decode = [np.array(step) for step in json.loads(trace.read_text())["steps"][1:]]
     kept = [np.isin(step[layer], [0, 1]) for step in decode for layer in range(len(step))]
     distinct = [np.unique(step[layer]) for step in decode for layer in range(len(step))]
