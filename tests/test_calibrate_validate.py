@@ -105,6 +105,10 @@ def test_validate_runs_several_gpus_task_by_task(profile, capsys):
     assert {"OProj", "MoE", "AllReduceAttn", "AllReduce", "GatherLogits", "Send"} <= kinds
 
 
+#: An expert schedule at batch 1, as the expert-routing tests validate it.
+BATCH_1 = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
+
+
 def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tmp_path):
     """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
     misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
@@ -112,7 +116,7 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tm
     simulation is the scenario's at that share (on the run's routing, as below)."""
     from taskgraph import api
 
-    sets = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
+    sets = BATCH_1
     assert main(["validate", "scenarios/tiny.yaml", *sum((["--set", x] for x in sets), []),
                  "--schedules", "EC,ECP", "--mu", "1", "--repeats", "1", "--json"]) == 0
     ec, ecp = json.loads(capsys.readouterr().out)["pairs"]
@@ -127,10 +131,6 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tm
                           overrides=[*replay, f"policy.prefetch={p}"]).summary["decode_layer_ms"]
           for p in (0, covered)}
     assert ecp["simulated"]["decode_layer_ms"] == at[covered] != at[0]
-
-
-#: An expert schedule at batch 1, as the expert-routing tests validate it.
-BATCH_1 = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=6"]
 
 
 def _validated_with_routing(capsys, tmp_path, schedule: str):
