@@ -36,8 +36,15 @@ from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, decode_attention,
                                    prefill_attention, prefill_layer, rmsnorm, rotate_qkv, route,
                                    split_qkv)
 from taskgraph.kernels.weights import ModelWeights, layer_sections
-from taskgraph.kinds import (COLLECTIVES, HOST_DEVICE_COPIES, KINDS, PAGED, SENDS, TP_ONLY,
-                             WEIGHT_SECTIONS)
+from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
+
+
+def runs(kind: str) -> Callable[[Callable], Callable]:
+    """Mark a method as the executor's work for a task kind (:meth:`Runtime.kernels`)."""
+    def mark(method: Callable) -> Callable:
+        method.runs = kind
+        return method
+    return mark
 
 
 class Runtime:
@@ -123,13 +130,22 @@ class Runtime:
             self.cut, self.pages = numel, []
         return numel
 
+    #: Each task kind this class runs -> the name of its method marked ``@runs`` (a
+    #: subclass's mark overrides its base's), found once, as the class is made: the table of a
+    #: run looks the methods up by name, so a method replaced later is what runs.
+    kernels: dict[str, str] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.kernels = {**cls.kernels, **_marked(cls)}
+
     def _task_table(self) -> dict[str, Callable[[int, int, int], None]]:
-        """Each task kind's work. One device: no tensor-parallel parts or collectives to run.
-        Pipeline stages in one process share the device: what a send carries is already there
-        (the graph still orders the stages through it). Zero copy: every host-device copy is a
-        no-op, still scheduled and timed."""
-        tasks = {kind: getattr(self, "_" + kind) for kind in KINDS
-                 if kind not in COLLECTIVES | SENDS | TP_ONLY}
+        """Each task kind's work: the methods marked ``@runs``. One device: no tensor-parallel
+        parts or collectives to run (:class:`taskgraph.exec.tensor.ShardRuntime` runs the
+        parts). Pipeline stages in one process share the device: what a send carries is already
+        there (the graph still orders the stages through it). Zero copy: every host-device
+        copy is a no-op, still scheduled and timed."""
+        tasks = {kind: getattr(self, name) for kind, name in self.kernels.items()}
         tasks.update({kind: _nothing for kind in SENDS})
         if self.zero_copy:
             tasks.update({kind: _nothing for kind in HOST_DEVICE_COPIES})
@@ -231,6 +247,7 @@ class Runtime:
         slot = self._slot(step, layer, j)
         return self.k_slot[slot], self.v_slot[slot]
 
+    @runs("Prefill")
     def _Prefill(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         x = self.embed[self.prompts[rows]] if l == 0 else self.x_prefill[j]
@@ -241,12 +258,14 @@ class Runtime:
         K[:, :self.P].copy_(k)
         V[:, :self.P].copy_(v)
 
+    @runs("KVOut")
     def _KVOut(self, s: int, l: int, j: int) -> None:
         slot = self._slot(s, l, j)
         cols = slice(0, self.P) if s == 0 else slice(self.P + s - 1, self.P + s)
         self.k_cache[l][j][:, cols].copy_(self.k_slot[slot][:, cols], non_blocking=True)
         self.v_cache[l][j][:, cols].copy_(self.v_slot[slot][:, cols], non_blocking=True)
 
+    @runs("LMHead")
     def _LMHead(self, s: int, l: int, j: int) -> None:
         x = self._head_input(s, j)
         self._sample(s, j, lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps), x)
@@ -269,6 +288,7 @@ class Runtime:
             self.hidden[rows] = x
         self.x[j].copy_(self.embed[tok])
 
+    @runs("PreAttn")
     def _PreAttn(self, s: int, l: int, j: int) -> None:
         qkv = pre_attention(self.x[j], self.norms[l][0], self._view(s, l, j))
         self.qkv[j].copy_(rotate_qkv(qkv, self.lens[j] + (s - 1), self.rope, self.m))
@@ -276,9 +296,11 @@ class Runtime:
     def _mask(self, lens: torch.Tensor, columns: int) -> torch.Tensor | None:
         return decode_mask(lens, self.P, columns) if self.ragged else None
 
+    @runs("D1")
     def _D1(self, s: int, l: int, j: int) -> None:
         self.qkv_host[j].copy_(self.qkv[j], non_blocking=True)
 
+    @runs("CPUAttn")
     def _CPUAttn(self, s: int, l: int, j: int) -> None:
         q, k, v = split_qkv(self.qkv_host[j], self.m)
         pos = self.P + s - 1
@@ -287,14 +309,17 @@ class Runtime:
         self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
                                                  self._mask(self.lens_host[j], pos + 1)))
 
+    @runs("D2")
     def _D2(self, s: int, l: int, j: int) -> None:
         self.attn[j].copy_(self.attn_host[j], non_blocking=True)
 
+    @runs("D4")
     def _D4(self, s: int, l: int, j: int) -> None:
         slot, pos = self._slot(s, l, j), self.P + s - 1
         self.k_slot[slot][:, :pos].copy_(self.k_cache[l][j][:, :pos], non_blocking=True)
         self.v_slot[slot][:, :pos].copy_(self.v_cache[l][j][:, :pos], non_blocking=True)
 
+    @runs("GPUAttn")
     def _GPUAttn(self, s: int, l: int, j: int) -> None:
         q, k, v = split_qkv(self.qkv[j], self.m)
         pos = self.P + s - 1
@@ -303,6 +328,7 @@ class Runtime:
         self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
                                             self._mask(self.lens[j], pos + 1)))
 
+    @runs("PostAttn")
     def _PostAttn(self, s: int, l: int, j: int) -> None:
         self.x[j].copy_(post_attention(self.x[j], self.attn[j], self.norms[l][1],
                                        self._view(s, l, j), self.m))
@@ -340,6 +366,7 @@ class Runtime:
         """The residual stream of micro-batch j as rows [T, h]: a view, updated in place."""
         return self.x_prefill[j].view(-1, self.m.h) if s == 0 else self.x[j]
 
+    @runs("PrefillAttn")
     def _PrefillAttn(self, s: int, l: int, j: int) -> None:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         if l == 0:               # the residual stream starts at the prompts' embeddings
@@ -351,6 +378,7 @@ class Runtime:
         K[:, :self.P].copy_(k)
         V[:, :self.P].copy_(v)
 
+    @runs("Route")
     def _Route(self, s: int, l: int, j: int) -> None:
         x, W = self._hidden(s, j), self._view(s, l, j)
         x += (self.attn_prefill[j] if s == 0 else self.attn[j]) @ W["o"].T
@@ -368,12 +396,14 @@ class Runtime:
                     torch.arange(self.mu, device=self.device), self.lens[j] - 1]
             self._ahead_in[(s * self.L + l) % 2].copy_(normed)
 
+    @runs("D5")
     def _D5(self, s: int, l: int, j: int) -> None:
         T = self._hidden(s, j).shape[0]
         self.normed_host[j][:T].copy_(self.normed[j][:T], non_blocking=True)
         self.expert_ids_host[j][:T].copy_(self.expert_ids[j][:T], non_blocking=True)
         self.gates_host[j][:T].copy_(self.gates[j][:T], non_blocking=True)
 
+    @runs("CPUFFN")
     def _CPUFFN(self, s: int, l: int, j: int) -> None:
         T = self.mu * self.P if s == 0 else self.mu
         # EP: only the experts the GPU does not hold (S5: every expert)
@@ -382,10 +412,12 @@ class Runtime:
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
             self._host_views[l], self.m, only))
 
+    @runs("D6")
     def _D6(self, s: int, l: int, j: int) -> None:
         T = self._hidden(s, j).shape[0]
         self.ffn_out[j][:T].copy_(self.ffn_out_host[j][:T], non_blocking=True)
 
+    @runs("Merge")
     def _Merge(self, s: int, l: int, j: int) -> None:
         x = self._hidden(s, j)
         T = x.shape[0]
@@ -519,6 +551,7 @@ class Runtime:
             out[f"w13.{e}"], out[f"w2.{e}"] = self._expert_views(area[slot])
         return out
 
+    @runs("GPUFFN")
     def _GPUFFN(self, s: int, l: int, j: int) -> None:
         """EP: the experts the GPU holds. EC: every chosen expert, into the residual, in the
         rounds ExpertIn planned: the first round's experts (the hits, the misses copied into the
@@ -555,6 +588,7 @@ class Runtime:
             parts.add(W, sorted(round_.compute))
         x += parts.result()
 
+    @runs("ExpertIn")
     def _ExpertIn(self, s: int, l: int, j: int) -> None:
         """The micro-batch's chosen experts the layer's cache misses, host -> device: those the
         cache keeps into its slots, the others into the shared staging area, in rounds of at
@@ -584,6 +618,7 @@ class Runtime:
         self.expert_copies_in_gpuffn += copies - len(rounds[0].copies)
         self._rounds[l, j] = rounds
 
+    @runs("ExpertAhead")
     def _ExpertAhead(self, s: int, l: int, j: int) -> None:
         """ECP: predict the experts layer l's router will choose, and copy those its cache does
         not hold into the prefetch area (host -> device), while layer l - 1 runs. The prediction
@@ -614,8 +649,8 @@ class Runtime:
           half of the double buffer earlier on this same h2d stream (launched at layer l - 1's
           first micro-batch, before ExpertIn(l - 1, 0) and this task), and which D3(l + 2), later
           on this stream, overwrites; or resident.
-        * Layer l's GPUFFNs wait for this task (builder._data_deps), so the experts copied here
-          have landed before any of them reads them."""
+        * Layer l's GPUFFNs wait for this task (GPUFFN's record reads ExpertAhead), so the
+          experts copied here have landed before any of them reads them."""
         x = self._ahead_in[(s * self.L + l - 1) % 2]
         ids, _ = route(x, self._view(s, l, 0), self.m)
         predicted = torch.unique(ids).tolist()
@@ -670,6 +705,7 @@ class Runtime:
         """Expert e of layer l, host -> a pool slot: one copy of its w1 | w3 | w2 block."""
         self._expert_pool[slot].copy_(self._expert_block(l, e), non_blocking=True)
 
+    @runs("D3")
     def _D3(self, s: int, l: int, index: int) -> None:
         group, page = divmod(index, len(self.pages))
         a, b = self.pages[page]
@@ -679,6 +715,7 @@ class Runtime:
         else:
             dst.copy_(self.w.layers[l][a:b], non_blocking=True)
 
+    @runs("W_CtoPin")
     def _W_CtoPin(self, s: int, l: int, page: int) -> None:
         a, b = self.pages[page]
         self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.w.layers[l][a:b])
@@ -705,6 +742,14 @@ class Runtime:
                 for p, (lo, hi) in enumerate(self.pages):
                     if lo < b and a < hi and p not in allowed:
                         raise AssertionError(f"{name} reads page {p}, outside {allowed}")
+
+
+def _marked(cls: type) -> dict[str, str]:
+    """The kinds a class's own methods marked ``@runs`` run, and those methods' names."""
+    return {fn.runs: name for name, fn in vars(cls).items() if hasattr(fn, "runs")}
+
+
+Runtime.kernels = _marked(Runtime)
 
 
 def share(part: int, whole: int) -> float | None:

@@ -25,7 +25,7 @@ import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
-from taskgraph.exec.runtime import Runtime, _page_elements
+from taskgraph.exec.runtime import Runtime, _page_elements, runs
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
@@ -99,13 +99,14 @@ class ShardRuntime(Runtime):
         self.part = [torch.zeros(rows, m.h, dtype=dtype, device=device) for _ in range(self.n)]
         self.logit_part = [torch.zeros(mu, weights.lm_head.shape[0], dtype=dtype, device=device)
                            for _ in range(self.n)]
-        self._tasks.update(OProj=self._OProj, MoE=self._MoE, LMHead=self._LMHead_part)
 
+    @runs("OProj")
     def _OProj(self, s: int, l: int, j: int) -> None:
         attn = self.attn_prefill[j] if s == 0 else self.attn[j]
         out = attn @ self._view(s, l, j)["o"].T
         self.part[j][:out.shape[0]].copy_(out)
 
+    @runs("MoE")
     def _MoE(self, s: int, l: int, j: int) -> None:
         x = self._hidden(s, j)
         normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
@@ -113,6 +114,7 @@ class ShardRuntime(Runtime):
         out = experts(normed, *route(normed, W, self.m), W, self.m)
         self.part[j][:out.shape[0]].copy_(out)
 
+    @runs("LMHead")
     def _LMHead_part(self, s: int, l: int, j: int) -> None:
         x = self._head_input(s, j)
         self.logit_part[j].copy_(lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps))

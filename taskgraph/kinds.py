@@ -1,82 +1,416 @@
-"""What a task kind is: every kind with its meaning, and the sets of kinds the rest of `tg` asks
-about (which move data, which read streamed weights, which run on the host, which tensor or
-pipeline parallelism adds). One place, so that a new kind is named once; everything above it
-(work, cost, graph, engine, executor, traces) imports from here, and this imports nothing.
+"""What a task kind is: one record per kind, and the sets of kinds the rest of `tg` asks about.
+
+A record (:class:`Kind`, made by :func:`kind` from the function that is its work) says what the
+kind means, the stream it runs on unless a schedule moves it, what it reads (the tasks whose
+output it needs, and the builder's dependency rule: :class:`Read`), which section of its layer's
+streamed weights and which ring of buffer slots it reads or fills, and its work: FLOPs and bytes
+(docs/design.md §3.3). A new kind is one record here plus its kernel in the executor
+(a ``Runtime`` method marked ``@runs("Name")``); tests/test_kinds.py fails when either is
+missing.
+
+Everything above (work, cost, graph, engine, executor, traces) reads kinds from here, and this
+imports nothing: a kind's work reads the model, policy and micro-batch it is given
+(:class:`taskgraph.dag.work.TaskWork`) by their attributes.
+
+Work is affine in the context length ``s`` (tokens in a sequence's KV cache when the task runs,
+on average over its micro-batch), ``flops + flops_per_ctx * s``, so one compiled step serves
+every decode step. Bytes are those the task moves through the memory of the device it runs on,
+or over the link for transfers, or through host memory for the pinned staging copy. A kind's
+work function gets ``work`` (the model, policy and micro-batch load), ``tokens`` (the tokens it
+processes in its phase: the prompt's in prefill, one per sequence still generating, and any
+admitted prompt's, in decode) and ``prefill`` (whether it is a prefill task).
 """
 
 from __future__ import annotations
 
-# Every task kind, with a one-line meaning. Schedules place them on streams.
-KINDS: dict[str, str] = {
-    "Prefill": "one layer of the prompt on the GPU: attention and MoE FFN over mu*p tokens",
-    "KVOut": "new K,V of a micro-batch, GPU -> CPU (the whole prompt's in prefill, one token's in decode)",
-    "PreAttn": "RMSNorm + QKV projection on the GPU",
-    "D1": "Q, K, V of a micro-batch, GPU -> CPU",
-    "CPUAttn": "grouped-query decode attention over the CPU KV cache; appends the new K,V",
-    "D2": "attention output (hidden state) of a micro-batch, CPU -> GPU",
-    "D4": "KV cache of a micro-batch, CPU -> GPU (GPU-attention schedules)",
-    "GPUAttn": "decode attention on the GPU over the prefetched KV",
-    "PostAttn": "O projection + residual + RMSNorm + router + top-k SwiGLU experts",
-    "D3": "a page of a layer's streamed weights, CPU -> GPU",
-    "W_CtoPin": "a page of weights, pageable CPU memory -> pinned staging buffer",
-    "LMHead": "final norm + LM head + sampling of one micro-batch",
-    # FFN on the CPU (S5): the GPU routes, the CPU runs the experts where their weights lie.
-    "PrefillAttn": "one layer's RMSNorm, QKV and causal attention over the prompt, on the GPU",
-    "Route": "O projection + residual + RMSNorm + router (top-k) on the GPU",
-    "D5": "normed hidden state and routing of a micro-batch, GPU -> CPU",
-    "CPUFFN": "top-k SwiGLU experts on the CPU, reading their weights in host memory",
-    "D6": "expert output of a micro-batch, CPU -> GPU",
-    "Merge": "residual add of the expert output on the GPU",
-    # Tensor parallelism (several GPUs): each GPU runs a shard of every GPU task, and a layer's
-    # PostAttn (or Prefill) runs as the parts between its two all-reduces.
-    "OProj": "O projection of a micro-batch's attention output (a GPU's heads: a partial sum)",
-    "AllReduceAttn": "the O projection's partial sums all-reduced, over the GPUs' interconnect",
-    "MoE": "residual + RMSNorm + router + top-k SwiGLU experts (a GPU's columns of each expert: "
-           "a partial sum)",
-    "AllReduce": "the experts' partial sums all-reduced, over the GPUs' interconnect",
-    "GatherLogits": "the vocabulary shards' logits gathered for sampling, over the interconnect",
-    # Pipeline parallelism (several GPUs): each GPU runs a stage of consecutive layers.
-    "Send": "a micro-batch's hidden state to the next pipeline stage's GPU, over the interconnect",
-    "SendTokens": "a micro-batch's sampled tokens from the last pipeline stage to the first",
-    # Expert-level offloading (EP, EC): some experts of a layer are held on the GPU.
-    "GPUFFN": "the top-k SwiGLU experts a micro-batch routes to that the GPU holds (placed or "
-              "cached), on the GPU",
-    "ExpertIn": "the experts a micro-batch routes to that the GPU's expert cache misses, "
-                "CPU -> GPU",
-    "ExpertAhead": "the experts a predictor expects a layer's router to choose that the cache "
-                   "misses, CPU -> GPU, while the layer before runs",
-}
+from dataclasses import dataclass
+from typing import Any, Callable
 
-#: Kinds whose work lies on the link and is counted as bytes moved.
-TRANSFERS = frozenset({"KVOut", "D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "ExpertAhead",
-                       "AllReduce", "GatherLogits", "Send", "SendTokens"})
+#: A figure of work: a number, or a NumPy array of them (one per task of a request batch).
+Number = Any
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs and bytes of one task, affine in the context length s."""
+
+    flops: Number = 0.0
+    flops_per_ctx: Number = 0.0
+    bytes: Number = 0.0
+    bytes_per_ctx: Number = 0.0
+
+    def at(self, s: Number) -> tuple[Number, Number]:
+        return self.flops + self.flops_per_ctx * s, self.bytes + self.bytes_per_ctx * s
+
+
+@dataclass(frozen=True)
+class Read:
+    """A task whose output a kind reads: the first of ``kinds`` the schedule launches where
+    the reader stands, ``step`` steps and ``layer`` layers back (a layer before the first is
+    the previous step's last), of micro-batch ``index`` (None: the reader's own; a page kind
+    reads its own page). A step before the prefill has nothing to read.
+
+    ``if_launched``: the read is of something only some schedules produce (the pinned copy of
+    a page, a cache's misses); where the schedule launches none of ``kinds``, there is nothing
+    to wait for. Otherwise a schedule that launches none is incomplete, and the builder says so.
+    """
+
+    kinds: tuple[str, ...]
+    step: int = 0
+    layer: int = 0
+    index: int | None = None
+    if_launched: bool = False
+
+
+#: What ends a layer for a micro-batch: the experts' output merged into the hidden state (on
+#: the GPU, after the CPU's part), a cache's experts run on the GPU into the residual, the
+#: whole layer on the GPU (decode's PostAttn, prefill's Prefill). The first a schedule launches.
+LAYER_OUT = ("Merge", "GPUFFN", "PostAttn", "Prefill")
+#: What last wrote a micro-batch's hidden state at the end of a layer: after the last layer the
+#: LM head (the sampled token's embedding is the next step's input), else the layer's end.
+HIDDEN = ("LMHead", *LAYER_OUT)
+
+#: Streams whose tasks move data rather than compute: the link's two directions, the host's
+#: copies into pinned memory, the GPUs' interconnect.
+COPY_STREAMS = frozenset({"h2d", "h2d_kv", "d2h", "pin", "peer"})
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One task kind: what it means, where it runs, what it reads, its work."""
+
+    name: str
+    meaning: str
+    stream: str            # the stream it runs on (a schedule may move it: Schedule.streams)
+    work: Callable[[Any, Number, bool], Work]
+    reads: tuple[Read, ...] = ()
+    # The section of its layer's streamed weights it reads ('qkv', 'o', 'route', 'moe', 'post'
+    # or 'all'): it waits for the pages holding them (taskgraph.dag.work.WeightLayout).
+    weights: str | None = None
+    # A ring of buffer slots it fills ('weights', 'pinned', 'kv'), taking a slot the item
+    # `back` uses before it emptied (taskgraph.dag.builder._rings), and rings it reads from.
+    fills: str | None = None
+    reads_slots: tuple[str, ...] = ()
+    # Indexed by page of its layer's streamed weights, not by micro-batch.
+    per_page: bool = False
+    # Tensor parallelism: the parts it runs as (each between two all-reduces), the collective
+    # that completes its partial sum, and what every GPU's shard of it runs whole.
+    tp_parts: tuple[str, ...] = ()
+    collective: str | None = None
+    replicated: Callable[[Any, Number, bool], Work] | None = None
+    tp_only: bool = False
+    # Pipeline parallelism: the send that carries its output to the next stage.
+    send: str | None = None
+    colour: str = "grey"        # its bars in a Gantt chart
+
+    @property
+    def moves(self) -> bool:
+        """It moves data rather than computes (a trace draws it as a copy, at GB/s)."""
+        return self.stream in COPY_STREAMS
+
+
+#: Every task kind, in its one order: a kind's index in arrays of kinds (compiled programs,
+#: cost tables) is its place here.
+KINDS: dict[str, Kind] = {}
+
+
+def kind(name: str, meaning: str, stream: str, **fields: Any) -> Callable[[Callable], Kind]:
+    """Make the record of a kind from the function that is its work, and register it."""
+    def record(work: Callable[[Any, Number, bool], Work]) -> Kind:
+        if name in KINDS:
+            raise ValueError(f"task kind {name} is defined twice")
+        KINDS[name] = made = Kind(name, meaning, stream, work, **fields)
+        return made
+    return record
+
+
+def tokens_of(work: Any, prefill: bool) -> Number:
+    """The tokens a task processes in its phase (see the module docstring)."""
+    load = work.load
+    return load.prompt_tokens if prefill else load.seqs + load.admitted
+
+
+# --- the layer on the GPU, attention on the CPU (S1-S3) or the GPU (S4, DS, PP) ---------------
+
+@kind("Prefill", "one layer of the prompt on the GPU: attention and MoE FFN over mu*p tokens",
+      "gpu", reads=(Read(HIDDEN, layer=-1),), weights="all", fills="kv",
+      tp_parts=("PrefillAttn", "OProj", "MoE"), send="Send", colour="#4292c6")
+def Prefill(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b, load = work.model, work.model.dtype_bytes, work.load
+    t = load.prompt_tokens
+    flops = (2 * t * m.h * (m.q_dim + 2 * m.h_kv) + 2 * t * m.q_dim * m.h
+             + 2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i
+             + 2 * load.prompt_sq * m.q_dim)      # causal attention: half of 4*p^2*q_dim
+    return Work(flops=flops,
+                bytes=m.layer_bytes - (m.E - work.distinct(t)) * m.expert_bytes
+                + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))
+
+
+@kind("KVOut", "new K,V of a micro-batch, GPU -> CPU (the whole prompt's in prefill, one "
+      "token's in decode)", "d2h", reads=(Read(("GPUAttn", "PrefillAttn", "Prefill")),),
+      reads_slots=("kv",), colour="#bcbddc")
+def KVOut(work: Any, tokens: Number, prefill: bool) -> Work:
+    # only the part of the cache not kept on the GPU (r_c) goes to the host
+    return Work(bytes=(1 - work.policy.r_c) * tokens * work.model.kv_bytes_per_token)
+
+
+@kind("PreAttn", "RMSNorm + QKV projection on the GPU", "gpu",
+      reads=(Read(HIDDEN, layer=-1),), weights="qkv", colour="#6baed6")
+def PreAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b, new = work.model, work.model.dtype_bytes, work.load.admitted
+    mu = work.load.seqs + new
+    return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv)
+                + 2 * work.load.admitted_sq * m.q_dim,      # the admitted prompts' attention
+                bytes=m.qkv_bytes + b * mu * (m.h + m.q_dim + 2 * m.h_kv))
+
+
+@kind("D1", "Q, K, V of a micro-batch, GPU -> CPU", "d2h", reads=(Read(("PreAttn",)),),
+      colour="#9e9ac8")
+def D1(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(bytes=b * work.load.seqs * (m.q_dim + 2 * m.h_kv)
+                + b * work.load.admitted * 2 * m.h_kv)      # admitted prompts: K,V only
+
+
+@kind("CPUAttn", "grouped-query decode attention over the CPU KV cache; appends the new K,V",
+      "cpu", colour="#fd8d3c",
+      # the KV cache it reads: appended by the previous step's attention, or by prefill
+      reads=(Read(("D1",)), Read(("CPUAttn", "KVOut"), step=-1)))
+def CPUAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, mu, b = work.model, work.load.seqs, work.model.dtype_bytes
+    return Work(flops_per_ctx=4 * mu * m.q_dim, bytes_per_ctx=2 * b * mu * m.h_kv,
+                bytes=b * mu * (2 * m.q_dim + 2 * m.h_kv))
+
+
+@kind("D2", "attention output (hidden state) of a micro-batch, CPU -> GPU", "h2d",
+      reads=(Read(("CPUAttn",)),), colour="#74c476")
+def D2(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=work.model.dtype_bytes * work.load.seqs * work.model.q_dim)
+
+
+@kind("D4", "KV cache of a micro-batch, CPU -> GPU (GPU-attention schedules)", "h2d",
+      reads=(Read(("KVOut",), step=-1),), fills="kv", colour="#a1d99b")
+def D4(work: Any, tokens: Number, prefill: bool) -> Work:
+    # the part of the micro-batch's KV cache that is not kept on the GPU
+    return Work(bytes_per_ctx=(1 - work.policy.r_c) * work.load.seqs
+                * work.model.kv_bytes_per_token)
+
+
+@kind("GPUAttn", "decode attention on the GPU over the prefetched KV", "gpu",
+      reads=(Read(("PreAttn",)), Read(("D4",))), reads_slots=("kv",), colour="#08519c")
+def GPUAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    return CPUAttn.work(work, tokens, prefill)
+
+
+@kind("PostAttn", "O projection + residual + RMSNorm + router + top-k SwiGLU experts", "gpu",
+      reads=(Read(("D2", "GPUAttn")),), weights="post", tp_parts=("OProj", "MoE"),
+      send="Send", colour="#2171b5")
+def PostAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
+                + 6 * tokens * m.k * m.h * m.h_i,
+                bytes=m.o_bytes + m.router_bytes + work.distinct(tokens) * m.expert_bytes
+                + b * tokens * (4 * m.h + 2 * m.k * m.h_i))
+
+
+@kind("D3", "a page of a layer's streamed weights, CPU -> GPU", "h2d", per_page=True,
+      reads=(Read(("W_CtoPin",), if_launched=True),), fills="weights",
+      reads_slots=("pinned",), colour="#238b45")
+def D3(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=work.layout.page_bytes)
+
+
+@kind("W_CtoPin", "a page of weights, pageable CPU memory -> pinned staging buffer", "pin",
+      per_page=True, fills="pinned", colour="#fdd0a2")
+def W_CtoPin(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=work.layout.page_bytes)
+
+
+@kind("LMHead", "final norm + LM head + sampling of one micro-batch", "gpu",
+      reads=(Read(LAYER_OUT),), collective="GatherLogits", send="SendTokens",
+      colour="#9ecae1")
+def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, mu, b = work.model, work.load.seqs, work.model.dtype_bytes
+    return Work(flops=2 * mu * m.h * m.V, bytes=b * m.V * m.h + b * mu * (m.h + m.V))
+
+
+# --- FFN on the CPU (S5, EP): the GPU routes, the CPU runs the experts where their weights lie --
+
+@kind("PrefillAttn", "one layer's RMSNorm, QKV and causal attention over the prompt, on the GPU",
+      "gpu", reads=(Read(HIDDEN, layer=-1),), weights="qkv", fills="kv")
+def PrefillAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.h * (m.q_dim + 2 * m.h_kv)
+                + 2 * work.load.prompt_sq * m.q_dim,
+                bytes=m.qkv_bytes + b * tokens * (2 * m.h + 2 * m.q_dim + 2 * m.h_kv))
+
+
+@kind("Route", "O projection + residual + RMSNorm + router (top-k) on the GPU", "gpu",
+      reads=(Read(("GPUAttn", "PrefillAttn")),), weights="route")
+def Route(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E,
+                bytes=m.o_bytes + m.router_bytes + b * tokens * (m.q_dim + 3 * m.h))
+
+
+@kind("D5", "normed hidden state and routing of a micro-batch, GPU -> CPU", "d2h",
+      reads=(Read(("Route",)),))
+def D5(work: Any, tokens: Number, prefill: bool) -> Work:
+    m = work.model      # the normed hidden state, the k expert ids (int64) and gates
+    return Work(bytes=tokens * (m.dtype_bytes * (m.h + m.k) + 8 * m.k))
+
+
+@kind("CPUFFN", "top-k SwiGLU experts on the CPU, reading their weights in host memory", "cpu",
+      reads=(Read(("D5",)),))
+def CPUFFN(work: Any, tokens: Number, prefill: bool) -> Work:
+    share, _, distinct = work.placed(tokens)
+    return work.experts(tokens, 1.0 - share, distinct)
+
+
+@kind("D6", "expert output of a micro-batch, CPU -> GPU", "h2d", reads=(Read(("CPUFFN",)),))
+def D6(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=work.model.dtype_bytes * tokens * work.model.h)
+
+
+@kind("Merge", "residual add of the expert output on the GPU", "gpu",
+      reads=(Read(("D6",)), Read(("GPUFFN",), if_launched=True)))
+def Merge(work: Any, tokens: Number, prefill: bool) -> Work:
+    m = work.model
+    return Work(flops=tokens * m.h, bytes=3 * m.dtype_bytes * tokens * m.h)
+
+
+# --- tensor parallelism (several GPUs): each GPU runs a shard of every GPU task, and a layer's
+# PostAttn (or Prefill) runs as the parts between its two all-reduces; the builder derives what
+# these read from the task they are parts of (taskgraph.dag.builder._deps) ---------------------
+
+@kind("OProj", "O projection of a micro-batch's attention output (a GPU's heads: a partial sum)",
+      "gpu", weights="o", collective="AllReduceAttn", tp_only=True)
+def OProj(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.q_dim * m.h, bytes=m.o_bytes + b * tokens * m.h)
+
+
+@kind("AllReduceAttn", "the O projection's partial sums all-reduced, over the GPUs' "
+      "interconnect", "peer")
+def AllReduceAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    return AllReduce.work(work, tokens, prefill)
+
+
+def _router(work: Any, tokens: Number, prefill: bool) -> Work:
+    """The router: its weights and its product over the whole hidden state (every GPU's
+    shard of MoE runs it whole). Norms are left out: h FLOPs a token."""
+    m = work.model
+    return Work(flops=2 * tokens * m.h * m.E, bytes=m.router_bytes)
+
+
+@kind("MoE", "residual + RMSNorm + router + top-k SwiGLU experts (a GPU's columns of each "
+      "expert: a partial sum)", "gpu", weights="moe", collective="AllReduce",
+      replicated=_router, tp_only=True)
+def MoE(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.h * m.E + 6 * tokens * m.k * m.h * m.h_i,
+                bytes=m.router_bytes + work.distinct(tokens) * m.expert_bytes
+                + b * tokens * (3 * m.h + 2 * m.k * m.h_i))
+
+
+@kind("AllReduce", "the experts' partial sums all-reduced, over the GPUs' interconnect", "peer",
+      colour="#e7298a")
+def AllReduce(work: Any, tokens: Number, prefill: bool) -> Work:
+    n = work.tp         # a ring all-reduce: each GPU sends 2 (n - 1) / n of the sum
+    return Work(bytes=2 * (n - 1) / n * work.model.dtype_bytes * tokens * work.model.h)
+
+
+@kind("GatherLogits", "the vocabulary shards' logits gathered for sampling, over the "
+      "interconnect", "peer", colour="#c994c7")
+def GatherLogits(work: Any, tokens: Number, prefill: bool) -> Work:
+    n = work.tp
+    return Work(bytes=(n - 1) / n * work.model.dtype_bytes * work.load.seqs * work.model.V)
+
+
+# --- pipeline parallelism (several GPUs): each GPU runs a stage of consecutive layers --------
+
+@kind("Send", "a micro-batch's hidden state to the next pipeline stage's GPU, over the "
+      "interconnect", "peer", colour="#e7298a")
+def Send(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=work.model.dtype_bytes * tokens * work.model.h)
+
+
+@kind("SendTokens", "a micro-batch's sampled tokens from the last pipeline stage to the first",
+      "peer", colour="#c994c7")
+def SendTokens(work: Any, tokens: Number, prefill: bool) -> Work:
+    return Work(bytes=8 * work.load.seqs)      # int64 token ids
+
+
+# --- expert-level offloading (EP, EC, ECP): some experts of a layer are held on the GPU -------
+
+@kind("GPUFFN", "the top-k SwiGLU experts a micro-batch routes to that the GPU holds (placed or "
+      "cached), on the GPU", "gpu",
+      reads=(Read(("Route",)), Read(("ExpertIn",), if_launched=True),
+             Read(("ExpertAhead",), index=0, if_launched=True)))
+def GPUFFN(work: Any, tokens: Number, prefill: bool) -> Work:
+    if work.ffn == "split":         # the experts placed on the GPU (EP)
+        share, distinct, _ = work.placed(tokens)
+        return work.experts(tokens, share, distinct)
+    return work.experts(tokens, 1.0, work.distinct(tokens))    # a cache: every chosen expert
+
+
+@kind("ExpertIn", "the experts a micro-batch routes to that the GPU's expert cache misses, "
+      "CPU -> GPU", "h2d", reads=(Read(("Route",)),))     # which to copy: the router's choice
+def ExpertIn(work: Any, tokens: Number, prefill: bool) -> Work:
+    """In prefill (every expert chosen) those beyond the cache's; in decode the share a replay
+    of the routing finds absent, less those a prefetch (ECP) brought in right."""
+    m, p = work.model, work.policy
+    if prefill:
+        beyond = work.distinct(tokens) - p.experts_gpu
+        # max(beyond, 0) for a number or an array alike, without importing NumPy
+        return Work(bytes=(beyond + abs(beyond)) / 2 * m.expert_bytes)
+    ahead = p.prefetch if work.prefetches else 0.0
+    return Work(bytes=work.misses(tokens) * (1.0 - ahead) * m.expert_bytes)
+
+
+@kind("ExpertAhead", "the experts a predictor expects a layer's router to choose that the cache "
+      "misses, CPU -> GPU, while the layer before runs", "h2d",
+      # the prediction reads the layer before's hidden state, once its router has run
+      reads=(Read(("Route",), layer=-1, index=0),))
+def ExpertAhead(work: Any, tokens: Number, prefill: bool) -> Work:
+    """One layer's prefetch: as many experts as its micro-batches will miss; the predictor's
+    wrong guesses are copies wasted."""
+    return Work(bytes=work.policy.n_micro * work.misses(work.load.seqs)
+                * work.model.expert_bytes)
+
+
+# --- the sets of kinds the rest of tg asks about ------------------------------------------------
+
+#: Kinds in their one order: a kind's index in arrays of kinds (compiled programs, cost tables).
+KIND_NAMES: tuple[str, ...] = tuple(KINDS)
+KIND_INDEX: dict[str, int] = {k: i for i, k in enumerate(KIND_NAMES)}
 #: Kinds that read the streamed weights of their layer, and which section they read.
-WEIGHT_SECTIONS: dict[str, str] = {"Prefill": "all", "PreAttn": "qkv", "PostAttn": "post",
-                                   "PrefillAttn": "qkv", "Route": "route", "OProj": "o",
-                                   "MoE": "moe"}
-#: Kinds that run in prefill and decode alike, priced by the tokens of the phase.
-EITHER_PHASE = frozenset({"Route", "D5", "CPUFFN", "D6", "Merge", "PrefillAttn", "AllReduce",
-                           "Send", "OProj", "AllReduceAttn", "MoE", "GPUFFN", "ExpertIn"})
+WEIGHT_SECTIONS: dict[str, str] = {k.name: k.weights for k in KINDS.values() if k.weights}
 #: Kinds indexed by weight page rather than by micro-batch.
-PAGED = frozenset({"D3", "W_CtoPin"})
+PAGED = frozenset(k.name for k in KINDS.values() if k.per_page)
+#: Kinds that move data rather than compute (a trace draws them as copies).
+MOVES = frozenset(k.name for k in KINDS.values() if k.moves)
+#: Kinds that copy between host and device memory (the link, or the host's pinned staging):
+#: what the CPU backend's zero copy makes no-ops.
+HOST_DEVICE_COPIES = frozenset(k.name for k in KINDS.values() if k.moves and k.stream != "peer")
 #: Kinds that run on the host (its cores, its memory copies): on several GPUs, each GPU's
 #: process runs its own part.
-HOST_KINDS = frozenset({"CPUAttn", "CPUFFN", "W_CtoPin"})
+HOST_KINDS = frozenset(k.name for k in KINDS.values() if k.stream in ("cpu", "pin"))
 #: Under tensor parallelism, a kind whose output is a sum of per-GPU partial sums, and the
 #: collective that completes it (Megatron-style: column-parallel QKV and expert up/gate
 #: projections, row-parallel O and down projections; a vocabulary-parallel LM head).
-COLLECTIVE_AFTER: dict[str, str] = {"OProj": "AllReduceAttn", "MoE": "AllReduce",
-                                    "LMHead": "GatherLogits"}
+COLLECTIVE_AFTER: dict[str, str] = {k.name: k.collective for k in KINDS.values()
+                                    if k.collective}
 COLLECTIVES = frozenset(COLLECTIVE_AFTER.values())
 #: Under tensor parallelism, a kind that holds an all-reduce inside it runs as its parts: the
 #: residual, norm and router after the O projection need the whole hidden state.
-TP_PARTS: dict[str, tuple[str, ...]] = {"PostAttn": ("OProj", "MoE"),
-                                        "Prefill": ("PrefillAttn", "OProj", "MoE")}
+TP_PARTS: dict[str, tuple[str, ...]] = {k.name: k.tp_parts for k in KINDS.values()
+                                        if k.tp_parts}
 #: Kinds that only tensor parallelism launches.
-TP_ONLY = frozenset({"OProj", "MoE"})
+TP_ONLY = frozenset(k.name for k in KINDS.values() if k.tp_only)
 #: Under pipeline parallelism, a kind whose output another stage reads, and the send carrying it
 #: there: a stage's last layer's hidden state; the sampled tokens back to the first stage.
-SEND_AFTER: dict[str, str] = {"PostAttn": "Send", "Prefill": "Send", "LMHead": "SendTokens"}
+SEND_AFTER: dict[str, str] = {k.name: k.send for k in KINDS.values() if k.send}
 SENDS = frozenset(SEND_AFTER.values())
 #: Kinds that run on a GPU, cross its own link, or run on the host for it: split across GPUs
 #: under tensor parallelism, one shard per GPU (each GPU moves its shard over its own link, its
@@ -84,13 +418,3 @@ SENDS = frozenset(SEND_AFTER.values())
 #: memory); placed on the GPU of their layer's stage (pipeline) or of their group (data
 #: parallelism).
 SHARDED = frozenset(KINDS) - COLLECTIVES - SENDS
-
-#: Kinds in their one order: a kind's index in arrays of kinds (compiled programs, cost tables).
-KIND_NAMES: tuple[str, ...] = tuple(KINDS)
-KIND_INDEX: dict[str, int] = {k: i for i, k in enumerate(KIND_NAMES)}
-#: Kinds that copy between host and device memory (the link, or the host's pinned staging):
-#: what the CPU backend's zero copy makes no-ops.
-HOST_DEVICE_COPIES = frozenset({"D1", "D2", "D3", "D4", "D5", "D6", "ExpertIn", "ExpertAhead",
-                                "KVOut", "W_CtoPin"})
-#: Kinds that move data rather than compute (a trace draws them as copies).
-MOVES = TRANSFERS | {"W_CtoPin"}

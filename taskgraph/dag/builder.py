@@ -9,7 +9,7 @@ and executor need, since every later segment has the same shape.
 
 Dependencies are derived here for every schedule alike (docs/design.md §3.6):
 
-* data (read after write): what each kind reads, see :func:`_data_deps`;
+* data (read after write): what each kind reads, its record's ``reads`` (:func:`_data_deps`);
 * buffer reuse (write after read), as rings of slots: a weight page may land in its half of the
   double buffer only after the last task reading the page two layers back; a pinned staging slot
   is refilled only after the D3 that emptied it; a GPU KV prefetch slot only after the attention
@@ -47,8 +47,8 @@ from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, PLACEMENT_MEANS, SC
                                      STREAM_RESOURCE, Loop, Op, Schedule)
 from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.errors import ScheduleError
-from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, PAGED, SEND_AFTER, SENDS, SHARDED,
-                             TP_PARTS, WEIGHT_SECTIONS)
+from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, KINDS, PAGED, SEND_AFTER, SENDS,
+                             SHARDED, TP_PARTS, WEIGHT_SECTIONS, Read)
 from taskgraph.specs import Scenario
 
 
@@ -179,6 +179,25 @@ class Plan:
         return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp,
                         routing=Routing.of(s), ffn=self.schedule.ffn,
                         prefetches=any(op.kind == "ExpertAhead" for op in self.schedule.decode))
+
+    @cached_property
+    def _launched(self) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+        """Per phase (prefill, decode), each kind the schedule launches and when (Op.when)."""
+        sched = self.schedule
+        phases: tuple[dict[str, set[str]], dict[str, set[str]]] = ({}, {})
+        for phase, ops in ((0, [op for loop in sched.prefill for op in loop.ops]),
+                           (1, [op for loop in sched.decode_prologue for op in loop.ops]
+                            + list(sched.decode))):
+            for op in ops:
+                phases[phase].setdefault(op.kind, set()).add(op.when)
+        return phases
+
+    def launches(self, kind: str, step: int, layer: int, index: int) -> bool:
+        """Whether the schedule launches a task of `kind` at a position (a kind launched only
+        at the last layer, or only for the first micro-batch, is nowhere else)."""
+        when = self._launched[min(step, 1)].get(kind, ())
+        return ("each" in when or ("last_layer" in when and layer == self.L - 1)
+                or ("first" in when and (index == 0 or kind in PAGED)))
 
     def items(self, kind: str) -> int:
         """Tasks of a kind per layer and group: pages, or the group's micro-batches."""
@@ -451,68 +470,31 @@ def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
 
 
 def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
-    """Read-after-write dependencies of a task: what it reads and which task wrote it."""
-    s, kind, l, j, _ = t
-    L, sched = plan.L, plan.schedule
-    K = TaskKey
-    # What ends a layer: the MoE FFN's output back in the hidden state.
-    routed = sched.experts_on_host              # the GPU routes, the experts run apart
-    end = {"gpu": "PostAttn", "cache": "GPUFFN"}.get(sched.ffn, "Merge")
-    prefill_end = "Prefill" if not routed else end
-    prefill_attn = "PrefillAttn" if routed else "Prefill"
-    if kind in ("Prefill", "PrefillAttn"):
-        deps = [K(0, prefill_end, l - 1, j)] if l else []
-    elif kind == "KVOut":
-        # Copies the new K,V out of the GPU KV slot, where prefill or GPU attention put them.
-        deps = [K(0, prefill_attn, l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
-    elif kind == "LMHead":
-        deps = [K(0, prefill_end, L - 1, j)] if s == 0 else [K(s, end, L - 1, j)]
-    elif kind == "PreAttn":
-        deps = [K(s, end, l - 1, j)] if l else [K(s - 1, "LMHead", L - 1, j)]
-    elif kind == "Route":
-        deps = [K(0, "PrefillAttn", l, j)] if s == 0 else [K(s, "GPUAttn", l, j)]
-    elif kind == "D5":
-        deps = [K(s, "Route", l, j)]
-    elif kind == "CPUFFN":
-        deps = [K(s, "D5", l, j)]
-    elif kind == "D6":
-        deps = [K(s, "CPUFFN", l, j)]
-    elif kind == "Merge":
-        deps = [K(s, "D6", l, j)] + ([K(s, "GPUFFN", l, j)] if sched.ffn == "split" else [])
-    elif kind == "ExpertIn":
-        deps = [K(s, "Route", l, j)]           # which experts to copy: the router's choice
-    elif kind == "ExpertAhead":
-        # the prediction reads the layer before's hidden state, once its router has run
-        deps = [K(s, "Route", l - 1, 0)] if l else [K(s - 1, "Route", L - 1, 0)]
-    elif kind == "GPUFFN":
-        deps = [K(s, "Route", l, j)] + ([K(s, "ExpertIn", l, j)] if sched.ffn == "cache" else [])
-        if s and "ExpertAhead" in {op.kind for op in sched.decode}:
-            deps.append(K(s, "ExpertAhead", l, 0))
-    elif kind == "D1":
-        deps = [K(s, "PreAttn", l, j)]
-    elif kind == "CPUAttn":
-        # The KV cache it reads: appended by the previous step's attention, or by prefill.
-        kv = K(s - 1, "CPUAttn", l, j) if s > 1 else K(0, "KVOut", l, j)
-        deps = [K(s, "D1", l, j), kv]
-    elif kind == "D2":
-        deps = [K(s, "CPUAttn", l, j)]
-    elif kind == "D4":
-        deps = [K(s - 1, "KVOut", l, j)]
-    elif kind == "GPUAttn":
-        deps = [K(s, "PreAttn", l, j), K(s, "D4", l, j)]
-    elif kind == "PostAttn":
-        attn = "D2" if sched.attention == "cpu" else "GPUAttn"
-        deps = [K(s, attn, l, j)]
-    elif kind == "D3":
-        deps = [K(s, "W_CtoPin", l, j)] if sched.staging else []
-    elif kind == "W_CtoPin":
-        deps = []
-    else:
-        raise ScheduleError(f"Schedule {sched.name} launches unknown task kind '{kind}'.")
-    section = WEIGHT_SECTIONS.get(kind)
-    if section is not None:
-        deps += [K(s, "D3", l, p) for p in plan.weight_pages(j, section)]
+    """Read-after-write dependencies of a task: the tasks whose output its kind reads
+    (:class:`taskgraph.kinds.Read`), and the pages of its layer's streamed weights it reads."""
+    record = KINDS[t.kind]
+    deps = [d for read in record.reads if (d := _producer(plan, t, read)) is not None]
+    if record.weights:
+        deps += [TaskKey(t.step, "D3", t.layer, p)
+                 for p in plan.weight_pages(t.index, record.weights)]
     return deps
+
+
+def _producer(plan: Plan, t: TaskKey, read: Read) -> TaskKey | None:
+    """The task a read finds: the first of its kinds the schedule launches at the position it
+    names; None where there is nothing to read (before the prefill, or a read of what this
+    schedule does not produce). A read the schedule launches nothing for names its first kind,
+    which the builder then reports as never launched."""
+    step, layer = t.step + read.step, t.layer + read.layer
+    if layer < 0:                           # the layer before the first: the last, a step back
+        step, layer = step - 1, layer + plan.L
+    if step < 0:
+        return None
+    index = t.index if read.index is None else read.index
+    for kind in read.kinds:
+        if plan.launches(kind, step, layer, index):
+            return TaskKey(step, kind, layer, index)
+    return None if read.if_launched else TaskKey(step, read.kinds[0], layer, index)
 
 
 class _Ring:
@@ -530,32 +512,37 @@ class _Ring:
 
 
 def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callable]]]]:
-    """The rings of this plan and, per consumer kind, the items of each ring it reads."""
+    """The rings of this plan and, per consumer kind, the items of each ring it reads:
+
+    * ``weights``: the double buffer a layer's streamed weights cross into, page by page (D3),
+      read by the kinds that read a section of them (their pages);
+    * ``pinned``: the pinned staging slots (W_CtoPin) D3 copies from, where weights are staged;
+    * ``kv``: the GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out;
+      with GPU attention, decode prefetches the KV cache into them (D4) for GPUAttn, which
+      appends the new K,V that KVOut copies back.
+
+    Which kinds fill and read each ring is their records' (``fills``, ``reads_slots``)."""
     sched, n_pages = plan.schedule, plan.layout.n_pages
+    slots = {"weights": 2 * n_pages, "pinned": sched.pin_slots if sched.staging else 0,
+             "kv": sched.kv_slots}
+    if not n_pages:                         # nothing streamed: no weight copies at all
+        slots["weights"] = slots["pinned"] = 0
     rings: list[_Ring] = []
     readers: dict[str, list] = {}
-
-    def same_item(r: _Ring) -> Callable:
-        return lambda t: [r.item(t.step, t.layer, t.index)]
-
-    if n_pages:
-        w = _Ring(plan, "weights", ("D3",), 2 * n_pages, n_pages)   # double buffer: two layers
-        rings.append(w)
-        for kind, section in WEIGHT_SECTIONS.items():
-            readers.setdefault(kind, []).append(
-                (w, lambda t, w=w, section=section: [w.item(t.step, t.layer, p) for p in
-                                                     plan.weight_pages(t.index, section)]))
-        if sched.staging:
-            pin = _Ring(plan, "pinned", ("W_CtoPin",), sched.pin_slots, n_pages)
-            rings.append(pin)
-            readers.setdefault("D3", []).append((pin, same_item(pin)))
-    # GPU KV slots: prefill writes a micro-batch's K,V there for KVOut to copy out; with GPU
-    # attention, decode prefetches the KV cache into them (D4) for GPUAttn, which appends the new
-    # K,V that KVOut copies back.
-    kv = _Ring(plan, "kv", ("Prefill", "PrefillAttn", "D4"), sched.kv_slots, plan.items("KVOut"))
-    rings.append(kv)
-    for kind in ("GPUAttn", "KVOut"):
-        readers.setdefault(kind, []).append((kv, same_item(kv)))
+    for name, back in slots.items():
+        if not back:
+            continue
+        producers = tuple(k.name for k in KINDS.values() if k.fills == name)
+        ring = _Ring(plan, name, producers, back, plan.items(producers[0]))
+        rings.append(ring)
+        for k in KINDS.values():
+            if name == "weights" and k.weights:
+                readers.setdefault(k.name, []).append(
+                    (ring, lambda t, r=ring, section=k.weights: [
+                        r.item(t.step, t.layer, p) for p in plan.weight_pages(t.index, section)]))
+            elif name in k.reads_slots:
+                readers.setdefault(k.name, []).append(
+                    (ring, lambda t, r=ring: [r.item(t.step, t.layer, t.index)]))
     return rings, readers
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from taskgraph.kinds import KINDS
+
 #: Stream -> the resource it occupies. Streams are in-order queues; a resource runs one task at a
 #: time. Two streams on one resource (S4's weight and KV loads) take turns on it.
 STREAM_RESOURCE: dict[str, str] = {
@@ -51,16 +53,9 @@ class Loop:
     ops: tuple[Op, ...]
 
 
-_STREAMS = {
-    "Prefill": "gpu", "PreAttn": "gpu", "GPUAttn": "gpu", "PostAttn": "gpu", "LMHead": "gpu",
-    "CPUAttn": "cpu", "D1": "d2h", "KVOut": "d2h", "D2": "h2d", "D3": "h2d", "D4": "h2d",
-    "W_CtoPin": "pin",
-    "PrefillAttn": "gpu", "Route": "gpu", "Merge": "gpu", "CPUFFN": "cpu", "D5": "d2h",
-    "D6": "h2d",
-    "GPUFFN": "gpu", "ExpertIn": "h2d", "ExpertAhead": "h2d",
-    "OProj": "gpu", "MoE": "gpu", "AllReduceAttn": "peer",
-    "AllReduce": "peer", "GatherLogits": "peer", "Send": "peer", "SendTokens": "peer",
-}
+def _streams(**moved: str) -> dict[str, str]:
+    """Every kind's stream (its record's), with some moved to another."""
+    return {**{name: k.stream for name, k in KINDS.items()}, **moved}
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ class Schedule:
     prefill: tuple[Loop, ...]
     decode_prologue: tuple[Loop, ...]
     decode: tuple[Op, ...]
-    streams: dict[str, str] = field(default_factory=lambda: dict(_STREAMS))
+    streams: dict[str, str] = field(default_factory=_streams)
     min_micro_batches: int = 1
     pin_slots: int = 2          # pinned staging pages
     kv_slots: int = 2           # GPU KV prefetch buffers
@@ -105,11 +100,20 @@ class Schedule:
     parallel: Literal["tensor", "pipeline", "data"] = "tensor"
 
     def __post_init__(self) -> None:
+        unknown = sorted({op.kind for op in self.ops} - set(KINDS))
+        if unknown:
+            raise ValueError(f"schedule {self.name} launches unknown task kinds {unknown}")
         # A group's buffers are its GPU's; pinned staging and experts on the host would be
         # shared by all groups, which the builder does not model.
         if self.grouped and (self.staging or self.ffn != "gpu"):
             raise ValueError(f"schedule {self.name}: a {self.parallel}-parallel schedule "
                              "neither stages weights nor runs the FFN on the CPU")
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op, prefill's, the decode prologue's and the decode body's."""
+        return (*(op for loop in (*self.prefill, *self.decode_prologue) for op in loop.ops),
+                *self.decode)
 
     def reads(self, field: str) -> bool:
         """Whether the schedule reads an expert-level policy field (EXPERT_FIELDS): how many
@@ -237,7 +241,7 @@ S4 = Schedule(
     decode_prologue=(Loop("once", (Op("D4"),)),),
     decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn"), Op("GPUAttn"),
             Op("KVOut"), Op("PostAttn"), _LMHEAD),
-    streams=dict(_STREAMS, D4="h2d_kv"),
+    streams=_streams(D4="h2d_kv"),
 )
 
 # DeepSpeed's ZeRO-Inference on several GPUs is data parallel (ZeRO stage 3): each GPU runs a
@@ -280,7 +284,7 @@ S5 = Schedule(
     decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn", ahead=1),
             Op("GPUAttn", ahead=1), Op("KVOut", ahead=1), *_EXPERTS_ON_CPU, Op("D6"),
             Op("Merge"), _LMHEAD),
-    streams=dict(_STREAMS, D4="h2d_kv"),
+    streams=_streams(D4="h2d_kv"),
 )
 
 # Expert-level offloading for small batches: attention on the GPU (with as much of the KV cache
@@ -307,7 +311,7 @@ EP = Schedule(
     decode_prologue=(),
     decode=(*_DECODE_TO_ROUTE, Op("D5"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"),
             _LMHEAD),
-    streams=dict(_STREAMS, D4="h2d_kv"),
+    streams=_streams(D4="h2d_kv"),
 )
 
 EC = Schedule(
@@ -320,7 +324,7 @@ EC = Schedule(
              Loop("layers", (*_PREFILL_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD))),
     decode_prologue=(),
     decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD),
-    streams=dict(_STREAMS, D4="h2d_kv"),
+    streams=_streams(D4="h2d_kv"),
 )
 
 # MoE-Infinity's activation-aware prefetch, Mixtral-offloading's speculative loading: while a
@@ -337,7 +341,7 @@ ECP = Schedule(
     decode_prologue=(Loop("once", (Op("ExpertAhead"),)),),
     decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("ExpertAhead", layer=1, when="first"),
             Op("GPUFFN"), _LMHEAD),
-    streams=dict(_STREAMS, D4="h2d_kv"),
+    streams=_streams(D4="h2d_kv"),
 )
 
 # FlexGen's dist_flex_opt.py: each stage runs S4's order over its own layers for one group of

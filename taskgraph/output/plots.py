@@ -138,19 +138,11 @@ def save(fig, out: str | Path) -> Path:
     return out
 
 
-_KIND_COLORS = {
-    "PreAttn": "#6baed6", "PostAttn": "#2171b5", "GPUAttn": "#08519c", "LMHead": "#9ecae1",
-    "Prefill": "#4292c6", "CPUAttn": "#fd8d3c", "W_CtoPin": "#fdd0a2", "D1": "#9e9ac8",
-    "D2": "#74c476", "D3": "#238b45", "D4": "#a1d99b", "KVOut": "#bcbddc",
-    "AllReduce": "#e7298a", "GatherLogits": "#c994c7", "Send": "#e7298a", "SendTokens": "#c994c7",
-}
-
-
 def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     """A Gantt chart of decode step `step`, first `layers` layers, for each run (a
     :class:`taskgraph.tracing.writer.TraceRun`): one row per stream, one shared time axis. A pipeline's
     stages work on different layers at once, so for one the chart shows the whole step."""
-    from taskgraph.kinds import KIND_NAMES
+    from taskgraph.kinds import KINDS, KIND_NAMES
 
     plt = _pyplot()
     windows = []
@@ -178,7 +170,7 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
             # Sub-pixel tasks (a 0.1 ms attention next to 10 ms layers) still get a visible bar.
             width = max(run.end[gid] - run.start[gid], span / 600)
             bar = ax.barh(row, width * 1e3, left=(run.start[gid] - t0) * 1e3, height=0.7,
-                          color=_KIND_COLORS.get(kind, "grey"), lw=0)
+                          color=KINDS[kind].colour, lw=0)
             seen.setdefault(kind, bar)
         ax.set_yticks(range(len(prog.streams)), list(reversed(prog.streams)), fontsize=8)
         which = "all layers" if prog.plan.pp > 1 else f"layers 0-{layers - 1}"
