@@ -24,7 +24,7 @@ from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
 from taskgraph.sim.simulate import Simulation
-from taskgraph.specs import ModelSpec, Scenario
+from taskgraph.specs import TENSOR_CLASSES, ModelSpec, Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
 
@@ -180,17 +180,24 @@ def _check_host_memory(buffers: float, tasks: int) -> None:
 
 # Fields of a checkpoint's config.json that change what is computed but not its shape: with
 # --weights they come from the checkpoint, whatever the scenario's model says.
-_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rms_norm_eps",
-                "tie_word_embeddings", "sliding_window", "hidden_act", "architecture", "dtype",
-                "dtype_bytes")
-_SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V")
+_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_interleave",
+                "rms_norm_eps", "tie_word_embeddings", "sliding_window", "sliding_layers",
+                "hidden_act", "architecture", "dtype", "dtype_bytes", "router", "renormalize",
+                "routed_scaling", "expert_groups", "topk_groups", "shared_gate",
+                "attention_sinks")
+_SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V", "dense_layers", "h_dense",
+                 "shared_experts", "h_shared", "attention", "q_lora_rank", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+#: The families whose layers the executor's kernels compute as transformers does
+#: (tests/test_families.py); the others are simulated only.
+EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 
 
 def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
     """The scenario's model made to agree with a checkpoint's config.json: shapes must match,
     the fields that change the math come from the checkpoint, and running fewer layers than it
     holds is said, not silent. Returns the model and the warnings to show."""
-    from taskgraph.scenario import model_from_hf_config
+    from taskgraph.model_files import model_from_hf_config
 
     config = Path(folder) / "config.json"
     if not config.is_file():
@@ -222,10 +229,16 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
 
 def check_computable(m: ModelSpec, context: int) -> None:
     """Refuse what the kernels would compute differently from the model."""
-    if m.architecture != "mixtral":
-        raise TgError(f"model.architecture = {m.architecture}: tg execute computes Mixtral-style "
-                      "layers (RMSNorm, separate q/k/v, SwiGLU experts); DBRX checkpoints (fused "
-                      "Wqkv, LayerNorm, clipped QKV) can be simulated but not executed.")
+    if m.architecture not in EXECUTED:
+        raise TgError(f"model.architecture = {m.architecture}: tg execute computes "
+                      f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
+                      "executed (docs/models.md).")
+
+    quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None]
+    if quantized:
+        raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
+                      "tg execute runs weights in the model's dtype; quantized precisions are "
+                      "simulated, not executed.")
     if m.hidden_act != "silu":
         raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
                       "with SiLU only.")
@@ -290,7 +303,7 @@ def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: 
 
 def max_positions(folder: str | Path | None) -> int | None:
     """A checkpoint's max_position_embeddings, if its config.json gives one."""
-    from taskgraph.scenario import hf_config_json
+    from taskgraph.model_files import hf_config_json
 
     config = Path(folder) / "config.json" if folder else None
     if config is None or not config.is_file():
@@ -491,6 +504,10 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     t0 = time.perf_counter()
     dev = _device(device, zero_copy, check, record_routing)
     batch_ = _batch_of(scenario, schedule, weights_path, prompts_path, batch, shared)
+    if record_routing and batch_.scenario.model.dense_count:
+        raise TgError("--record-routing records every layer's router: a model with dense layers "
+                      "(model.dense_layers) has layers without one, which a routing trace "
+                      "cannot say yet.")
     if batch_.overflow is not None:
         return _execute_prompts(batch_.scenario, schedule, device, weights_path, seed, progress,
                                 zero_copy, check, profile, processes, batch_.warnings,
@@ -569,6 +586,9 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts |
         from taskgraph.exec.tensor import check_shardable
 
         check_shardable(m, plan.tp)
+        if m.architecture != "mixtral":
+            raise TgError(f"tensor parallelism splits Mixtral's layers; {m.architecture}'s run on "
+                          "one GPU, or on several in pipeline or data parallel.")
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     key = (scenario.model_dump_json(), schedule)
@@ -588,10 +608,10 @@ def _load_weights(job: _Job, weights_path: str | None, seed: int, shared: _Promp
     of the batch before when `shared` holds them."""
     if shared is not None and shared.weights is not None:
         return shared.weights
-    from taskgraph.kernels.weights import load_mixtral_safetensors
+    from taskgraph.kernels.weights import load_safetensors
 
     m = job.plan.scenario.model
-    w = (load_mixtral_safetensors(weights_path, m, job.dtype) if weights_path
+    w = (load_safetensors(weights_path, m, job.dtype) if weights_path
          else _synthetic_weights(m, seed, job.dtype))
     if shared is not None:
         shared.weights = w

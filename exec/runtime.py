@@ -31,11 +31,11 @@ import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.dag.routing import Routing
-from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, decode_attention, decode_mask,
-                                   experts, lm_head, post_attention, pre_attention,
-                                   prefill_attention, prefill_layer, rmsnorm, rotate_qkv, route,
-                                   split_qkv)
-from taskgraph.kernels.weights import ModelWeights, layer_sections
+from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decode_attention,
+                                   decode_mask, experts, kv_shape, lm_head, mlp, post_attention,
+                                   pre_attention, prefill_attention, prefill_layer, qkv_widths,
+                                   rmsnorm, rotate_qkv, route, shared_experts, split_qkv)
+from taskgraph.kernels.weights import ModelWeights, attention_shapes, layer_sections
 from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
 
 
@@ -116,18 +116,25 @@ class Runtime:
         self.lens_host = [lens[j * self.mu:(j + 1) * self.mu] for j in range(self.n)]
         self.rope = Rope(self.m, self.device)
 
-    def _weight_layout(self, shard: Any) -> int:
+    def _weight_layout(self, shard: Any) -> dict[bool, int]:
         """Which elements of a layer live on the device (all, or all but the experts when they
         run apart): resident below ``cut``, streamed in ``pages`` above it, checked against what
-        each task waits for; with zero copy every one is read where it lies. Returns how many
-        elements of a layer that is."""
-        numel = math.ceil(self.plan.layout.extent_bytes / self.m.dtype_bytes)
-        self.cut, self.pages = _page_elements(self.plan, numel)
-        if shard is not None:
-            numel, self.cut, self.pages = self.w.layer_numel, shard.cut, shard.pages
+        each task waits for; with zero copy every one is read where it lies. Per class of layer
+        (an MoE layer, False; a dense one, True: ``self.dense[l]``), as is what this returns:
+        how many elements of a layer of the class that is."""
+        self.dense = [self.m.is_dense(l) for l in range(self.L)]
+        numel, self.cut, self.pages = {}, {}, {}
+        for dense in sorted(set(self.dense)):
+            layout = self.plan.layouts[dense]
+            numel[dense] = math.ceil(layout.extent_bytes / self.m.dtype_bytes)
+            self.cut[dense], self.pages[dense] = page_elements(layout, numel[dense],
+                                                               self.m.dtype_bytes)
+        if shard is not None:          # tensor parallelism: Mixtral's layers, all alike
+            numel, self.cut, self.pages = ({False: self.w.layer_numel}, {False: shard.cut},
+                                           {False: shard.pages})
         self._check_pages()
         if self.zero_copy:
-            self.cut, self.pages = numel, []
+            self.cut, self.pages = dict(numel), {dense: [] for dense in numel}
         return numel
 
     #: Each task kind this class runs -> the name of its method marked ``@runs`` (a
@@ -151,7 +158,7 @@ class Runtime:
             tasks.update({kind: _nothing for kind in HOST_DEVICE_COPIES})
         return tasks
 
-    def _weights(self, numel: int) -> None:
+    def _weights(self, numel: dict[bool, int]) -> None:
         """The weights on the device: each layer's resident prefix (``r_w``), the double buffer
         its streamed part crosses into, the pinned staging pages, a view of each layer over
         each half; the norms, the embedding and the LM head. One double buffer per GPU: on
@@ -165,13 +172,22 @@ class Runtime:
             for l, flat in enumerate(self.w.layers):
                 if not flat.is_pinned():
                     self.w.layers[l] = flat.pin_memory()
-        self.resident = [flat[:self.cut].to(self.device) for flat in self.w.layers]
-        self.halves = [self._dev(numel - self.cut) for _ in range(2 * self.plan.groups)]
-        page_max = max((b - a for a, b in self.pages), default=0)
+        self.resident = [flat[:self.cut[dense]].to(self.device)
+                         for flat, dense in zip(self.w.layers, self.dense)]
+        streamed = max(numel[dense] - self.cut[dense] for dense in numel)   # the largest layer's
+        self.halves = [self._dev(streamed) for _ in range(2 * self.plan.groups)]
+        page_max = max((b - a for pages in self.pages.values() for a, b in pages), default=0)
         self.pinned = [self._host(page_max) for _ in range(self.plan.schedule.pin_slots)]
-        self._views = {(l, half): LayerView(self.m, self.resident[l], self.halves[half])
-                       for l in range(self.L) for half in range(len(self.halves))}
         self.norms = [(a.to(self.device), b.to(self.device)) for a, b in self.w.norms]
+        extras = [{k: v.to(self.device) for k, v in small.items()} for small in self.w.extras]
+        self._views = {(l, half): LayerView(self.m, self.resident[l], self.halves[half],
+                                            extras[l], self.dense[l])
+                       for l in range(self.L) for half in range(len(self.halves))}
+        # each layer where it lies in host memory: what the CPU's tasks read (its experts, and
+        # MLA's up-projection for CPU attention)
+        empty = torch.empty(0, dtype=self.w.embed.dtype)
+        self._host_views = [LayerView(self.m, flat, empty, dense=dense)
+                            for flat, dense in zip(self.w.layers, self.dense)]
         self.embed = self.w.embed.to(self.device)
         self.final_norm = self.w.final_norm.to(self.device)
         self.head = self.w.lm_head.to(self.device)
@@ -181,28 +197,29 @@ class Runtime:
         one a decode step; and the GPU's KV slots (``kv_slots`` per GPU, none with zero copy,
         where attention reads the cache where it lies)."""
         m, T = self.m, self.P + self.G
-        self.k_cache = [[self._host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+        heads, kw, vw = kv_shape(m)
+        self.k_cache = [[self._host(self.mu, T, heads, kw) for _ in range(self.n)]
                         for _ in range(self.L)]
-        self.v_cache = [[self._host(self.mu, T, m.n_kv, m.d) for _ in range(self.n)]
+        self.v_cache = [[self._host(self.mu, T, heads, vw) for _ in range(self.n)]
                         for _ in range(self.L)]
         slots = 0 if self.zero_copy else self.plan.schedule.kv_slots * self.plan.groups
-        self.k_slot = [self._dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
-        self.v_slot = [self._dev(self.mu, T, m.n_kv, m.d) for _ in range(slots)]
+        self.k_slot = [self._dev(self.mu, T, heads, kw) for _ in range(slots)]
+        self.v_slot = [self._dev(self.mu, T, heads, vw) for _ in range(slots)]
 
     def _activation_buffers(self) -> None:
         """Each micro-batch's hidden states (the prompts' in prefill, one token a sequence in
         decode), its Q | K | V and its attention output, and the host's copies of the last two
         (CPU attention; one buffer with zero copy)."""
-        m, width = self.m, self.m.q_dim + 2 * self.m.h_kv
+        m, width, out = self.m, sum(qkv_widths(self.m)), attn_width(self.m)
         self.x_prefill = [self._dev(self.mu, self.P, m.h) for _ in range(self.n)]
         self.x = [self._dev(self.mu, m.h) for _ in range(self.n)]
         self.qkv = [self._dev(self.mu, width) for _ in range(self.n)]
-        self.attn = [self._dev(self.mu, m.q_dim) for _ in range(self.n)]
+        self.attn = [self._dev(self.mu, out) for _ in range(self.n)]
         if self.zero_copy:
             self.qkv_host, self.attn_host = self.qkv, self.attn
         else:
             self.qkv_host = [self._host(self.mu, width) for _ in range(self.n)]
-            self.attn_host = [self._host(self.mu, m.q_dim) for _ in range(self.n)]
+            self.attn_host = [self._host(self.mu, out) for _ in range(self.n)]
 
     def _prediction_buffers(self) -> None:
         """ECP: what ExpertAhead predicts from, micro-batch 0's normed hidden state as Route
@@ -307,7 +324,8 @@ class Runtime:
         K, V = self.k_cache[l][j], self.v_cache[l][j]
         K[:, pos], V[:, pos] = k, v
         self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
-                                                 self._mask(self.lens_host[j], pos + 1)))
+                                                 self._mask(self.lens_host[j], pos + 1),
+                                                 self._host_views[l]))
 
     @runs("D2")
     def _D2(self, s: int, l: int, j: int) -> None:
@@ -326,7 +344,8 @@ class Runtime:
         K, V = self._device_kv(s, l, j)
         K[:, pos], V[:, pos] = k, v
         self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
-                                            self._mask(self.lens[j], pos + 1)))
+                                            self._mask(self.lens[j], pos + 1),
+                                            self._view(s, l, j)))
 
     @runs("PostAttn")
     def _PostAttn(self, s: int, l: int, j: int) -> None:
@@ -343,7 +362,7 @@ class Runtime:
         experts where they lie in host memory."""
         m, rows = self.m, self.mu * self.P
         dev, host, zero_copy = self._dev, self._host, self.zero_copy
-        self.attn_prefill = [dev(rows, m.q_dim) for _ in range(self.n)]
+        self.attn_prefill = [dev(rows, attn_width(m)) for _ in range(self.n)]
         self.normed = [dev(rows, m.h) for _ in range(self.n)]
         self.gates = [dev(rows, m.k) for _ in range(self.n)]
         self.expert_ids = [torch.zeros(rows, m.k, dtype=torch.long, device=self.device)
@@ -359,8 +378,9 @@ class Runtime:
                                                 pin_memory=self.pin_memory)
                                     for _ in range(self.n)]
             self.ffn_out = [dev(rows, m.h) for _ in range(self.n)]
-        empty = torch.empty(0, dtype=self.w.embed.dtype)
-        self._host_views = [LayerView(m, flat, empty) for flat in self.w.layers]
+        # the shared experts' output (SharedFFN), which Merge or a cache's GPUFFN adds in
+        self.shared_out = [dev(rows, m.h) for _ in range(self.n)] if m.shared_experts else None
+
 
     def _hidden(self, s: int, j: int) -> torch.Tensor:
         """The residual stream of micro-batch j as rows [T, h]: a view, updated in place."""
@@ -380,14 +400,19 @@ class Runtime:
 
     @runs("Route")
     def _Route(self, s: int, l: int, j: int) -> None:
+        """O projection, residual, norm and the router's choice; on a dense layer its MLP
+        instead, into the residual (no expert task runs there)."""
         x, W = self._hidden(s, j), self._view(s, l, j)
         x += (self.attn_prefill[j] if s == 0 else self.attn[j]) @ W["o"].T
         normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
-        ids, gates = route(normed, W, self.m)
-        T = x.shape[0]
-        self.normed[j][:T].copy_(normed)
-        self.expert_ids[j][:T].copy_(ids)
-        self.gates[j][:T].copy_(gates)
+        if W.dense:
+            x += mlp(normed, W, "dense")
+        else:
+            ids, gates = route(normed, W, self.m)
+            T = x.shape[0]
+            self.normed[j][:T].copy_(normed)
+            self.expert_ids[j][:T].copy_(ids)
+            self.gates[j][:T].copy_(gates)
         if self._ahead_in is not None and j == 0:
             # ECP: what the next layer's ExpertAhead predicts from (in prefill each sequence's
             # last prompt token, whose step the first decode step follows)
@@ -425,9 +450,19 @@ class Runtime:
             # The GPU's part and the CPU's summed first, then added to the residual, as the
             # reference adds the whole sum: with top-2 routing each part holds at most the one
             # or two terms of a token's sum, so this is the reference's sum bit for bit.
-            x += self.ffn_gpu[j][:T] + self.ffn_out[j][:T]
+            x += self._with_shared(j, T, self.ffn_gpu[j][:T] + self.ffn_out[j][:T])
         else:
-            x += self.ffn_out[j][:T]
+            x += self._with_shared(j, T, self.ffn_out[j][:T])
+
+    def _with_shared(self, j: int, T: int, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum and the shared experts' output, added as the reference
+        adds them."""
+        return routed if self.shared_out is None else routed + self.shared_out[j][:T]
+
+    @runs("SharedFFN")
+    def _SharedFFN(self, s: int, l: int, j: int) -> None:
+        T = self._hidden(s, j).shape[0]
+        self.shared_out[j][:T].copy_(shared_experts(self.normed[j][:T], self._view(s, l, j)))
 
     # --- experts on the GPU (EP: the most popular, placed; EC: a cache) ------------------------
 
@@ -450,7 +485,8 @@ class Runtime:
         n = min(p.experts_gpu, m.E)
         if sched.ffn == "split":
             placed = Routing.of(self.plan.scenario).popular(n)          # (L, n)
-            self.placed = [sorted(int(e) for e in row) for row in placed]
+            self.placed = [[] if dense else sorted(int(e) for e in row)
+                           for row, dense in zip(placed, self.dense)]
             self._on_gpu = [frozenset(row) for row in self.placed]
             self._on_host = [frozenset(range(m.E)) - held for held in self._on_gpu]
             rows = self.mu * self.P
@@ -505,19 +541,25 @@ class Runtime:
         popular = p.eviction == "popular"
         held = ([sorted(int(e) for e in row) for row in Routing.of(self.plan.scenario).popular(n)]
                 if popular else [[] for _ in range(self.L)])
-        slots = n * self.L + self.staging_slots + self.prefetch_slots
+        cached = n * m.moe_layers                  # a dense layer has no experts to cache
+        slots = cached + self.staging_slots + self.prefetch_slots
         self._expert_pool = dev(slots, self._expert_numel)
         self._pool_views = [self._expert_views(self._expert_pool[i]) for i in range(slots)]
         self._caches = []
+        first = 0
         for l in range(self.L):
-            owned = list(range(l * n, (l + 1) * n))
+            if self.dense[l]:
+                self._caches.append(None)
+                continue
+            owned = list(range(first, first + n))
+            first += n
             for slot, e in zip(owned, held[l]):
                 self._expert_pool[slot].copy_(self._expert_block(l, e))
             self._caches.append(_ExpertCache(owned, held[l] if popular else None))
         # the pool slots that form the staging area and the prefetch area now (swaps change
         # which)
-        self._staging = list(range(n * self.L, n * self.L + self.staging_slots))
-        self._prefetch = list(range(n * self.L + self.staging_slots, slots))
+        self._staging = list(range(cached, cached + self.staging_slots))
+        self._prefetch = list(range(cached + self.staging_slots, slots))
         # the last prediction: the (step, layer) ExpertAhead predicted for, the experts it
         # predicted, and those it copied into the prefetch area -> their slots
         self._ahead: tuple[int, int, list[int], dict[int, int]] | None = None
@@ -575,7 +617,7 @@ class Runtime:
             return
         x = self._hidden(s, j)
         if self._caches is None:                     # zero copy: where they lie
-            x += experts(normed, ids, gates, self._host_views[l], self.m)
+            x += self._with_shared(j, T, experts(normed, ids, gates, self._host_views[l], self.m))
             return
         parts = ExpertSum(normed, ids, gates, self.m)
         for r, round_ in enumerate(self._rounds.pop((l, j))):
@@ -586,7 +628,7 @@ class Runtime:
             for e, slot in round_.compute.items():
                 W[f"w13.{e}"], W[f"w2.{e}"] = self._pool_views[slot]
             parts.add(W, sorted(round_.compute))
-        x += parts.result()
+        x += self._with_shared(j, T, parts.result())
 
     @runs("ExpertIn")
     def _ExpertIn(self, s: int, l: int, j: int) -> None:
@@ -707,9 +749,10 @@ class Runtime:
 
     @runs("D3")
     def _D3(self, s: int, l: int, index: int) -> None:
-        group, page = divmod(index, len(self.pages))
-        a, b = self.pages[page]
-        dst = self.halves[self.plan.weight_buffer(s, l, group)][a - self.cut:b - self.cut]
+        pages, cut = self.pages[self.dense[l]], self.cut[self.dense[l]]
+        group, page = divmod(index, len(pages))
+        a, b = pages[page]
+        dst = self.halves[self.plan.weight_buffer(s, l, group)][a - cut:b - cut]
         if self.plan.schedule.staging:
             dst.copy_(self.pinned[self._pin_slot(s, l, page)][:b - a], non_blocking=True)
         else:
@@ -717,31 +760,35 @@ class Runtime:
 
     @runs("W_CtoPin")
     def _W_CtoPin(self, s: int, l: int, page: int) -> None:
-        a, b = self.pages[page]
+        a, b = self.pages[self.dense[l]][page]
         self.pinned[self._pin_slot(s, l, page)][:b - a].copy_(self.w.layers[l][a:b])
 
     def _pin_slot(self, s: int, l: int, page: int) -> int:
-        return ((s * self.L + l) * len(self.pages) + page) % len(self.pinned)
+        return ((s * self.L + l) * self.plan.layout.n_pages + page) % len(self.pinned)
 
     # --- start-up checks ---------------------------------------------------------------------
 
     def _check_pages(self) -> None:
         """Every element a task reads lies in a page the graph makes that task wait for."""
-        layout = self.plan.layout
-        sections = {s.name: (s.offset, s.offset + s.size) for s in layer_sections(self.m)}
-        groups = {"qkv": ("q", "k", "v"), "post": tuple(n for n in sections if n not in ("q", "k", "v")),
-                  "route": ("o", "router"), "all": tuple(sections), "o": ("o",),
-                  "moe": tuple(n for n in sections if n not in ("q", "k", "v", "o"))}
         sched = self.plan.schedule
-        launched = {op.kind for loop in (*sched.prefill, *sched.decode_prologue)
-                    for op in loop.ops} | {op.kind for op in sched.decode}
-        for section in {WEIGHT_SECTIONS[k] for k in launched if k in WEIGHT_SECTIONS}:
-            allowed = set(layout.pages_for(section))
-            for name in groups[section]:
-                a, b = sections[name]
-                for p, (lo, hi) in enumerate(self.pages):
-                    if lo < b and a < hi and p not in allowed:
-                        raise AssertionError(f"{name} reads page {p}, outside {allowed}")
+        launched = {op.kind for op in sched.ops}
+        for dense, pages in self.pages.items():
+            layout = self.plan.layouts[dense]
+            sections = {s.name: (s.offset, s.offset + s.size)
+                        for s in layer_sections(self.m, dense)}
+            qkv, o = (tuple(name for name, _ in part) for part in attention_shapes(self.m))
+            ffn = tuple(n for n in sections if n not in (*qkv, *o))
+            groups = {"qkv": qkv, "post": (*o, *ffn), "o": o, "all": tuple(sections),
+                      # a dense layer's router task runs its MLP
+                      "route": (*o, *ffn) if dense else (*o, "router"),
+                      "shared": tuple(n for n in ffn if n.startswith("shared.")), "moe": ffn}
+            for section in {WEIGHT_SECTIONS[k] for k in launched if k in WEIGHT_SECTIONS}:
+                allowed = set(layout.pages_for(section))
+                for name in groups[section]:
+                    a, b = sections[name]
+                    for p, (lo, hi) in enumerate(pages):
+                        if lo < b and a < hi and p not in allowed:
+                            raise AssertionError(f"{name} reads page {p}, outside {allowed}")
 
 
 def _marked(cls: type) -> dict[str, str]:
@@ -881,9 +928,9 @@ def _rounds(hits: dict[int, int], direct: list[tuple[int, int]], staged: list[in
     return rounds
 
 
-def _page_elements(plan: Plan, numel: int) -> tuple[int, list[tuple[int, int]]]:
-    """(first streamed element, [element range of each page]) for the plan's byte layout."""
-    layout, b = plan.layout, plan.scenario.model.dtype_bytes
+def page_elements(layout: Any, numel: int, b: int) -> tuple[int, list[tuple[int, int]]]:
+    """(first streamed element, [element range of each page]) for a layer's byte layout
+    (:class:`taskgraph.dag.work.WeightLayout`) over `numel` elements of `b` bytes."""
     cut = min(numel, math.ceil(layout.resident_bytes / b))
     if not layout.n_pages:
         return numel, []

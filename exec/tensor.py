@@ -25,7 +25,7 @@ import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
-from taskgraph.exec.runtime import Runtime, _page_elements, runs
+from taskgraph.exec.runtime import Runtime, page_elements, runs
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
@@ -76,7 +76,7 @@ def make_shard(plan: Plan, weights: ModelWeights, g: int) -> tuple[Shard, ModelW
     """GPU g's shard of the plan's model: its spec, weights and page ranges."""
     m, n = plan.scenario.model, plan.tp
     idx = shard_elements(m, n, g)
-    cut, pages = _page_elements(plan, weights.layer_numel)
+    cut, pages = page_elements(plan.layout, weights.layer_numel, m.dtype_bytes)
     at = lambda e: int(torch.searchsorted(idx, e))      # noqa: E731 - first shard element >= e
     vocab = slice(g * m.V // n, (g + 1) * m.V // n)
     shard_w = ModelWeights(shard_model(m, n), [flat[idx] for flat in weights.layers],

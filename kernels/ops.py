@@ -44,12 +44,15 @@ class LayerView:
     streams in overwrites them in place); a matrix straddling the two buffers is stitched anew
     on every read."""
 
-    def __init__(self, model: ModelSpec, resident: torch.Tensor, streamed: torch.Tensor):
-        self.m = model
+    def __init__(self, model: ModelSpec, resident: torch.Tensor, streamed: torch.Tensor,
+                 extras: dict[str, torch.Tensor] | None = None, dense: bool = False):
+        self.m, self.dense = model, dense       # a dense layer: its MLP, no router or experts
         self.cut = resident.numel()
         self.resident, self.streamed = resident, streamed
-        self._sections = _sections(model)
-        self._views: dict[str, torch.Tensor] = {}
+        self._sections = _sections(model, dense)
+        # a family's small per-layer tensors (biases, q/k norms), always where the layer runs
+        self.extras = extras or {}
+        self._views: dict[str, torch.Tensor] = dict(self.extras)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         view = self._views.get(name)
@@ -64,15 +67,28 @@ class LayerView:
         return view
 
 
-def _sections(m: ModelSpec) -> dict[str, Section]:
-    """Every matrix of a layer by name, plus the stacked ``qkv`` and ``w13.{e}``."""
-    key = (m.h, m.h_i, m.q_dim, m.h_kv, m.E)
+def _sections(m: ModelSpec, dense: bool = False) -> dict[str, Section]:
+    """Every matrix of a layer by name, plus the stacked ``qkv``, ``w13.{e}`` (and a dense
+    layer's ``dense.w13``, the shared experts' ``shared.w13``)."""
+    key = (m.h, m.h_i, m.q_dim, m.h_kv, m.E, m.shared_experts, m.h_shared, m.shared_gate,
+           dense and m.h_dense, m.attention, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+           m.qk_rope_head_dim, m.v_head_dim)
     table = _SECTION_CACHE.get(key)
     if table is None:
-        table = {s.name: s for s in layer_sections(m)}
-        table["qkv"] = Section("qkv", (m.q_dim + 2 * m.h_kv, m.h), table["q"].offset)
+        table = {s.name: s for s in layer_sections(m, dense)}
+        if m.attention != "mla":
+            table["qkv"] = Section("qkv", (m.q_dim + 2 * m.h_kv, m.h), table["q"].offset)
+        if dense:
+            table["dense.w13"] = Section("dense.w13", (2 * m.h_dense, m.h),
+                                         table["dense.w1"].offset)
+            _SECTION_CACHE[key] = table
+            return table
         for e in range(m.E):
             table[f"w13.{e}"] = Section(f"w13.{e}", (2 * m.h_i, m.h), table[f"w1.{e}"].offset)
+        if m.shared_experts:
+            width = m.shared_experts * m.h_shared
+            table["shared.w13"] = Section("shared.w13", (2 * width, m.h),
+                                          table["shared.w1"].offset)
         _SECTION_CACHE[key] = table
     return table
 
@@ -87,22 +103,30 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary position embedding (the rotate-half form of Llama/Mixtral), with linear position
-    scaling. cos/sin are computed in fp32 and cast to the activations' dtype, as transformers
-    does, so bf16 runs round where it rounds."""
+    """Rotary position embedding (the rotate-half form of Llama/Mixtral, or DeepSeek's rotation
+    of neighbouring pairs), with linear position scaling, over each head's dimensions (MLA's
+    rope part). cos/sin are computed in fp32 and cast to the activations' dtype, as
+    transformers does, so bf16 runs round where it rounds."""
 
     def __init__(self, m: ModelSpec, device: torch.device | str = "cpu"):
         if m.rope_type not in ("default", "linear"):
             raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default and "
                           "linear RoPE scalings only.")
-        d = m.d
+        d = m.qk_rope_head_dim if m.attention == "mla" else m.d
         self.inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                device=device) / d))
         self.scale = 1.0 / m.rope_scaling_factor
+        self.interleave = m.rope_interleave
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated."""
+        """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated. Pairs
+        (DeepSeek's) come out as the even dimensions' then the odd ones' (transformers'
+        DeepSeek-V3 layout): q and k alike, so their products are the pairs' own."""
         freqs = (positions.float() * self.scale).unsqueeze(-1) * self.inv_freq
+        if self.interleave:
+            cos, sin = freqs.cos().to(x.dtype).unsqueeze(-2), freqs.sin().to(x.dtype).unsqueeze(-2)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)        # [..., T, 1, d]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         half = x.shape[-1] // 2
@@ -110,30 +134,109 @@ class Rope:
         return x * cos + rotated * sin
 
 
+# The widths of what attention keeps and moves, by kind of attention. GQA: a token's q, k and v
+# heads. MLA (computed as transformers computes it, the cache decompressed for each step): its
+# queries (nope | rope, each head), one cache entry a token holding the normed KV latent and the
+# rope key, and no values of their own (they come from the latent).
+_MLA_NORM_EPS = 1e-6          # DeepSeek's q_a_layernorm and kv_a_layernorm, whatever the config
+
+
+def qkv_widths(m: ModelSpec) -> tuple[int, int, int]:
+    """Elements of one token's q | k | v as PreAttn leaves them."""
+    if m.attention == "mla":
+        return (m.n_q * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+                m.kv_lora_rank + m.qk_rope_head_dim, 0)
+    return m.q_dim, m.h_kv, m.h_kv
+
+
+def kv_shape(m: ModelSpec) -> tuple[int, int, int]:
+    """(heads, K width, V width) of one token's cache entry."""
+    if m.attention == "mla":
+        return 1, m.kv_lora_rank + m.qk_rope_head_dim, 0
+    return m.n_kv, m.d, m.d
+
+
+def attn_width(m: ModelSpec) -> int:
+    """Elements of one token's attention output, what the O projection reads."""
+    return m.n_q * m.v_head_dim if m.attention == "mla" else m.q_dim
+
+
 def pre_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView) -> torch.Tensor:
-    """RMSNorm + QKV projection: x [..., h] -> [..., q_dim + 2 h_kv] (q | k | v), unrotated."""
-    return rmsnorm(x, norm, W.m.rms_norm_eps) @ W["qkv"].T
+    """RMSNorm + QKV projection: x [..., h] -> [..., q | k | v] (:func:`qkv_widths`),
+    unrotated; with the family's bias (Qwen2-MoE) and Q/K norms (Qwen3-MoE: each head's; OLMoE:
+    all heads' at once), as its transformers model applies them before RoPE. MLA: the queries,
+    the normed KV latent and the rope key."""
+    m = W.m
+    if m.attention == "mla":
+        h = rmsnorm(x, norm, m.rms_norm_eps)
+        q = (h @ W["q"].T if not m.q_lora_rank else
+             rmsnorm(h @ W["q_a"].T, W["q_a_norm"], _MLA_NORM_EPS) @ W["q_b"].T)
+        latent, k_rope = (h @ W["kv_a"].T).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        return torch.cat([q, rmsnorm(latent, W["kv_a_norm"], _MLA_NORM_EPS), k_rope], dim=-1)
+    qkv = rmsnorm(x, norm, m.rms_norm_eps) @ W["qkv"].T
+    if "qkv_bias" in W.extras:
+        qkv = qkv + W["qkv_bias"]
+    if "q_norm" not in W.extras:
+        return qkv
+    q, k, v = qkv.split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
+    if m.architecture == "olmoe":
+        q, k = rmsnorm(q, W["q_norm"], m.rms_norm_eps), rmsnorm(k, W["k_norm"], m.rms_norm_eps)
+    else:
+        shape = q.shape[:-1]
+        q = rmsnorm(q.reshape(*shape, m.n_q, m.d), W["q_norm"], m.rms_norm_eps).reshape(
+            *shape, -1)
+        k = rmsnorm(k.reshape(*shape, m.n_kv, m.d), W["k_norm"], m.rms_norm_eps).reshape(
+            *shape, -1)
+    return torch.cat([q, k, v], dim=-1)
 
 
 def split_qkv(qkv: torch.Tensor, m: ModelSpec) -> tuple[torch.Tensor, ...]:
-    q, k, v = qkv.split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
-    shape = qkv.shape[:-1]
-    return (q.reshape(*shape, m.n_q, m.d), k.reshape(*shape, m.n_kv, m.d),
-            v.reshape(*shape, m.n_kv, m.d))
+    """q [..., n_q, head], k [..., heads, K width], v [..., heads, V width] (:func:`kv_shape`)."""
+    q, k, v = qkv.split(qkv_widths(m), dim=-1)
+    shape, (heads, kw, vw) = qkv.shape[:-1], kv_shape(m)
+    return (q.reshape(*shape, m.n_q, -1), k.reshape(*shape, heads, kw),
+            v.reshape(*shape, heads, vw))
 
 
 def rotate_qkv(qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, m: ModelSpec
                ) -> torch.Tensor:
     """q | k | v with RoPE applied to q and k at each row's position (v untouched): the form
-    that crosses to attention and whose K lands in the cache."""
+    that crosses to attention and whose K lands in the cache. MLA: each head's rope part of q,
+    and the rope key after the latent."""
     q, k, v = split_qkv(qkv, m)
     shape = qkv.shape[:-1]
+    if m.attention == "mla":
+        nope, kv = m.qk_nope_head_dim, m.kv_lora_rank
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], positions)], dim=-1)
+        k = torch.cat([k[..., :kv], rope(k[..., kv:], positions)], dim=-1)
+        return torch.cat([q.reshape(*shape, -1), k.reshape(*shape, -1)], dim=-1)
     return torch.cat([rope(q, positions).reshape(*shape, -1),
                       rope(k, positions).reshape(*shape, -1), v.reshape(*shape, -1)], dim=-1)
 
 
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, W: LayerView,
+                  mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """Multi-head latent attention as transformers computes it: each cached token's latent
+    decompressed into every head's key (nope part, beside the shared rope key) and value.
+    q [B, Tq, n_q, nope + rope], cache [B, T, 1, latent + rope], `mask` [B, 1, Tq, T] (or
+    None; `causal` for prompts) -> [B, Tq, n_q * v]."""
+    m = W.m
+    B, T = cache.shape[:2]
+    n, nope, rope, vd = m.n_q, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    latent, k_rope = cache[:, :, 0, :m.kv_lora_rank], cache[:, :, 0, m.kv_lora_rank:]
+    keys = torch.cat([(latent @ W["uk"].T).view(B, T, n, nope),
+                      k_rope[:, :, None].expand(B, T, n, rope)], dim=-1)
+    values = (latent @ W["uv"].T).view(B, T, n, vd)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                         values.transpose(1, 2), attn_mask=mask,
+                                         is_causal=causal and mask is None,
+                                         scale=(nope + rope) ** -0.5)
+    return out.transpose(1, 2).reshape(B, q.shape[1], n * vd)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, W: LayerView | None = None
+                     ) -> torch.Tensor:
     """Grouped-query decode attention of one new token per sequence.
 
     q [B, n_q, d]; k, v [B, T, n_kv, d] (the whole cache, new token included) -> [B, n_q * d].
@@ -146,6 +249,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, n_q, d = q.shape
     if mask is not None:
         mask = mask[:, None, None, :]
+    if W is not None and W.m.attention == "mla":      # `k` is the latent cache; `W` expands it
+        return mla_attention(q[:, None], k, W, mask)[:, 0]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, enable_gqa=True)
     return out.reshape(B, n_q * d)
@@ -172,20 +277,49 @@ def decode_attention_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def moe(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
-    """Top-k routed SwiGLU experts (Mixtral): x [T, h] -> [T, h]."""
-    return experts(x, *route(x, W, m), W, m)
+    """Top-k routed SwiGLU experts, and the shared ones where the model has them: x [T, h] ->
+    [T, h], summed as transformers sums them (the routed experts' sum, then the shared)."""
+    routed = experts(x, *route(x, W, m), W, m)
+    return routed + shared_experts(x, W) if m.shared_experts else routed
 
 
 def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The router: each token's top-k experts [T, k] and their gates [T, k]. The softmax runs in
-    fp32 over all experts, then the top k are renormalised, as transformers does. Inside
-    :func:`routes_seen`, the experts are also kept."""
-    probs = (x @ W["router"].T).float().softmax(-1)
-    top, idx = probs.topk(m.k, dim=-1)
+    fp32 over all experts, then the top k are renormalised where the model says so (Mixtral;
+    Qwen's and OLMoE's norm_topk_prob), as transformers does. Inside :func:`routes_seen`, the
+    experts are also kept."""
+    logits = (x @ W["router"].T).float()
+    if m.router == "softmax" and m.expert_groups == 1:
+        top, idx = logits.softmax(-1).topk(m.k, dim=-1)
+    else:
+        top, idx = _grouped_top_k(logits, W, m)
     seen = getattr(_routes, "seen", None)
     if seen is not None:
         seen.append(idx.detach().cpu())
-    return idx, (top / top.sum(-1, keepdim=True)).to(x.dtype)
+    if m.renormalize:
+        top = top / (top.sum(-1, keepdim=True) + (1e-20 if m.router == "sigmoid" else 0.0))
+    if m.routed_scaling != 1.0:
+        top = top * m.routed_scaling
+    return idx, top.to(x.dtype)
+
+
+def _grouped_top_k(logits: torch.Tensor, W: LayerView, m: ModelSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers, as transformers computes them: softmax scores (V2), or sigmoid
+    scores chosen with a bias that the gates leave out (V3, GLM-4.5); with expert groups, each
+    token chooses only among the experts of its best `topk_groups` groups (a group scored by
+    its best expert under softmax, its best two under sigmoid)."""
+    scores = logits.sigmoid() if m.router == "sigmoid" else logits.softmax(-1)
+    choice = scores + W["router_bias"] if "router_bias" in W.extras else scores
+    if m.expert_groups > 1:
+        groups = choice.view(-1, m.expert_groups, m.E // m.expert_groups)
+        best = (groups.topk(2, dim=-1)[0].sum(-1) if m.router == "sigmoid"
+                else groups.max(dim=-1).values)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_groups, dim=-1)[1], 1)
+        keep = keep.unsqueeze(-1).expand_as(groups).reshape(-1, m.E).bool()
+        choice = choice.masked_fill(~keep, float("-inf") if m.router == "sigmoid" else 0.0)
+    idx = choice.topk(m.k, dim=-1)[1]
+    return scores.gather(-1, idx), idx
 
 
 _routes = threading.local()
@@ -263,12 +397,32 @@ class ExpertSum:
         return torch.zeros_like(self.x).index_add_(0, self.rows, self.ys)
 
 
+def shared_experts(x: torch.Tensor, W: LayerView) -> torch.Tensor:
+    """The shared experts every token runs, as one SwiGLU MLP as wide as all of them: x [T, h]
+    -> [T, h], scaled by a sigmoid gate of x where the model has one (Qwen2-MoE)."""
+    y = mlp(x, W, "shared")
+    if W.m.shared_gate:
+        y = torch.sigmoid(x @ W["shared.gate"].T) * y
+    return y
+
+
+def mlp(x: torch.Tensor, W: LayerView, name: str) -> torch.Tensor:
+    """A SwiGLU MLP whose stacked gate | up matrix is ``{name}.w13`` and down ``{name}.w2``."""
+    g, u = (x @ W[f"{name}.w13"].T).chunk(2, dim=-1)
+    return (F.silu(g) * u) @ W[f"{name}.w2"].T
+
+
+def ffn(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
+    """A layer's FFN over its normed input: a dense layer's MLP, else the routed experts and
+    the shared ones."""
+    return mlp(x, W, "dense") if W.dense else moe(x, W, m)
+
+
 def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,
                    m: ModelSpec) -> torch.Tensor:
-    """O projection + residual + RMSNorm + router + experts + residual: x [T, h], attn
-    [T, q_dim]."""
+    """O projection + residual + RMSNorm + FFN + residual: x [T, h], attn [T, q_dim]."""
     x = x + attn @ W["o"].T
-    return x + moe(rmsnorm(x, norm, m.rms_norm_eps), W, m)
+    return x + ffn(rmsnorm(x, norm, m.rms_norm_eps), W, m)
 
 
 def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: LayerView,
@@ -296,6 +450,8 @@ def prefill_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView, m: Mode
         cols = torch.arange(P, device=x.device)
         causal = cols[None, :] <= cols[:, None]                          # [P, P]
         mask = (causal[None] & (cols[None, None, :] < lens[:, None, None]))[:, None]
+    if m.attention == "mla":
+        return mla_attention(q, k, W, mask, causal=True).reshape(B * P, -1), k, v
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return attn.transpose(1, 2).reshape(B * P, m.q_dim), k, v

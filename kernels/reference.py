@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, lm_head,
-                                   one_thread, post_attention, pre_attention, prefill_layer,
-                                   rotate_qkv, routes_seen, split_qkv)
+from taskgraph.kernels.ops import (LayerView, Rope, decode_attention, decode_mask, kv_shape,
+                                   lm_head, one_thread, post_attention, pre_attention,
+                                   prefill_layer, rotate_qkv, routes_seen, split_qkv)
 from taskgraph.kernels.weights import ModelWeights
 
 
@@ -55,7 +55,8 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
     ragged = bool((lens_all < P).any())
     rope = Rope(m)
     empty = torch.empty(0, dtype=w.layers[0].dtype)
-    views = [LayerView(m, flat, empty) for flat in w.layers]
+    views = [LayerView(m, flat, empty, small, m.is_dense(l))
+             for l, (flat, small) in enumerate(zip(w.layers, w.extras))]
     tokens = torch.empty(N, steps + 1, dtype=torch.long)
     logits = torch.empty(N, m.V, dtype=w.embed.dtype)
     hidden = torch.empty(N, m.h, dtype=w.embed.dtype)
@@ -67,8 +68,9 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
     for j in range(0, N, mu):
         rows = slice(j, j + mu)
         lens = lens_all[rows]
-        K = [torch.zeros(mu, P + steps, m.n_kv, m.d, dtype=w.embed.dtype) for _ in range(m.L)]
-        V = [torch.zeros_like(k) for k in K]
+        heads, kw, vw = kv_shape(m)
+        K = [torch.zeros(mu, P + steps, heads, kw, dtype=w.embed.dtype) for _ in range(m.L)]
+        V = [torch.zeros(mu, P + steps, heads, vw, dtype=w.embed.dtype) for _ in range(m.L)]
         x = w.embed[prompts[rows]]
         with seen() as experts:
             for l in range(m.L):
@@ -88,7 +90,8 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                                      rope, m)
                     q, k, v = split_qkv(qkv, m)
                     K[l][:, pos], V[l][:, pos] = k, v
-                    attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1], mask)
+                    attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1], mask,
+                                            views[l])
                     x = post_attention(x, attn, w.norms[l][1], views[l], m)
             if record:
                 dec[s - 1, :, rows] = torch.stack(experts)

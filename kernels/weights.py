@@ -1,8 +1,10 @@
 """Model weights for the executor: synthetic and deterministic by seed, or a Hugging Face
-Mixtral safetensors checkpoint.
+safetensors checkpoint of a family the executor computes (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, DeepSeek-V2/V3).
 
 Each layer's matrices live in one flat vector, in the order the cost model pages them
-(:class:`taskgraph.dag.work.WeightLayout`): q, k, v | o | router | experts (w1, w3, w2 per expert).
+(:class:`taskgraph.dag.work.WeightLayout`): q, k, v | o | router | shared experts (w1, w3, w2,
+gate) | experts (w1, w3, w2 per expert).
 The first ``r_w`` of a layer stays on the GPU and the rest streams in pages, so any byte range of
 this vector is a page. Norms, embedding and LM head are small and always resident.
 """
@@ -32,12 +34,43 @@ class Section:
         return self.shape[0] * self.shape[1]
 
 
-def layer_sections(m: ModelSpec) -> list[Section]:
-    """The matrices of one layer in flat order (rows are output features)."""
-    shapes = [("q", (m.q_dim, m.h)), ("k", (m.h_kv, m.h)), ("v", (m.h_kv, m.h)),
-              ("o", (m.h, m.q_dim)), ("router", (m.E, m.h))]
+def attention_shapes(m: ModelSpec) -> tuple[list[tuple[str, tuple[int, int]]],
+                                             list[tuple[str, tuple[int, int]]]]:
+    """The attention's matrices: those that make Q, K and V, and those after attention (the O
+    projection). MLA: the Q path (q_a, q_b, or q), the KV down-projection (kv_a: the latent and
+    the rope key) and the key half of the up-projection (uk); the value half (uv) and O after,
+    as the cost model counts them (ModelSpec.qkv_params, o_params)."""
+    if m.attention != "mla":
+        return ([("q", (m.q_dim, m.h)), ("k", (m.h_kv, m.h)), ("v", (m.h_kv, m.h))],
+                [("o", (m.h, m.q_dim))])
+    n, nope, rope, v = m.n_q, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    q = ([("q_a", (m.q_lora_rank, m.h)), ("q_b", (n * (nope + rope), m.q_lora_rank))]
+         if m.q_lora_rank else [("q", (n * (nope + rope), m.h))])
+    return ([*q, ("kv_a", (m.kv_lora_rank + rope, m.h)), ("uk", (n * nope, m.kv_lora_rank))],
+            [("uv", (n * v, m.kv_lora_rank)), ("o", (m.h, n * v))])
+
+
+def layer_sections(m: ModelSpec, dense: bool = False) -> list[Section]:
+    """The matrices of one layer in flat order (rows are output features): an MoE layer's, or
+    with `dense` a dense layer's (its MLP where the router and experts would be)."""
+    qkv, o = attention_shapes(m)
+    shapes = [*qkv, *o]
+    if dense:
+        shapes += [("dense.w1", (m.h_dense, m.h)), ("dense.w3", (m.h_dense, m.h)),
+                   ("dense.w2", (m.h, m.h_dense))]
+        return _laid_out(shapes)
+    shapes.append(("router", (m.E, m.h)))
+    if m.shared_experts:     # one SwiGLU MLP as wide as all the shared experts (DeepSeek's)
+        width = m.shared_experts * m.h_shared
+        shapes += [("shared.w1", (width, m.h)), ("shared.w3", (width, m.h)),
+                   ("shared.w2", (m.h, width))] + ([("shared.gate", (1, m.h))]
+                                                   if m.shared_gate else [])
     for e in range(m.E):
         shapes += [(f"w1.{e}", (m.h_i, m.h)), (f"w3.{e}", (m.h_i, m.h)), (f"w2.{e}", (m.h, m.h_i))]
+    return _laid_out(shapes)
+
+
+def _laid_out(shapes: list[tuple[str, tuple[int, int]]]) -> list[Section]:
     out, offset = [], 0
     for name, shape in shapes:
         out.append(Section(name, shape, offset))
@@ -45,9 +78,31 @@ def layer_sections(m: ModelSpec) -> list[Section]:
     return out
 
 
+def extra_shapes(m: ModelSpec, dense: bool = False) -> dict[str, tuple[int, ...]]:
+    """A family's small per-layer tensors beside its matrices (kept where the layer runs, as the
+    norms are): Qwen2-MoE's Q, K and V biases (one vector, q | k | v), Qwen3-MoE's RMSNorm of
+    each head's Q and K, OLMoE's of all heads' Q and K at once; MLA's norms of the Q and KV
+    latents, and DeepSeek-V3's router bias (an MoE layer's)."""
+    if m.architecture == "qwen2_moe":
+        return {"qkv_bias": (m.q_dim + 2 * m.h_kv,)}
+    if m.architecture == "qwen3_moe":
+        return {"q_norm": (m.d,), "k_norm": (m.d,)}
+    if m.architecture == "olmoe":
+        return {"q_norm": (m.q_dim,), "k_norm": (m.h_kv,)}
+    out: dict[str, tuple[int, ...]] = {}
+    if m.attention == "mla":
+        out["kv_a_norm"] = (m.kv_lora_rank,)
+        if m.q_lora_rank:
+            out["q_a_norm"] = (m.q_lora_rank,)
+    if m.router == "sigmoid" and not dense:
+        out["router_bias"] = (m.E,)
+    return out
+
+
 @dataclass
 class ModelWeights:
-    """All weights on the host: `layers[l]` is layer l's flat vector."""
+    """All weights on the host: `layers[l]` is layer l's flat vector, `extras[l]` its family's
+    small tensors (:func:`extra_shapes`; none for Mixtral)."""
 
     model: ModelSpec
     layers: list[torch.Tensor]
@@ -55,6 +110,11 @@ class ModelWeights:
     embed: torch.Tensor
     final_norm: torch.Tensor
     lm_head: torch.Tensor
+    extras: list[dict[str, torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.extras is None:
+            self.extras = [{} for _ in self.layers]
 
     @property
     def layer_numel(self) -> int:
@@ -65,10 +125,10 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
                       ) -> ModelWeights:
     """Random weights scaled so activations stay O(1) through many layers."""
     g = torch.Generator().manual_seed(seed)
-    sections = layer_sections(m)
-    numel = sections[-1].offset + sections[-1].size
     layers = []
-    for _ in range(m.L):
+    for l in range(m.L):
+        sections = layer_sections(m, m.is_dense(l))
+        numel = sections[-1].offset + sections[-1].size
         flat = torch.empty(numel, dtype=torch.float32)
         for s in sections:
             fan_in = s.shape[1]
@@ -76,21 +136,55 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
         layers.append(flat.to(dtype))
     norms = [(1 + 0.1 * torch.randn(m.h, generator=g), 1 + 0.1 * torch.randn(m.h, generator=g))
              for _ in range(m.L)]
+    extras = [{name: ((1 + 0.1 * torch.randn(shape, generator=g)) if "norm" in name else
+                      0.1 * torch.randn(shape, generator=g)).to(dtype)
+               for name, shape in extra_shapes(m, m.is_dense(l)).items()} for l in range(m.L)]
     embed = torch.randn(m.V, m.h, generator=g).to(dtype)
     head = (torch.randn(m.V, m.h, generator=g) / m.h ** 0.5).to(dtype)
     return ModelWeights(
         model=m, layers=layers, norms=[(a.to(dtype), b.to(dtype)) for a, b in norms],
         embed=embed, final_norm=torch.ones(m.h, dtype=dtype),
-        lm_head=embed if m.tie_word_embeddings else head)
+        lm_head=embed if m.tie_word_embeddings else head, extras=extras)
 
 
-_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-          "o": "self_attn.o_proj", "router": "block_sparse_moe.gate"}
+_ATTENTION = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "o": "self_attn.o_proj", "q_a": "self_attn.q_a_proj", "q_b": "self_attn.q_b_proj",
+              "kv_a": "self_attn.kv_a_proj_with_mqa"}
+#: A SwiGLU MLP's matrices as tg names them (w1 gate, w3 up, w2 down) and as the families
+#: after Mixtral do.
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _tensor_name(layer: int, section: str) -> str:
-    base = _NAMES.get(section) or "block_sparse_moe.experts.{1}.{0}".format(*section.split("."))
+def _tensor_name(m: ModelSpec, layer: int, section: str) -> str:
+    """A layer's matrix in a Hugging Face checkpoint of the model's family."""
+    mixtral = m.architecture == "mixtral"
+    if section in _ATTENTION:
+        base = _ATTENTION[section]
+    elif section.startswith("dense."):
+        base = f"mlp.{_PROJ[section.split('.')[1]]}"
+    elif section == "router":
+        base = "block_sparse_moe.gate" if mixtral else "mlp.gate"
+    elif section.startswith("shared."):
+        part = section.split(".")[1]
+        shared = "mlp.shared_expert" if m.architecture == "qwen2_moe" else "mlp.shared_experts"
+        base = "mlp.shared_expert_gate" if part == "gate" else f"{shared}.{_PROJ[part]}"
+    else:
+        part, e = section.split(".")
+        base = (f"block_sparse_moe.experts.{e}.{part}" if mixtral
+                else f"mlp.experts.{e}.{_PROJ[part]}")
     return f"model.layers.{layer}.{base}.weight"
+
+
+def _extra_names(layer: int, name: str) -> list[str]:
+    """The checkpoint tensors a family's small tensor is made of (concatenated in order)."""
+    p = f"model.layers.{layer}.self_attn."
+    if name == "qkv_bias":
+        return [p + f"{x}_proj.bias" for x in "qkv"]
+    if name == "router_bias":
+        return [f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+    if name in ("q_a_norm", "kv_a_norm"):
+        return [p + f"{name[:-5]}_layernorm.weight"]
+    return [p + f"{name}.weight"]
 
 
 def checkpoint_index(folder: Path) -> dict[str, Path]:
@@ -136,11 +230,12 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
     return index
 
 
-def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.float32
-                             ) -> ModelWeights:
-    """Weights of the first ``m.L`` layers of a Hugging Face Mixtral checkpoint (a folder of
-    ``*.safetensors``, sharded with ``model.safetensors.index.json`` or not) whose shapes match
-    `m`, converted to `dtype`.
+def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.float32
+                     ) -> ModelWeights:
+    """Weights of the first ``m.L`` layers of a Hugging Face checkpoint of the model's family
+    (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3: a folder of ``*.safetensors``,
+    sharded with ``model.safetensors.index.json`` or not) whose shapes match `m`, converted
+    to `dtype`. MLA's up-projection is split into its key and value rows (uk, uv).
 
     Tensors are read one at a time through memory-mapped ``safe_open`` handles and copied into
     each layer's flat vector; the handles close after every layer, so peak host memory is the
@@ -158,9 +253,8 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
              ) -> torch.Tensor:
         file = index.get(name)
         if file is None:
-            raise TgError(f"Checkpoint '{folder}' has no tensor '{name}'; tg reads Mixtral "
-                          "tensor names (model.layers.N.block_sparse_moe.experts.E.w1.weight "
-                          "...).")
+            raise TgError(f"Checkpoint '{folder}' has no tensor '{name}', which a "
+                          f"{m.architecture} checkpoint holds.")
         try:
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt")
@@ -187,17 +281,29 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
                           "be meaningless.")
         return out
 
-    sections = layer_sections(m)
-    numel = sections[-1].offset + sections[-1].size
-    layers, norms = [], []
+    layers, norms, extras = [], [], []
     for i in range(m.L):
-        flat = torch.empty(numel, dtype=dtype)
+        sections = layer_sections(m, m.is_dense(i))
+        flat = torch.empty(sections[-1].offset + sections[-1].size, dtype=dtype)
         for s in sections:
-            read(_tensor_name(i, s.name), s.shape, flat[s.offset:s.offset + s.size])
+            out = flat[s.offset:s.offset + s.size]
+            if s.name in ("uk", "uv"):      # MLA's up-projection, each head's key | value rows
+                n, nope, v = m.n_q, m.qk_nope_head_dim, m.v_head_dim
+                kv_b = read(f"model.layers.{i}.self_attn.kv_b_proj.weight",
+                            (n * (nope + v), m.kv_lora_rank)).view(n, nope + v, -1)
+                out.copy_((kv_b[:, :nope] if s.name == "uk" else kv_b[:, nope:]).reshape(-1))
+                continue
+            read(_tensor_name(m, i, s.name), s.shape, out)
         layers.append(flat)
         p = f"model.layers.{i}."
         norms.append((read(p + "input_layernorm.weight", (m.h,)),
                       read(p + "post_attention_layernorm.weight", (m.h,))))
+        small = {}
+        for name, (size,) in extra_shapes(m, m.is_dense(i)).items():
+            parts = _extra_names(i, name)
+            sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [size]
+            small[name] = torch.cat([read(t, (n,)) for t, n in zip(parts, sizes)])
+        extras.append(small)
         handles.clear()     # unmap: the pages read stay resident while a handle is open
     embed = read("model.embed_tokens.weight", (m.V, m.h))
     if m.tie_word_embeddings:
@@ -209,7 +315,8 @@ def load_mixtral_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype 
         head = read("lm_head.weight", (m.V, m.h))
     handles.clear()
     return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
-                        final_norm=read("model.norm.weight", (m.h,)), lm_head=head)
+                        final_norm=read("model.norm.weight", (m.h,)), lm_head=head,
+                        extras=extras)
 
 
 def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
@@ -217,6 +324,8 @@ def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
     from safetensors.torch import save_file
 
     m = w.model
+    if m.architecture != "mixtral":
+        raise ValueError("tg writes Mixtral checkpoints only")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
@@ -224,7 +333,7 @@ def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
         out["lm_head.weight"] = w.lm_head
     for i, flat in enumerate(w.layers):
         for s in layer_sections(m):
-            out[_tensor_name(i, s.name)] = flat[s.offset:s.offset + s.size].reshape(
+            out[_tensor_name(m, i, s.name)] = flat[s.offset:s.offset + s.size].reshape(
                 s.shape).clone()
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"], out[p + "post_attention_layernorm.weight"] = w.norms[i]

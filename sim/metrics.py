@@ -223,9 +223,11 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
                       else {}),
                    **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
                    **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
+        "model_size": sc.model.size(),
         "throughput_tok_s": _r(throughput),
         "hardware_limit_tok_s": _r(limit),
-        "hardware_limit_fraction": _r(throughput / limit),
+        # None where the weights leave no room for a KV cache
+        "hardware_limit_fraction": _r(throughput / limit) if limit else None,
         "prefill_s": _r(prefill_end),
         "decode_s": _r(decode_s),
         "overlap_s": _r(overlap),

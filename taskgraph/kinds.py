@@ -64,8 +64,9 @@ class Read:
 
 #: What ends a layer for a micro-batch: the experts' output merged into the hidden state (on
 #: the GPU, after the CPU's part), a cache's experts run on the GPU into the residual, the
-#: whole layer on the GPU (decode's PostAttn, prefill's Prefill). The first a schedule launches.
-LAYER_OUT = ("Merge", "GPUFFN", "PostAttn", "Prefill")
+#: whole layer on the GPU (decode's PostAttn, prefill's Prefill), or where the experts run
+#: apart, a dense layer's router task (which runs its dense FFN). The first a schedule launches.
+LAYER_OUT = ("Merge", "GPUFFN", "PostAttn", "Prefill", "Route")
 #: What last wrote a micro-batch's hidden state at the end of a layer: after the last layer the
 #: LM head (the sampled token's embedding is the next step's input), else the layer's end.
 HIDDEN = ("LMHead", *LAYER_OUT)
@@ -99,6 +100,9 @@ class Kind:
     collective: str | None = None
     replicated: Callable[[Any, Number, bool], Work] | None = None
     tp_only: bool = False
+    # Whether a layer of a model has this task (None: every layer of every model): a dense
+    # layer has no experts to route, copy or run, a model without shared experts no SharedFFN.
+    where: Callable[[Any, int], bool] | None = None
     # Pipeline parallelism: the send that carries its output to the next stage.
     send: str | None = None
     colour: str = "grey"        # its bars in a Gantt chart
@@ -130,6 +134,16 @@ def tokens_of(work: Any, prefill: bool) -> Number:
     return load.prompt_tokens if prefill else load.seqs + load.admitted
 
 
+def moe_layer(model: Any, layer: int) -> bool:
+    """A layer with a router and experts (not a dense one)."""
+    return not model.is_dense(layer)
+
+
+def shared_layer(model: Any, layer: int) -> bool:
+    """An MoE layer of a model with shared experts."""
+    return model.shared_experts > 0 and not model.is_dense(layer)
+
+
 # --- the layer on the GPU, attention on the CPU (S1-S3) or the GPU (S4, DS, PP) ---------------
 
 @kind("Prefill", "one layer of the prompt on the GPU: attention and MoE FFN over mu*p tokens",
@@ -138,12 +152,12 @@ def tokens_of(work: Any, prefill: bool) -> Number:
 def Prefill(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, load = work.model, work.model.dtype_bytes, work.load
     t = load.prompt_tokens
-    flops = (2 * t * m.h * (m.q_dim + 2 * m.h_kv) + 2 * t * m.q_dim * m.h
-             + 2 * t * m.h * m.E + 6 * t * m.k * m.h * m.h_i
-             + 2 * load.prompt_sq * m.q_dim)      # causal attention: half of 4*p^2*q_dim
+    ffn = work.ffn(t)
+    flops = (2 * t * m.qkv_params + 2 * t * m.o_params + ffn.flops
+             + load.prompt_sq * (m.prefill_pair_flops // 2))    # causal: half the pairs
     return Work(flops=flops,
-                bytes=m.layer_bytes - (m.E - work.distinct(t)) * m.expert_bytes
-                + b * t * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i))
+                bytes=m.qkv_bytes + m.o_bytes + ffn.bytes
+                + b * t * (4 * m.h + m.kv_width))
 
 
 @kind("KVOut", "new K,V of a micro-batch, GPU -> CPU (the whole prompt's in prefill, one "
@@ -159,17 +173,17 @@ def KVOut(work: Any, tokens: Number, prefill: bool) -> Work:
 def PreAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, new = work.model, work.model.dtype_bytes, work.load.admitted
     mu = work.load.seqs + new
-    return Work(flops=2 * mu * m.h * (m.q_dim + 2 * m.h_kv)
-                + 2 * work.load.admitted_sq * m.q_dim,      # the admitted prompts' attention
-                bytes=m.qkv_bytes + b * mu * (m.h + m.q_dim + 2 * m.h_kv))
+    return Work(flops=2 * mu * m.qkv_params
+                + work.load.admitted_sq * (m.prefill_pair_flops // 2),  # admitted prompts'
+                bytes=m.qkv_bytes + b * mu * (m.h + m.q_width + m.kv_width))
 
 
 @kind("D1", "Q, K, V of a micro-batch, GPU -> CPU", "d2h", reads=(Read(("PreAttn",)),),
       colour="#9e9ac8")
 def D1(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
-    return Work(bytes=b * work.load.seqs * (m.q_dim + 2 * m.h_kv)
-                + b * work.load.admitted * 2 * m.h_kv)      # admitted prompts: K,V only
+    return Work(bytes=b * work.load.seqs * (m.q_width + m.kv_width)
+                + b * work.load.admitted * m.kv_width)      # admitted prompts: K,V only
 
 
 @kind("CPUAttn", "grouped-query decode attention over the CPU KV cache; appends the new K,V",
@@ -178,14 +192,15 @@ def D1(work: Any, tokens: Number, prefill: bool) -> Work:
       reads=(Read(("D1",)), Read(("CPUAttn", "KVOut"), step=-1)))
 def CPUAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, mu, b = work.model, work.load.seqs, work.model.dtype_bytes
-    return Work(flops_per_ctx=4 * mu * m.q_dim, bytes_per_ctx=2 * b * mu * m.h_kv,
-                bytes=b * mu * (2 * m.q_dim + 2 * m.h_kv))
+    return Work(flops_per_ctx=2 * mu * (m.q_width + m.attn_out_width),
+                bytes_per_ctx=mu * m.kv_bytes_per_token,
+                bytes=b * mu * (m.q_width + m.attn_out_width + m.kv_width))
 
 
 @kind("D2", "attention output (hidden state) of a micro-batch, CPU -> GPU", "h2d",
       reads=(Read(("CPUAttn",)),), colour="#74c476")
 def D2(work: Any, tokens: Number, prefill: bool) -> Work:
-    return Work(bytes=work.model.dtype_bytes * work.load.seqs * work.model.q_dim)
+    return Work(bytes=work.model.dtype_bytes * work.load.seqs * work.model.attn_out_width)
 
 
 @kind("D4", "KV cache of a micro-batch, CPU -> GPU (GPU-attention schedules)", "h2d",
@@ -207,10 +222,9 @@ def GPUAttn(work: Any, tokens: Number, prefill: bool) -> Work:
       send="Send", colour="#2171b5")
 def PostAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
-    return Work(flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E
-                + 6 * tokens * m.k * m.h * m.h_i,
-                bytes=m.o_bytes + m.router_bytes + work.distinct(tokens) * m.expert_bytes
-                + b * tokens * (4 * m.h + 2 * m.k * m.h_i))
+    ffn = work.ffn(tokens)
+    return Work(flops=2 * tokens * m.o_params + ffn.flops,
+                bytes=m.o_bytes + ffn.bytes + b * tokens * (m.attn_out_width + m.h))
 
 
 @kind("D3", "a page of a layer's streamed weights, CPU -> GPU", "h2d", per_page=True,
@@ -231,7 +245,7 @@ def W_CtoPin(work: Any, tokens: Number, prefill: bool) -> Work:
       colour="#9ecae1")
 def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
     m, mu, b = work.model, work.load.seqs, work.model.dtype_bytes
-    return Work(flops=2 * mu * m.h * m.V, bytes=b * m.V * m.h + b * mu * (m.h + m.V))
+    return Work(flops=2 * mu * m.h * m.V, bytes=m.head_bytes + b * mu * (m.h + m.V))
 
 
 # --- FFN on the CPU (S5, EP): the GPU routes, the CPU runs the experts where their weights lie --
@@ -240,40 +254,49 @@ def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
       "gpu", reads=(Read(HIDDEN, layer=-1),), weights="qkv", fills="kv")
 def PrefillAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
-    return Work(flops=2 * tokens * m.h * (m.q_dim + 2 * m.h_kv)
-                + 2 * work.load.prompt_sq * m.q_dim,
-                bytes=m.qkv_bytes + b * tokens * (2 * m.h + 2 * m.q_dim + 2 * m.h_kv))
+    return Work(flops=2 * tokens * m.qkv_params
+                + work.load.prompt_sq * (m.prefill_pair_flops // 2),
+                bytes=m.qkv_bytes
+                + b * tokens * (2 * m.h + m.q_width + m.attn_out_width + m.kv_width))
 
 
 @kind("Route", "O projection + residual + RMSNorm + router (top-k) on the GPU", "gpu",
       reads=(Read(("GPUAttn", "PrefillAttn")),), weights="route")
 def Route(work: Any, tokens: Number, prefill: bool) -> Work:
+    """And on a dense layer its FFN, which no expert kind runs."""
     m, b = work.model, work.model.dtype_bytes
-    return Work(flops=2 * tokens * m.q_dim * m.h + 2 * tokens * m.h * m.E,
-                bytes=m.o_bytes + m.router_bytes + b * tokens * (m.q_dim + 3 * m.h))
+    work_ = Work(flops=2 * tokens * m.o_params + 2 * tokens * m.h * m.E,
+                 bytes=m.o_bytes + m.router_bytes + b * tokens * (m.attn_out_width + 3 * m.h))
+    if not work.dense:
+        return work_
+    ffn = work.ffn(tokens)
+    return Work(flops=2 * tokens * m.o_params + ffn.flops,
+                bytes=m.o_bytes + ffn.bytes + b * tokens * (m.attn_out_width + 3 * m.h))
 
 
 @kind("D5", "normed hidden state and routing of a micro-batch, GPU -> CPU", "d2h",
-      reads=(Read(("Route",)),))
+      reads=(Read(("Route",)),), where=moe_layer)
 def D5(work: Any, tokens: Number, prefill: bool) -> Work:
     m = work.model      # the normed hidden state, the k expert ids (int64) and gates
     return Work(bytes=tokens * (m.dtype_bytes * (m.h + m.k) + 8 * m.k))
 
 
 @kind("CPUFFN", "top-k SwiGLU experts on the CPU, reading their weights in host memory", "cpu",
-      reads=(Read(("D5",)),))
+      reads=(Read(("D5",)),), where=moe_layer)
 def CPUFFN(work: Any, tokens: Number, prefill: bool) -> Work:
     share, _, distinct = work.placed(tokens)
     return work.experts(tokens, 1.0 - share, distinct)
 
 
-@kind("D6", "expert output of a micro-batch, CPU -> GPU", "h2d", reads=(Read(("CPUFFN",)),))
+@kind("D6", "expert output of a micro-batch, CPU -> GPU", "h2d", reads=(Read(("CPUFFN",)),),
+      where=moe_layer)
 def D6(work: Any, tokens: Number, prefill: bool) -> Work:
     return Work(bytes=work.model.dtype_bytes * tokens * work.model.h)
 
 
 @kind("Merge", "residual add of the expert output on the GPU", "gpu",
-      reads=(Read(("D6",)), Read(("GPUFFN",), if_launched=True)))
+      reads=(Read(("D6",)), Read(("GPUFFN",), if_launched=True),
+             Read(("SharedFFN",), if_launched=True)), where=moe_layer)
 def Merge(work: Any, tokens: Number, prefill: bool) -> Work:
     m = work.model
     return Work(flops=tokens * m.h, bytes=3 * m.dtype_bytes * tokens * m.h)
@@ -287,7 +310,7 @@ def Merge(work: Any, tokens: Number, prefill: bool) -> Work:
       "gpu", weights="o", collective="AllReduceAttn", tp_only=True)
 def OProj(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
-    return Work(flops=2 * tokens * m.q_dim * m.h, bytes=m.o_bytes + b * tokens * m.h)
+    return Work(flops=2 * tokens * m.o_params, bytes=m.o_bytes + b * tokens * m.h)
 
 
 @kind("AllReduceAttn", "the O projection's partial sums all-reduced, over the GPUs' "
@@ -300,6 +323,8 @@ def _router(work: Any, tokens: Number, prefill: bool) -> Work:
     """The router: its weights and its product over the whole hidden state (every GPU's
     shard of MoE runs it whole). Norms are left out: h FLOPs a token."""
     m = work.model
+    if work.dense:
+        return Work()
     return Work(flops=2 * tokens * m.h * m.E, bytes=m.router_bytes)
 
 
@@ -308,9 +333,8 @@ def _router(work: Any, tokens: Number, prefill: bool) -> Work:
       replicated=_router, tp_only=True)
 def MoE(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
-    return Work(flops=2 * tokens * m.h * m.E + 6 * tokens * m.k * m.h * m.h_i,
-                bytes=m.router_bytes + work.distinct(tokens) * m.expert_bytes
-                + b * tokens * (3 * m.h + 2 * m.k * m.h_i))
+    ffn = work.ffn(tokens)
+    return Work(flops=ffn.flops, bytes=ffn.bytes + b * tokens * m.h)
 
 
 @kind("AllReduce", "the experts' partial sums all-reduced, over the GPUs' interconnect", "peer",
@@ -346,16 +370,18 @@ def SendTokens(work: Any, tokens: Number, prefill: bool) -> Work:
 @kind("GPUFFN", "the top-k SwiGLU experts a micro-batch routes to that the GPU holds (placed or "
       "cached), on the GPU", "gpu",
       reads=(Read(("Route",)), Read(("ExpertIn",), if_launched=True),
-             Read(("ExpertAhead",), index=0, if_launched=True)))
+             Read(("ExpertAhead",), index=0, if_launched=True),
+             Read(("SharedFFN",), if_launched=True)), where=moe_layer)
 def GPUFFN(work: Any, tokens: Number, prefill: bool) -> Work:
-    if work.ffn == "split":         # the experts placed on the GPU (EP)
+    if work.ffn_place == "split":   # the experts placed on the GPU (EP)
         share, distinct, _ = work.placed(tokens)
         return work.experts(tokens, share, distinct)
     return work.experts(tokens, 1.0, work.distinct(tokens))    # a cache: every chosen expert
 
 
 @kind("ExpertIn", "the experts a micro-batch routes to that the GPU's expert cache misses, "
-      "CPU -> GPU", "h2d", reads=(Read(("Route",)),))     # which to copy: the router's choice
+      "CPU -> GPU", "h2d", where=moe_layer,
+      reads=(Read(("Route",)),))     # which to copy: the router's choice
 def ExpertIn(work: Any, tokens: Number, prefill: bool) -> Work:
     """In prefill (every expert chosen) those beyond the cache's; in decode the share a replay
     of the routing finds absent, less those a prefetch (ECP) brought in right."""
@@ -371,12 +397,21 @@ def ExpertIn(work: Any, tokens: Number, prefill: bool) -> Work:
 @kind("ExpertAhead", "the experts a predictor expects a layer's router to choose that the cache "
       "misses, CPU -> GPU, while the layer before runs", "h2d",
       # the prediction reads the layer before's hidden state, once its router has run
-      reads=(Read(("Route",), layer=-1, index=0),))
+      reads=(Read(("Route",), layer=-1, index=0),), where=moe_layer)
 def ExpertAhead(work: Any, tokens: Number, prefill: bool) -> Work:
     """One layer's prefetch: as many experts as its micro-batches will miss; the predictor's
     wrong guesses are copies wasted."""
     return Work(bytes=work.policy.n_micro * work.misses(work.load.seqs)
                 * work.model.expert_bytes)
+
+
+# --- shared experts, where the routed ones run apart (S5, EP, EC, ECP) ----------------------------
+
+@kind("SharedFFN", "the shared experts every token runs besides its routed ones, on the GPU "
+      "while the routed ones run or cross", "gpu", reads=(Read(("Route",)),), weights="shared",
+      where=shared_layer, colour="#3182bd")
+def SharedFFN(work: Any, tokens: Number, prefill: bool) -> Work:
+    return work.shared(tokens)
 
 
 # --- the sets of kinds the rest of tg asks about ------------------------------------------------

@@ -21,6 +21,52 @@ MODELS: dict[str, dict[str, Any]] = {
     # Small enough for tests and the CPU executor, which computes in fp32 (4-byte weights).
     "tiny": dict(name="tiny", h=256, h_i=512, L=4, n_q=8, n_kv=2, E=8, k=2, V=1024,
                  dtype_bytes=4),
+    # The MoEs offloaded today, from their public config.json (docs/models.md), stored as their
+    # makers publish them: bf16; DeepSeek-V3's linear layers in FP8 with a scale per 128 x 128
+    # block; gpt-oss's experts in MXFP4. A quantized copy is `--set model.precision.experts=q4_k`
+    # (and the other classes), or the GGUF file itself (model: x.gguf).
+    "qwen3-30b-a3b": dict(name="qwen3-30b-a3b", architecture="qwen3_moe", h=2048, h_i=768,
+                          L=48, n_q=32, n_kv=4, head_dim=128, E=128, k=8, V=151936,
+                          renormalize=True, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3-235b-a22b": dict(name="qwen3-235b-a22b", architecture="qwen3_moe", h=4096, h_i=1536,
+                            L=94, n_q=64, n_kv=4, head_dim=128, E=128, k=8, V=151936,
+                            renormalize=True, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen2-57b-a14b": dict(name="qwen2-57b-a14b", architecture="qwen2_moe", h=3584, h_i=2560,
+                           L=28, n_q=28, n_kv=4, E=64, k=8, V=151936, shared_experts=1,
+                           h_shared=20480, shared_gate=True, renormalize=False, rope_theta=1e6,
+                           rms_norm_eps=1e-6),
+    "deepseek-v3": dict(name="deepseek-v3", architecture="deepseek_v3", h=7168, h_i=2048, L=61,
+                        n_q=128, n_kv=128, E=256, k=8, V=129280, dense_layers=(0, 1, 2),
+                        h_dense=18432, shared_experts=1, h_shared=2048, router="sigmoid",
+                        renormalize=True, expert_groups=8, topk_groups=4, routed_scaling=2.5,
+                        attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        rope_theta=10000.0, rms_norm_eps=1e-6,
+                        precision=dict.fromkeys(("attention", "experts", "shared", "dense"),
+                                                "fp8-block128")),
+    "deepseek-v2-lite": dict(name="deepseek-v2-lite", architecture="deepseek_v2", h=2048,
+                             h_i=1408, L=27, n_q=16, n_kv=16, E=64, k=6, V=102400,
+                             dense_layers=(0,), h_dense=10944, shared_experts=2, h_shared=1408,
+                             renormalize=False, attention="mla", kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             rope_theta=10000.0, rms_norm_eps=1e-6),
+    "gpt-oss-20b": dict(name="gpt-oss-20b", architecture="gpt_oss", h=2880, h_i=2880, L=24,
+                        n_q=64, n_kv=8, head_dim=64, E=32, k=4, V=201088, sliding_window=128,
+                        sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True,
+                        rope_theta=150000.0, precision=dict(experts="mxfp4")),
+    "gpt-oss-120b": dict(name="gpt-oss-120b", architecture="gpt_oss", h=2880, h_i=2880, L=36,
+                         n_q=64, n_kv=8, head_dim=64, E=128, k=4, V=201088, sliding_window=128,
+                         sliding_layers=tuple(range(0, 36, 2)), attention_sinks=True,
+                         rope_theta=150000.0, precision=dict(experts="mxfp4")),
+    "olmoe-1b-7b": dict(name="olmoe-1b-7b", architecture="olmoe", h=2048, h_i=1024, L=16,
+                        n_q=16, n_kv=16, E=64, k=8, V=50304, renormalize=False,
+                        rope_theta=10000.0),
+    "phi-3.5-moe": dict(name="phi-3.5-moe", architecture="phimoe", h=4096, h_i=6400, L=32,
+                        n_q=32, n_kv=8, E=16, k=2, V=32064, rope_theta=10000.0),
+    "glm-4.5-air": dict(name="glm-4.5-air", architecture="glm4_moe", h=4096, h_i=1408, L=46,
+                        n_q=96, n_kv=8, head_dim=128, E=128, k=8, V=151552, dense_layers=(0,),
+                        h_dense=10944, shared_experts=1, h_shared=1408, router="sigmoid",
+                        renormalize=True, rope_theta=1e6),
 }
 
 # Provenance of the figures fitted by `tg fit` (taskgraph.study.fit) to the MoE-Lightning paper's
@@ -51,6 +97,17 @@ _GPUS: dict[str, dict[str, Any]] = {
     # with fp32 accumulation, as PyTorch's GEMMs run it.
     "RTX4090": dict(memory_gb=24, mem_gbps=1008, tflops=165, flops_eff=0.5, mem_eff=0.85),
     "RTXA5000": dict(memory_gb=24, mem_gbps=768, tflops=111, flops_eff=0.5, mem_eff=0.85),
+    # The cards people offload on (NVIDIA's Ampere, Ada and Blackwell whitepapers and
+    # datasheets: memory bandwidth, dense fp16 tensor rate with fp32 accumulation; GeForce
+    # cards run that at half their fp16-accumulate rate). Not fitted.
+    "RTX3090": dict(memory_gb=24, mem_gbps=936, tflops=71, flops_eff=0.5, mem_eff=0.85),
+    "RTX5090": dict(memory_gb=32, mem_gbps=1792, tflops=209.5, flops_eff=0.5, mem_eff=0.85),
+    "RTX6000-Ada": dict(memory_gb=48, mem_gbps=960, tflops=364.2, flops_eff=0.5, mem_eff=0.85),
+    "RTXPRO6000": dict(memory_gb=96, mem_gbps=1792, tflops=503.8, flops_eff=0.5, mem_eff=0.85),
+    "RTX4090D": dict(memory_gb=24, mem_gbps=1008, tflops=147, flops_eff=0.5, mem_eff=0.85),
+    "RTX3090Ti": dict(memory_gb=24, mem_gbps=1008, tflops=80, flops_eff=0.5, mem_eff=0.85),
+    "RTXA6000": dict(memory_gb=48, mem_gbps=768, tflops=154.8, flops_eff=0.5, mem_eff=0.85),
+    "RTX2080": dict(memory_gb=8, mem_gbps=448, tflops=40.3, flops_eff=0.5, mem_eff=0.85),
 }
 
 _LINKS: dict[str, dict[str, Any]] = {
@@ -110,6 +167,20 @@ _HOSTS: dict[str, dict[str, Any]] = {
     "desktop-16c": dict(name="desktop 16-core, DDR5-5600 x2", cores=16, memory_gb=192,
                         mem_gbps=89.6, tflops=2.3, flops_eff=0.5, mem_eff=0.75,
                         memcpy_gbps=25),
+    # Hosts people offload onto (datasheet figures, not measured): memory bandwidth is channels
+    # x transfer rate x 8 bytes; fp32 rate is cores x all-core clock x FLOPs a cycle (Zen 3:
+    # 2 x 256-bit FMA, 32; Zen 5 desktop: 2 x 512-bit, 64; Zen 4: 32; Golden Cove AVX-512: 64).
+    "desktop-ddr4": dict(name="desktop 16-core, DDR4-3200 x2", cores=16, memory_gb=128,
+                         mem_gbps=51.2, tflops=2.0, flops_eff=0.5, mem_eff=0.75,
+                         memcpy_gbps=16),
+    "desktop-ddr5": dict(name="desktop 16-core, DDR5-6000 x2", cores=16, memory_gb=192,
+                         mem_gbps=96.0, tflops=4.6, flops_eff=0.5, mem_eff=0.75,
+                         memcpy_gbps=25),
+    "xeon-w-8ch": dict(name="Xeon w9-3495X 56-core, DDR5-4800 x8", cores=56, memory_gb=512,
+                       mem_gbps=307.2, tflops=9.0, flops_eff=0.5, mem_eff=0.75,
+                       memcpy_gbps=40),
+    "epyc-12ch": dict(name="EPYC 9654 96-core, DDR5-4800 x12", cores=96, memory_gb=768,
+                      mem_gbps=460.8, tflops=7.4, flops_eff=0.5, mem_eff=0.75, memcpy_gbps=50),
     # An H100 cloud slice with few host cores: the "weak CPU" case the reviewers asked about.
     "weak-16c": dict(name="16 vCPU", cores=16, memory_gb=512, mem_gbps=100,
                      tflops=0.8, flops_eff=0.5, mem_eff=0.7, memcpy_gbps=15),
@@ -162,6 +233,16 @@ HARDWARE: dict[str, dict[str, Any]] = {
     "a5000": _machine("1xRTXA5000", "RTXA5000", 1, "pcie4", "xeon-24c"),
     "h100-weak-host": _machine("1xH100, weak host", "H100-SXM", 1, "pcie5", "weak-16c"),
     "h200": _machine("1xH200", "H200", 1, "pcie5", "xeon-112c"),
+    # The machines people offload today's MoEs on (datasheet figures, labelled as such): gaming
+    # PCs with dual-channel memory, and workstations with 8 or 12 channels (kTransformers' and
+    # llama.cpp's --n-cpu-moe users' machines).
+    "rtx3090": _machine("1xRTX3090", "RTX3090", 1, "pcie4", "desktop-ddr4"),
+    "rtx5090": _machine("1xRTX5090", "RTX5090", 1, "pcie5", "desktop-ddr5"),
+    "rtx4090-epyc": _machine("1xRTX4090, EPYC 12-channel", "RTX4090", 1, "pcie4", "epyc-12ch"),
+    "rtx6000ada-xeon": _machine("1xRTX6000-Ada, Xeon W 8-channel", "RTX6000-Ada", 1, "pcie4",
+                                "xeon-w-8ch"),
+    "rtxpro6000-epyc": _machine("1xRTXPRO6000, EPYC 12-channel", "RTXPRO6000", 1, "pcie5",
+                                "epyc-12ch"),
 }
 
 # Workload shapes from the paper (docs/design.md §6).

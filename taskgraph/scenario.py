@@ -2,7 +2,8 @@
 
 A scenario has sections ``model``, ``hardware``, ``workload``, ``policy``, ``schedule`` and an
 optional ``expect``. ``model``, ``hardware`` and ``workload`` may each be a preset name, a file
-(``*.json``: a Hugging Face config.json for the model; ``*.yaml``: a hardware profile), or a
+(``*.json``: a Hugging Face config.json for the model, ``*.gguf``: a GGUF file's metadata and
+tensor types; ``*.yaml``: a hardware profile), or a
 mapping that starts from ``preset:`` (or ``hf_config:`` / ``file:``) and overrides fields.
 ``--set a.b=value`` overrides are applied to the raw document before validation, so they are
 checked exactly like the file.
@@ -24,6 +25,7 @@ from taskgraph.dag.routing import trace_from_dict
 from taskgraph.dag.schedules import EXPERT_FIELDS, PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text, read_json, read_text
+from taskgraph.model_files import model_from_gguf, model_from_hf_config
 from taskgraph.serving.requests import generate_requests, read_requests, summary
 from taskgraph.specs import LengthsSpec, Scenario
 
@@ -225,100 +227,6 @@ def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:
     return {str(k): (f"policy.{k}={_short(v)} in {source}", False) for k, v in policy.items()}
 
 
-# The JSON type of each config.json field tg reads. Checked before anything is read, because
-# Python's truthiness and pydantic's lax coercion would take a wrong type as a value:
-# bool("false") is True, "256" becomes 256, true becomes 1.
-_INT, _NUMBER = ("a whole number", (int,)), ("a number", (int, float))
-_HF_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
-    **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "num_local_experts",
-                     "num_experts_per_tok", "vocab_size", "head_dim", "sliding_window",
-                     "max_position_embeddings", "d_model", "n_layers", "n_heads"), _INT),
-    **dict.fromkeys(("rope_theta", "rms_norm_eps", "factor"), _NUMBER),
-    **dict.fromkeys(("torch_dtype", "dtype", "hidden_act", "_name_or_path", "rope_type", "type"),
-                    ("a string", (str,))),
-    **dict.fromkeys(("rope_scaling", "rope_parameters", "ffn_config", "attn_config"),
-                    ("an object", (dict,))),
-    "tie_word_embeddings": ("true or false", (bool,)),
-}
-_JSON_KIND = {bool: "true/false", int: "a number", float: "a number with a decimal point",
-              str: "a string", list: "a list", dict: "an object"}
-
-
-def hf_config_json(path: str | Path) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` whose fields tg reads each hold their JSON type (null
-    counts as absent); a wrong one is an error naming the field, never a guess."""
-    path = Path(path)
-    cfg = _read_json(path)
-    nested = [(f"{outer}.", cfg[outer]) for outer in ("rope_scaling", "rope_parameters")
-              if isinstance(cfg.get(outer), dict)]
-    for prefix, doc in [("", cfg)] + nested:
-        for key, value in doc.items():
-            want = _HF_TYPES.get(key)
-            if want is None or value is None:
-                continue
-            if isinstance(value, bool) != (want[1] == (bool,)) or not isinstance(value, want[1]):
-                raise TgError(f"Model config '{path}': {prefix}{key} must be {want[0]}, not "
-                              f"{_JSON_KIND.get(type(value), 'that')}.")
-    return cfg
-
-
-def model_from_hf_config(path: str | Path) -> dict[str, Any]:
-    """Model fields from a Hugging Face ``config.json`` (Mixtral or DBRX field names): the
-    shapes, and every field that changes what the model computes (RoPE theta and scaling, norm
-    epsilon, head_dim, tied embeddings, sliding window, activation, dtype)."""
-    path = Path(path)
-    cfg = hf_config_json(path)
-    try:
-        if "d_model" in cfg:  # DBRX
-            ffn, attn = cfg.get("ffn_config") or {}, cfg.get("attn_config") or {}
-            fields = dict(h=cfg["d_model"], h_i=ffn["ffn_hidden_size"], L=cfg["n_layers"],
-                          n_q=cfg["n_heads"], n_kv=attn["kv_n_heads"],
-                          E=ffn["moe_num_experts"], k=ffn["moe_top_k"], V=cfg["vocab_size"],
-                          rope_theta=attn.get("rope_theta", 10000.0), architecture="dbrx")
-        else:
-            fields = dict(h=cfg["hidden_size"], h_i=cfg["intermediate_size"],
-                          L=cfg["num_hidden_layers"], n_q=cfg["num_attention_heads"],
-                          n_kv=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                          E=cfg["num_local_experts"], k=cfg["num_experts_per_tok"],
-                          V=cfg["vocab_size"], **_rope_fields(cfg, path))
-            for ours, theirs in (("head_dim", "head_dim"), ("rms_norm_eps", "rms_norm_eps"),
-                                 ("sliding_window", "sliding_window"),
-                                 ("hidden_act", "hidden_act")):
-                if cfg.get(theirs) is not None:
-                    fields[ours] = cfg[theirs]
-        fields["tie_word_embeddings"] = cfg.get("tie_word_embeddings") or False
-    except (KeyError, TypeError, AttributeError) as missing:
-        raise TgError(
-            f"Model config '{path}' lacks the field {missing} or holds it in the wrong form; tg "
-            "reads Mixtral-style (hidden_size, intermediate_size, num_hidden_layers, "
-            "num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok, "
-            "vocab_size) and DBRX-style config.json files."
-        ) from None
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-    if dtype is not None:
-        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-        if dtype not in sizes:
-            raise TgError(f"Model config '{path}': dtype '{dtype}' is not one tg runs "
-                          "(float32, bfloat16, float16).")
-        fields.update(dtype=dtype, dtype_bytes=sizes[dtype])
-    name = cfg.get("_name_or_path") or path.parent.name or path.stem
-    return dict(name=str(name), **fields)
-
-
-def _rope_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
-    """RoPE theta and scaling from either transformers 4's (rope_theta, rope_scaling) or 5's
-    (rope_parameters) spelling."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 1e6))
-    kind = params.get("rope_type", params.get("type", "default"))
-    out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
-    if kind == "linear":
-        out["rope_scaling_factor"] = params.get("factor", 1.0)
-    return out
-
-
 # --- overrides -------------------------------------------------------------------------------
 
 def _apply_override(doc: dict[str, Any], item: str) -> None:
@@ -354,7 +262,8 @@ def _apply_override(doc: dict[str, Any], item: str) -> None:
 
 _PRESETS = {
     # section: (presets, what they are called, where else the section can come from)
-    "model": (presets.MODELS, "models", " (or give a Hugging Face config.json path)"),
+    "model": (presets.MODELS, "models",
+              " (or give a Hugging Face config.json or a GGUF file's path)"),
     "hardware": (presets.HARDWARE, "machines", " (or give a hardware profile .yaml)"),
     "workload": (presets.WORKLOADS, "workloads", ""),
     "implementation": (presets.IMPLEMENTATIONS, "implementations",
@@ -407,7 +316,7 @@ def _name_machine(base: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any
 
 def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if section == "model":
-        return model_from_hf_config(path)
+        return model_from_gguf(path) if path.suffix == ".gguf" else model_from_hf_config(path)
     if section in ("hardware", "implementation"):
         what = f"{section} profile"
         profile = _read_yaml(path, what=what)
@@ -447,7 +356,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_file(text: str) -> bool:
-    return text.endswith((".json", ".yaml", ".yml"))
+    return text.endswith((".json", ".yaml", ".yml", ".gguf"))
 
 
 def _resolve_path(text: str, base_dir: Path) -> Path:
@@ -522,13 +431,6 @@ def _read_yaml(path: Path, *, what: str) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise TgError(f"The {what} '{path}' is not valid YAML{where}: {problem}.") from None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    data = read_json(path, "model config")
-    if not isinstance(data, dict):
-        raise TgError(f"The model config '{path}' must hold a JSON object.")
-    return data
 
 
 def _short(value: Any, limit: int = 80) -> str:

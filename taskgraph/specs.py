@@ -9,11 +9,13 @@ both what the part is sold as and what it delivers (`tg calibrate` measures the 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from taskgraph import formats
 from taskgraph.dag.schedules import RESOURCES
+from taskgraph.errors import TgError
 from taskgraph.kinds import KINDS
 
 # No NaN or infinity anywhere: every figure must be a number a run can use.
@@ -40,20 +42,65 @@ MAX_MICRO_BATCHES = 256
 MAX_REQUESTS = 1_000_000
 
 
+#: The classes of tensor whose storage a model states (ModelSpec.precision), besides the KV cache.
+TENSOR_CLASSES = ("attention", "router", "experts", "shared", "dense", "embedding", "head")
+
+#: Layer structures tg knows, by Hugging Face model_type: each implies what its shapes do not
+#: say (norms, biases, activation details; docs/models.md). The executor computes "mixtral".
+ARCHITECTURES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                 "olmoe", "phimoe", "gpt_oss", "glm4_moe")
+
+
+class PrecisionSpec(BaseModel):
+    """How a model's tensors are stored, class by class: a format name (q4_k, q8_0, mxfp4,
+    fp8-block128, int4-g128, bf16, ...: :mod:`taskgraph.formats`) or bits per weight, block
+    scales included; and the KV cache's. Unset: the model's dtype (dtype_bytes)."""
+
+    model_config = _STRICT
+
+    attention: str | float | None = None     # Q, K, V and O projections (MLA's too)
+    router: str | float | None = None
+    experts: str | float | None = None       # the routed experts
+    shared: str | float | None = None        # the shared experts
+    dense: str | float | None = None         # the FFN of dense layers
+    embedding: str | float | None = None
+    head: str | float | None = None          # the LM head
+    kv_cache: str | float | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_format(cls, value: object) -> object:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError("must be a format name (such as q4_k, mxfp4 or bf16) or bits per "
+                             "weight")
+        try:
+            formats.bits(value)
+        except TgError as err:
+            raise ValueError(str(err)) from None
+        return value
+
+
 class ModelSpec(BaseModel):
-    """A decoder-only MoE transformer (SPEC 3.1)."""
+    """A decoder-only MoE transformer (SPEC 3.1), with what the MoEs offloaded today add to
+    Mixtral's shape: dense layers, shared experts, fine-grained experts with their own size,
+    grouped sigmoid routing, multi-head latent attention, sliding-window layers, and tensors
+    stored at 4 to 8 bits (docs/models.md)."""
 
     model_config = _STRICT
 
     name: str = "custom"
     h: int = Positive
-    h_i: int = Positive
+    h_i: int = Positive          # a routed expert's intermediate size
     L: int = Positive
     n_q: int = Positive
     n_kv: int = Positive
     E: int = Positive
     k: int = Positive
     V: int = Positive
+    # Bytes of an element as the model computes (activations), and of every weight whose
+    # precision says nothing else.
     dtype_bytes: int = Field(default=2, gt=0)
     # What the weights are stored as (a checkpoint's torch_dtype); None: fp32 for 4-byte
     # weights, bf16 (CPU) or fp16 (CUDA) for 2-byte ones. It must agree with dtype_bytes.
@@ -64,14 +111,58 @@ class ModelSpec(BaseModel):
     rope_theta: float = Field(default=1e6, gt=0, allow_inf_nan=False)
     rope_type: str = "default"           # HF rope_type; the executor computes default, linear
     rope_scaling_factor: float = Field(default=1.0, gt=0, allow_inf_nan=False)   # linear
+    # RoPE rotates pairs of neighbouring dimensions (DeepSeek's), not the two halves (Llama's)
+    rope_interleave: bool = False
     rms_norm_eps: float = Field(default=1e-5, gt=0, allow_inf_nan=False)
     # The LM head reuses the token embedding (one matrix, counted once).
     tie_word_embeddings: bool = False
-    # Attention sees only the last `sliding_window` tokens (None: every token).
+    # Attention sees only the last `sliding_window` tokens (None: every token) in the layers
+    # `sliding_layers` lists (None: every layer); gpt-oss alternates sliding and full layers.
     sliding_window: int | None = Field(default=None, gt=0)
+    sliding_layers: tuple[int, ...] | None = None
     hidden_act: str = "silu"             # the experts' gate activation (SwiGLU: silu)
-    # Which layer structure the weights follow; the executor computes "mixtral" only.
-    architecture: Literal["mixtral", "dbrx"] = "mixtral"
+    # Which layer structure the weights follow (ARCHITECTURES).
+    architecture: Literal[ARCHITECTURES] = "mixtral"
+    # Layers whose FFN is one dense SwiGLU MLP of intermediate size h_dense: no router, no
+    # experts (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers).
+    dense_layers: tuple[int, ...] = ()
+    h_dense: int | None = Field(default=None, gt=0)
+    # Experts every token runs besides its k routed ones, each a SwiGLU MLP of h_shared
+    # (DeepSeek's n_shared_experts; Qwen2-MoE's one, whose output a sigmoid gate scales).
+    shared_experts: int = Field(default=0, ge=0, le=64)
+    h_shared: int | None = Field(default=None, gt=0)
+    shared_gate: bool = False
+    # The router: a softmax over the experts' logits (Mixtral, Qwen, OLMoE, gpt-oss) or a
+    # sigmoid score with a bias (DeepSeek-V3); whether the k gates are renormalised to sum to
+    # 1; experts in `expert_groups` groups of which a token takes its k from the best
+    # `topk_groups`; the gates' scale.
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    expert_groups: int = Field(default=1, gt=0)
+    topk_groups: int = Field(default=1, gt=0)
+    routed_scaling: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # Attention: grouped-query ("gqa") or multi-head latent attention ("mla", DeepSeek-V2/V3),
+    # whose KV cache holds a kv_lora_rank latent and a qk_rope_head_dim key part per token.
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = Field(default=None, gt=0)      # None: Q projected directly
+    kv_lora_rank: int | None = Field(default=None, gt=0)
+    qk_nope_head_dim: int | None = Field(default=None, gt=0)
+    qk_rope_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0)
+    # A learned sink logit per head takes part in each softmax (gpt-oss).
+    attention_sinks: bool = False
+    # How each class of tensor and the KV cache are stored.
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+
+    @field_validator("dtype_bytes", mode="before")
+    @classmethod
+    def _whole_bytes(cls, value: object) -> object:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value} is not whole bytes: dtype_bytes is the size of an element "
+                             "the model computes in; weights stored in fewer bits are "
+                             "model.precision.<class> (experts, attention, ...: a format such "
+                             "as q4_k or mxfp4, or bits per weight)")
+        return value
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
@@ -84,6 +175,36 @@ class ModelSpec(BaseModel):
             raise ValueError(f"n_q = {self.n_q} is not a multiple of n_kv = {self.n_kv}")
         if self.k > self.E:
             raise ValueError(f"k = {self.k} experts per token exceeds E = {self.E} experts")
+        # Layers past L are the model's beyond the first L that run (--set model.L=2 on a
+        # 61-layer model): kept, and counted nowhere.
+        for name in ("dense_layers", "sliding_layers"):
+            layers = getattr(self, name) or ()
+            if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(f"{name} must list distinct layer numbers from 0, not "
+                                 f"{list(layers)}")
+        if self.dense_layers and self.h_dense is None:
+            raise ValueError(f"dense_layers lists {len(self.dense_layers)} layers but h_dense, "
+                             "their FFN's intermediate size, is not given")
+        if self.moe_layers == 0:
+            raise ValueError(f"every one of the L = {self.L} layers is dense (dense_layers): "
+                             "that is no MoE")
+        if self.shared_experts and self.h_shared is None:
+            raise ValueError(f"shared_experts = {self.shared_experts} but h_shared, their "
+                             "intermediate size, is not given")
+        if self.sliding_layers is not None and self.sliding_window is None:
+            raise ValueError("sliding_layers is given but sliding_window is not")
+        if self.E % self.expert_groups or self.topk_groups > self.expert_groups:
+            raise ValueError(f"E = {self.E} experts in expert_groups = {self.expert_groups} "
+                             f"groups of which topk_groups = {self.topk_groups} are taken: the "
+                             "groups must divide E and number at least topk_groups")
+        mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention == "mla":
+            missing = [f for f in mla if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"attention: mla needs {', '.join(missing)}")
+        elif any(getattr(self, f) is not None for f in (*mla, "q_lora_rank")):
+            raise ValueError("kv_lora_rank, q_lora_rank and the qk/v head dims describe "
+                             "attention: mla, not gqa")
         return self
 
     @property
@@ -101,43 +222,213 @@ class ModelSpec(BaseModel):
         """Width of K (and of V): n_kv heads of d."""
         return self.n_kv * self.d
 
+    # --- which layer is which ---------------------------------------------------------------
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a router and experts."""
+        return self.L - self.dense_count
+
+    @property
+    def dense_count(self) -> int:
+        """Dense layers among the L."""
+        return sum(1 for i in self.dense_layers if i < self.L)
+
+    def is_dense(self, layer: int) -> bool:
+        return layer in self.dense_layers
+
+    def window(self, layer: int) -> int | None:
+        """The tokens a layer's attention sees at most (None: all of them)."""
+        if self.sliding_window is None or (self.sliding_layers is not None
+                                           and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    # --- attention, as its kernels see it --------------------------------------------------
+    # MLA in decode as llama.cpp, vLLM and kTransformers run it (the up-projections absorbed
+    # into the query and the output): each head attends over the cached latent and rope part.
+
+    @property
+    def q_width(self) -> int:
+        """Elements of one token's queries as attention reads them."""
+        if self.attention == "mla":
+            return self.n_q * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.q_dim
+
+    @property
+    def attn_out_width(self) -> int:
+        """Elements of one token's attention output (before the O projection)."""
+        return self.n_q * self.kv_lora_rank if self.attention == "mla" else self.q_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of one token's K and V in one layer's cache."""
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.h_kv
+
+    @property
+    def prefill_pair_flops(self) -> int:
+        """FLOPs of one (query, key) pair of prompt attention (scores and values; MLA's keys
+        and values decompressed, as prefill runs it)."""
+        if self.attention == "mla":
+            return 2 * self.n_q * (self.qk_nope_head_dim + self.qk_rope_head_dim
+                                   + self.v_head_dim)
+        return 4 * self.q_dim
+
+    # --- parameters, per layer ---------------------------------------------------------------
+
+    @property
+    def qkv_params(self) -> int:
+        """Everything a layer computes Q, K and V with (MLA: the Q path, the KV down-projection
+        and the key half of the up-projection, absorbed into the query)."""
+        if self.attention != "mla":
+            return self.h * (self.q_dim + 2 * self.h_kv)
+        qk = self.n_q * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q = (self.h * self.q_lora_rank + self.q_lora_rank * qk if self.q_lora_rank
+             else self.h * qk)
+        kv_down = self.h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return q + kv_down + self.kv_lora_rank * self.n_q * self.qk_nope_head_dim
+
+    @property
+    def o_params(self) -> int:
+        """The O projection (MLA: and the value half of the up-projection)."""
+        if self.attention != "mla":
+            return self.q_dim * self.h
+        v = self.n_q * self.v_head_dim
+        return self.kv_lora_rank * v + v * self.h
+
+    @property
+    def expert_params(self) -> int:
+        """One routed SwiGLU expert: w1, w3 (up) and w2 (down)."""
+        return 3 * self.h * self.h_i
+
+    @property
+    def shared_params(self) -> int:
+        """A layer's shared experts (and their gate)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_experts * 3 * self.h * self.h_shared + self.h * self.shared_gate
+
+    @property
+    def dense_params(self) -> int:
+        """A dense layer's FFN."""
+        return 3 * self.h * self.h_dense if self.dense_layers else 0
+
+    # --- bytes, as stored ----------------------------------------------------------------------
+
+    def bits(self, tensor_class: str) -> float:
+        """Bits per weight (or per cache element) of a class of tensor, as stored."""
+        fmt = getattr(self.precision, tensor_class)
+        return 8.0 * self.dtype_bytes if fmt is None else formats.bits(fmt)
+
+    def _stored(self, params: int, tensor_class: str) -> float:
+        if getattr(self.precision, tensor_class) is None:
+            return self.dtype_bytes * params
+        return params * self.bits(tensor_class) / 8
+
     # Per-layer weight sections, in the order they lie in a layer's weight buffer. Only the
     # streamed tail of a layer is paged, so the order decides which tasks wait for which pages.
     @property
-    def qkv_bytes(self) -> int:
-        return self.dtype_bytes * self.h * (self.q_dim + 2 * self.h_kv)
+    def qkv_bytes(self) -> float:
+        return self._stored(self.qkv_params, "attention")
 
     @property
-    def o_bytes(self) -> int:
-        return self.dtype_bytes * self.q_dim * self.h
+    def o_bytes(self) -> float:
+        return self._stored(self.o_params, "attention")
 
     @property
-    def router_bytes(self) -> int:
-        return self.dtype_bytes * self.h * self.E
+    def router_bytes(self) -> float:
+        return self._stored(self.h * self.E, "router")
 
     @property
-    def expert_bytes(self) -> int:
-        """One SwiGLU expert: w1, w3 (up) and w2 (down)."""
-        return self.dtype_bytes * 3 * self.h * self.h_i
+    def shared_bytes(self) -> float:
+        return self._stored(self.shared_params, "shared")
 
     @property
-    def layer_bytes(self) -> int:
-        return self.qkv_bytes + self.o_bytes + self.router_bytes + self.E * self.expert_bytes
+    def expert_bytes(self) -> float:
+        """One routed SwiGLU expert: w1, w3 (up) and w2 (down)."""
+        return self._stored(self.expert_params, "experts")
 
     @property
-    def embed_bytes(self) -> int:
+    def dense_bytes(self) -> float:
+        return self._stored(self.dense_params, "dense")
+
+    @property
+    def layer_bytes(self) -> float:
+        """An MoE layer: attention, router, shared and routed experts."""
+        return (self.qkv_bytes + self.o_bytes + self.router_bytes + self.shared_bytes
+                + self.E * self.expert_bytes)
+
+    @property
+    def dense_layer_bytes(self) -> float:
+        return self.qkv_bytes + self.o_bytes + self.dense_bytes
+
+    @property
+    def layers_bytes(self) -> float:
+        """Every layer's weights."""
+        return self.moe_layers * self.layer_bytes + self.dense_count * self.dense_layer_bytes
+
+    @property
+    def head_bytes(self) -> float:
+        """The LM head (the embedding, if tied)."""
+        return self._stored(self.V * self.h, "embedding" if self.tie_word_embeddings else "head")
+
+    @property
+    def embed_bytes(self) -> float:
         """Token embedding plus LM head (one matrix if tied), kept on the GPU."""
-        return (1 if self.tie_word_embeddings else 2) * self.dtype_bytes * self.V * self.h
+        if self.tie_word_embeddings:
+            return self.head_bytes
+        return self._stored(self.V * self.h, "embedding") + self.head_bytes
 
     @property
-    def model_bytes(self) -> int:
-        return self.L * self.layer_bytes + self.embed_bytes
+    def model_bytes(self) -> float:
+        return self.layers_bytes + self.embed_bytes
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.dtype_bytes * self.h_kv
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token in one layer (MLA: its latent and rope key)."""
+        return self._stored(self.kv_width, "kv_cache")
 
+    @property
+    def params(self) -> dict[str, int]:
+        """Parameters in all, and those a token's forward pass multiplies by (its FLOPs are
+        twice these): every layer's attention, router, shared and dense FFN, its k routed
+        experts of each MoE layer, and the LM head; the embedding is a lookup. (Model cards
+        count "active" parameters with or without the embedding and the head.)"""
+        attention = self.L * (self.qkv_params + self.o_params)
+        moe = self.moe_layers * (self.h * self.E + self.shared_params)
+        dense = self.dense_count * self.dense_params
+        matrices = self.V * self.h * (1 if self.tie_word_embeddings else 2)
+        routed = self.moe_layers * self.expert_params
+        return {"total": attention + moe + dense + matrices + routed * self.E,
+                "active": attention + moe + dense + self.V * self.h + routed * self.k}
+
+    def size(self) -> dict[str, Any]:
+        """What a user checks against the model card: parameters (in all and used a token),
+        GB and bits per weight of each class of tensor as stored, and the KV cache one token
+        adds over all layers (a sliding-window layer keeps only its window's)."""
+        bits = {"attention": self.bits("attention"), "router": self.bits("router"),
+                "experts": self.bits("experts"), "shared": self.bits("shared"),
+                "dense": self.bits("dense"),
+                "embedding + head": self.bits("embedding") if self.tie_word_embeddings
+                else (self.bits("embedding") + self.bits("head")) / 2}
+        classes = self.bytes_by_class()
+        return {"params": self.params, "gb": round(self.model_bytes / 1e9, 3),
+                "classes": {c: {"gb": round(b / 1e9, 3), "bits": round(bits[c], 4)}
+                            for c, b in classes.items()},
+                "kv_kb_per_token": round(self.L * self.kv_bytes_per_token / 1e3, 3)}
+
+    def bytes_by_class(self) -> dict[str, float]:
+        """The whole model's bytes per class of tensor, as stored."""
+        dense = self.dense_count
+        out = {"attention": self.L * (self.qkv_bytes + self.o_bytes),
+               "router": self.moe_layers * self.router_bytes,
+               "experts": self.moe_layers * self.E * self.expert_bytes,
+               "shared": self.moe_layers * self.shared_bytes,
+               "dense": dense * self.dense_bytes,
+               "embedding + head": self.embed_bytes}
+        return {k: v for k, v in out.items() if v}
 
 
 class GPUSpec(BaseModel):

@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 _PROBE = """
 import json, sys, torch
-from taskgraph.kernels.weights import load_mixtral_safetensors
-from taskgraph.scenario import model_from_hf_config
+from taskgraph.kernels.weights import load_safetensors
+from taskgraph.model_files import model_from_hf_config
 from taskgraph.specs import ModelSpec
 
 def status(key):     # kB; VmHWM is this process's peak (getrusage's survives exec from the parent)
@@ -32,7 +32,7 @@ def status(key):     # kB; VmHWM is this process's peak (getrusage's survives ex
 folder, layers = sys.argv[1], int(sys.argv[2])
 m = ModelSpec(**dict(model_from_hf_config(folder + "/config.json"), L=layers))
 before = status("VmRSS")
-w = load_mixtral_safetensors(folder, m, torch.float32)
+w = load_safetensors(folder, m, torch.float32)
 after = status("VmHWM")
 kept = sum(t.numel() * t.element_size() for t in
            [*w.layers, w.embed, w.lm_head, w.final_norm, *[n for p in w.norms for n in p]])

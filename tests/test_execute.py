@@ -151,13 +151,13 @@ def test_execute_cli_json_and_trace(tmp_path, capsys):
 
 def test_weights_from_a_mixtral_checkpoint(tmp_path):
     pytest.importorskip("safetensors")
-    from taskgraph.kernels.weights import load_mixtral_safetensors, save_mixtral_safetensors
+    from taskgraph.kernels.weights import load_safetensors, save_mixtral_safetensors
     from taskgraph.scenario import load_scenario
 
     sc = tiny()
     w = synthetic_weights(sc.model, seed=3)
     folder = save_mixtral_safetensors(w, tmp_path / "ckpt")
-    back = load_mixtral_safetensors(folder, sc.model)
+    back = load_safetensors(folder, sc.model)
     assert all(torch.equal(a, b) for a, b in zip(w.layers, back.layers))
     assert torch.equal(w.lm_head, back.lm_head)
     # the checkpoint's config.json is a valid model for a scenario
@@ -166,7 +166,7 @@ def test_weights_from_a_mixtral_checkpoint(tmp_path):
                     "workload: {prompt_len: 4, gen_len: 1}\npolicy: {N: 4, mu: 2}\n")
     assert load_scenario(scen).model.h == sc.model.h
     with pytest.raises(Exception, match="shape"):
-        load_mixtral_safetensors(folder, sc.model.model_copy(update={"h_i": 64}))
+        load_safetensors(folder, sc.model.model_copy(update={"h_i": 64}))
 
 
 def test_a_failing_task_stops_the_run_and_keeps_what_ran():

@@ -141,7 +141,7 @@ def hf_checkpoint(tmp_path_factory):
 
 def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False, device="cpu"):
     from taskgraph.exec.dispatch import CudaDevice
-    from taskgraph.kernels.weights import load_mixtral_safetensors
+    from taskgraph.kernels.weights import load_safetensors
     from taskgraph.scenario import scenario_from_dict
     from tests.test_transformers_parity import STEPS
 
@@ -151,7 +151,7 @@ def _run_checkpoint(folder, schedule, prompts, lens, mu, policy, zero_copy=False
         "policy": {"N": len(lens), "mu": mu, "A_g": 1, "F_g": 0, **policy},
         "schedule": schedule})
     plan = make_plan(sc)
-    w = load_mixtral_safetensors(folder, sc.model, torch.float32)
+    w = load_safetensors(folder, sc.model, torch.float32)
     rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens, record_logits=True,
                  zero_copy=zero_copy, pin_memory=device == "cuda")
     run = execute(compile_plan(plan), rt, CudaDevice(torch) if device == "cuda" else None)

@@ -15,7 +15,7 @@ from taskgraph.exec.tensor import ShardRuntime
 from taskgraph.kinds import COLLECTIVES, KINDS, SENDS, Kind, Work
 from tests.helpers import tiny
 
-SECTIONS = {"qkv", "o", "route", "moe", "post", "all"}
+SECTIONS = {"qkv", "o", "route", "shared", "moe", "post", "all"}
 RINGS = {"weights", "pinned", "kv"}
 
 

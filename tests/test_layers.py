@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top. A module is matched by its longest listed prefix.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundations", ["errors", "kinds", "dag.schedules", "presets", "files"]),
+    ("foundations", ["errors", "kinds", "dag.schedules", "presets", "files", "formats"]),
     ("specs", ["specs", "expect"]),
     ("graph", ["dag"]),
     ("cost", ["perf", "kernels", "sim.engine", "sim.contention"]),
     ("output", ["output", "tracing"]),
-    ("scenarios", ["scenario", "serving.requests"]),
+    ("scenarios", ["scenario", "model_files", "serving.requests"]),
     ("simulation", ["sim"]),
     ("serving", ["serving.queue"]),
     ("execution", ["exec"]),

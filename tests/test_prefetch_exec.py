@@ -109,11 +109,11 @@ def _checkpoint_scenario(folder, prompts, lens, mu, policy):
 ])
 @pytest.mark.parametrize("device", ["cpu", *CUDA])
 def test_tokens_and_logits_are_transformers_own(hf_checkpoint, mu, policy, device):
-    from taskgraph.kernels.weights import load_mixtral_safetensors
+    from taskgraph.kernels.weights import load_safetensors
 
     folder, prompts, lens, expected = hf_checkpoint
     sc = _checkpoint_scenario(folder, prompts, lens, mu, policy)
-    w = load_mixtral_safetensors(folder, sc.model, torch.float32)
+    w = load_safetensors(folder, sc.model, torch.float32)
     rt = _run(sc, w, prompts, lens, record_logits=True, device=device)
     tokens, step_logits = rt.outputs()[0], rt.step_logits.cpu()
     for i, (hf_tokens, hf_logits) in enumerate(expected):
@@ -388,11 +388,11 @@ def test_the_measured_accuracy_is_the_guess_recomputed_from_the_reference(monkey
 
 def test_the_accuracy_on_a_transformers_checkpoint_is_recomputed_too(hf_checkpoint,
                                                                       monkeypatch):
-    from taskgraph.kernels.weights import load_mixtral_safetensors
+    from taskgraph.kernels.weights import load_safetensors
 
     folder, prompts, lens, _ = hf_checkpoint
     sc = _checkpoint_scenario(folder, prompts, lens, 2, {"experts_gpu": 1})
-    w = load_mixtral_safetensors(folder, sc.model, torch.float32)
+    w = load_safetensors(folder, sc.model, torch.float32)
     rt = _run(sc, w, prompts, lens)
     predicted, used = _expected_counts(w, prompts, 2, sc.decode_steps, lens, monkeypatch)
     assert (rt.prefetch.predicted, rt.prefetch.used) == (predicted, used)

@@ -26,7 +26,9 @@ from tests.helpers import unrolled_edges
 
 @st.composite
 def scenarios(draw):
-    schedule = draw(st.sampled_from(["S1", "S2", "S3", "S4", "DS", "S5", "PP"]))
+    schedule = draw(st.sampled_from(["S1", "S2", "S3", "S4", "DS", "S5", "PP", "EP", "EC",
+                                     "ECP"]))
+    expert_level = schedule in ("EP", "EC", "ECP")
     n_q = draw(st.sampled_from([2, 4, 8]))
     n_kv = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_q % d == 0]))
     E = draw(st.sampled_from([2, 4, 8]))
@@ -38,12 +40,15 @@ def scenarios(draw):
     model = {"h": h, "h_i": draw(st.integers(4 * h, 8 * h)),
              "L": L, "n_q": n_q, "n_kv": n_kv, "E": E,
              "k": draw(st.integers(1, min(E, 2))), "V": draw(st.integers(16, 512))}
+    if draw(st.booleans()):
+        model.update(_modern(draw, model))
     # S1/S2 need two micro-batches; S4 prefetches the next (layer, micro-batch), which must not
     # be the one it is computing (test_builder covers the errors for these).
-    min_micro = 2 if schedule in ("S1", "S2", "S5") or (schedule in ("S4", "PP") and L == 1) else 1
+    min_micro = 2 if schedule in ("S1", "S2", "S5") or (
+        (schedule in ("S4", "PP") or expert_level) and L == 1) else 1
     # Tensor parallelism over 2 or 4 GPUs, for every schedule whose FFN runs on the GPUs;
     # pipeline stages of at least one layer, and one group of micro-batches per stage.
-    gpus = 1 if schedule == "S5" else draw(st.sampled_from(
+    gpus = 1 if schedule == "S5" or expert_level else draw(st.sampled_from(
         [g for g in (1, 1, 2, 4) if schedule != "PP" or g <= L]))
     if schedule == "DS":               # one micro-batch per GPU
         n_micro = gpus
@@ -52,12 +57,19 @@ def scenarios(draw):
     else:
         n_micro = draw(st.integers(min_micro, 5))
     mu = draw(st.integers(1, 6))
-    gpu_attention = schedule in ("S4", "DS", "S5", "PP")
-    policy = {"N": n_micro * mu, "mu": mu, "A_g": int(gpu_attention), "F_g": int(schedule != "S5"),
+    gpu_attention = schedule in ("S4", "DS", "S5", "PP") or expert_level
+    policy = {"N": n_micro * mu, "mu": mu, "A_g": int(gpu_attention),
+              "F_g": int(schedule not in ("S5", "EP", "EC", "ECP")),
               # ZeRO-Inference streams every weight
               "r_w": 0.0 if schedule == "DS" else draw(st.sampled_from([0.0, 0.0, 0.3, 0.9, 1.0])),
               "r_c": 1.0 if schedule == "DS" else
               draw(st.sampled_from([0.0, 0.5])) if gpu_attention else 0.0}
+    if expert_level:
+        policy["experts_gpu"] = draw(st.integers(0, E))
+    if schedule in ("EC", "ECP"):
+        policy["eviction"] = draw(st.sampled_from(["lru", "popular"]))
+    if schedule == "ECP":
+        policy["prefetch"] = draw(st.sampled_from([0.0, 0.5, 1.0]))
     prompt = draw(st.integers(1, 64))
     workload = {"prompt_len": prompt, "max_prompt_len": prompt + draw(st.integers(0, 32)),
                 "gen_len": draw(st.integers(1, 4)), "padded": draw(st.booleans())}
@@ -95,6 +107,31 @@ def scenarios(draw):
         doc["implementation"] = {"name": "random", "kinds": kinds,
                                  "pageable_weights": draw(st.booleans())}
     return scenario_from_dict(doc, source="<hypothesis>")
+
+
+def _modern(draw, model: dict) -> dict:
+    """What today's MoEs add: dense layers, shared experts, MLA or sliding-window attention,
+    tensors stored at 4 to 8 bits."""
+    h, L = model["h"], model["L"]
+    out: dict = {}
+    if L > 1 and draw(st.booleans()):
+        out.update(dense_layers=sorted(draw(st.sets(st.integers(0, L - 1), min_size=1,
+                                                    max_size=L - 1))),
+                   h_dense=draw(st.integers(h, 4 * h)))
+    if draw(st.booleans()):
+        out.update(shared_experts=draw(st.integers(1, 2)), h_shared=draw(st.integers(h, 2 * h)),
+                   shared_gate=draw(st.booleans()))
+    if draw(st.booleans()):
+        out.update(attention="mla", kv_lora_rank=draw(st.sampled_from([16, 32])),
+                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                   q_lora_rank=draw(st.sampled_from([None, 24])), n_kv=model["n_q"])
+    elif draw(st.booleans()):
+        out.update(sliding_window=draw(st.integers(1, 40)),
+                   sliding_layers=sorted(draw(st.sets(st.integers(0, L - 1), max_size=L))))
+    out["precision"] = {"experts": draw(st.sampled_from(["q4_k", "mxfp4", 8.5, None])),
+                        "attention": draw(st.sampled_from(["q8_0", None])),
+                        "kv_cache": draw(st.sampled_from([8, None]))}
+    return out
 
 
 @given(scenarios())
@@ -159,8 +196,8 @@ def test_simulated_runs_keep_every_invariant(sc):
     prefill_end = end[(prog.step == 0) & compute].max()
     # the last layer's prefill: whole (Prefill), or ending with the experts' output (Merge, or
     # each GPU's part of it under tensor parallelism)
-    last = (prog.step == 0) & np.isin(kind, [KIND_NAMES.index("Prefill"),
-                                            KIND_NAMES.index("Merge"), KIND_NAMES.index("MoE")])
+    last = (prog.step == 0) & np.isin(kind, [KIND_NAMES.index(k) for k in (
+        "Prefill", "Merge", "MoE", "GPUFFN", "Route")])
     assert prefill_end >= end[last].max()
     assert s["prefill_s"] == pytest.approx(prefill_end, rel=1e-5)
     assert s["prefill_s"] + s["decode_s"] == pytest.approx(makespan, rel=1e-5)

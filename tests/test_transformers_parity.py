@@ -25,7 +25,7 @@ from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.exec.dispatch import CudaDevice, execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels.reference import reference_forward  # noqa: E402
-from taskgraph.kernels.weights import load_mixtral_safetensors  # noqa: E402
+from taskgraph.kernels.weights import load_safetensors  # noqa: E402
 from taskgraph.scenario import scenario_from_dict  # noqa: E402
 
 SHAPES = {
@@ -80,7 +80,7 @@ def run_tg(folder, schedule, prompts, lens, mu=2, dtype=torch.float32, zero_copy
     sc = scenario_for(folder, schedule, len(lens), mu, prompts.shape[1], STEPS,
                       dtype_bytes=4 if dtype == torch.float32 else 2)
     plan = make_plan(sc)
-    w = load_mixtral_safetensors(folder, sc.model, dtype)
+    w = load_safetensors(folder, sc.model, dtype)
     rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens, record_logits=True,
                  zero_copy=zero_copy, pin_memory=device == "cuda")
     run = execute(compile_plan(plan), rt, CudaDevice(torch) if device == "cuda" else None)
@@ -144,7 +144,7 @@ def test_two_gpus_compute_transformers_tokens(checkpoint, schedule):
     plan = make_plan(sc)
     if plan.tp > 1 and sc.model.n_kv % 2:
         pytest.skip("one KV head: nothing to split over two GPUs")
-    w = load_mixtral_safetensors(folder, sc.model, torch.float32)
+    w = load_safetensors(folder, sc.model, torch.float32)
     make = TensorParallel if plan.tp > 1 else Runtime
     rt = make(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
     run = execute(compile_plan(plan), rt)
@@ -305,7 +305,7 @@ def test_dbrx_configs_simulate_but_are_refused_by_the_executor(tmp_path, capsys)
     assert main(["simulate", str(scen), "--json"]) == 0
     capsys.readouterr()
     assert main(["execute", str(scen)]) == 2
-    assert "DBRX checkpoints" in capsys.readouterr().err
+    assert "dbrx is simulated, not executed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -168,17 +168,37 @@ class Plan:
 
     @cached_property
     def layout(self) -> WeightLayout:
-        streamed = self.scenario.policy.r_w < 1.0
-        pages = (self.n if self.schedule.paged else 1) if streamed else 0
-        return WeightLayout(self.scenario.model, self.scenario.policy.r_w, pages,
-                            streams_experts=self.schedule.ffn == "gpu")
+        """Where an MoE layer's weights lie (a dense layer's: :meth:`layout_of`)."""
+        return self.layouts[False]
 
     @cached_property
     def work(self) -> TaskWork:
-        s = self.scenario
-        return TaskWork(s.model, s.policy, s.workload, self.layout, tp=self.tp,
-                        routing=Routing.of(s), ffn=self.schedule.ffn,
-                        prefetches=any(op.kind == "ExpertAhead" for op in self.schedule.decode))
+        """What an MoE layer's tasks work on (a dense layer's: :meth:`work_of`)."""
+        return self.works[False]
+
+    def layout_of(self, layer: int) -> WeightLayout:
+        return self.layouts[self.scenario.model.is_dense(layer)]
+
+    def work_of(self, layer: int) -> TaskWork:
+        return self.works[self.scenario.model.is_dense(layer)]
+
+    @cached_property
+    def layouts(self) -> dict[bool, WeightLayout]:
+        """Where the weights of an MoE layer (False) and of a dense one (True) lie."""
+        streamed = self.scenario.policy.r_w < 1.0
+        pages = (self.n if self.schedule.paged else 1) if streamed else 0
+        return {dense: WeightLayout(self.scenario.model, self.scenario.policy.r_w, pages,
+                                    streams_experts=self.schedule.ffn == "gpu", dense=dense)
+                for dense in (False, True)}
+
+    @cached_property
+    def works(self) -> dict[bool, TaskWork]:
+        """What the tasks of an MoE layer (False) and of a dense one (True) work on."""
+        s, routing = self.scenario, Routing.of(self.scenario)
+        prefetches = any(op.kind == "ExpertAhead" for op in self.schedule.decode)
+        return {dense: TaskWork(s.model, s.policy, s.workload, layout, tp=self.tp,
+                                routing=routing, ffn=self.schedule.ffn, prefetches=prefetches)
+                for dense, layout in self.layouts.items()}
 
     @cached_property
     def _launched(self) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -196,6 +216,9 @@ class Plan:
         """Whether the schedule launches a task of `kind` at a position (a kind launched only
         at the last layer, or only for the first micro-batch, is nowhere else)."""
         when = self._launched[min(step, 1)].get(kind, ())
+        where = KINDS[kind].where
+        if where is not None and not where(self.scenario.model, layer):
+            return False
         return ("each" in when or ("last_layer" in when and layer == self.L - 1)
                 or ("first" in when and (index == 0 or kind in PAGED)))
 
@@ -217,11 +240,11 @@ class Plan:
     def _gpu_of_group(self, layer: int, group: int) -> int:
         return group if self.dp > 1 else self.stage_of(layer)
 
-    def weight_pages(self, index: int, section: str) -> list[int]:
-        """The weight pages (D3 indices) a task of micro-batch `index` reads for a section: its
-        group's copy of them."""
+    def weight_pages(self, layer: int, index: int, section: str) -> list[int]:
+        """The weight pages (D3 indices) a task of micro-batch `index` reads for a section of
+        its layer: its group's copy of them."""
         first = self.group_of(index) * self.layout.n_pages
-        return [first + p for p in self.layout.pages_for(section)]
+        return [first + p for p in self.layout_of(layer).pages_for(section)]
 
     def weight_buffer(self, step: int, layer: int, group: int) -> int:
         """The half of the weight double buffer (numbered over the GPUs, two each) that holds
@@ -378,7 +401,10 @@ def _expand(plan: Plan, step: int, loop: Loop) -> Iterator[TaskKey]:
                 continue
             if plan.items(op.kind) == 0:   # nothing streamed: no weight tasks at all
                 continue
-            yield _place(plan, step, t, i, j, op)
+            key = _place(plan, step, t, i, j, op)
+            where = KINDS[op.kind].where
+            if where is None or where(plan.scenario.model, key.layer):
+                yield key
 
 
 def _place(plan: Plan, step: int, t: int, i: int, j: int, op: Op) -> TaskKey:
@@ -436,7 +462,7 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
             out.append(d._replace(gpu=t.gpu))
     if split and t.kind in WEIGHT_SECTIONS:
         out += [TaskKey(t.step, "D3", t.layer, p, t.gpu)
-                for p in plan.weight_pages(t.index, WEIGHT_SECTIONS[t.kind])]
+                for p in plan.weight_pages(t.layer, t.index, WEIGHT_SECTIONS[t.kind])]
     return out
 
 
@@ -476,7 +502,7 @@ def _data_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     deps = [d for read in record.reads if (d := _producer(plan, t, read)) is not None]
     if record.weights:
         deps += [TaskKey(t.step, "D3", t.layer, p)
-                 for p in plan.weight_pages(t.index, record.weights)]
+                 for p in plan.weight_pages(t.layer, t.index, record.weights)]
     return deps
 
 
@@ -539,7 +565,8 @@ def _rings(plan: Plan) -> tuple[list[_Ring], dict[str, list[tuple[_Ring, Callabl
             if name == "weights" and k.weights:
                 readers.setdefault(k.name, []).append(
                     (ring, lambda t, r=ring, section=k.weights: [
-                        r.item(t.step, t.layer, p) for p in plan.weight_pages(t.index, section)]))
+                        r.item(t.step, t.layer, p)
+                        for p in plan.weight_pages(t.layer, t.index, section)]))
             elif name in k.reads_slots:
                 readers.setdefault(k.name, []).append(
                     (ring, lambda t, r=ring: [r.item(t.step, t.layer, t.index)]))
@@ -605,7 +632,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
 
 
 def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool) -> None:
-    work = plan.work.of(key.kind, prefill=key.step == 0)
+    work = plan.work_of(key.layer).of(key.kind, prefill=key.step == 0)
     g.add_node(key.name, kind=key.kind, step=key.step, layer=key.layer, index=key.index,
                gpu=key.gpu, stream=plan.stream_of(key),
                resource=STREAM_RESOURCE[plan.schedule.streams[key.kind]], order=pos,

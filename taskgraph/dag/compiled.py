@@ -14,6 +14,7 @@ stream only the last launched is kept: stream order implies the rest.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -127,33 +128,49 @@ class Program:
         step = self.step
         flops, nbytes = self.column("flops"), self.column("nbytes")
         if self.plan.load is None:
-            s = self.context(step)
+            s = self._seen(self.context(step))
             return (flops + self.column("flops_per_ctx") * s,
                     nbytes + self.column("bytes_per_ctx") * s, np.zeros(self.total, bool))
         seqs, ctx, ptok, psq = self.plan.load.tables(self.plan.G)
         kind, index = self.column("kind"), self.column("index")
+        dense = self._dense()
         idle = np.zeros(self.total, bool)
         for k in np.unique(kind):
             name = KIND_NAMES[k]
             if name in PAGED:                 # weight pages: the same whatever the requests
                 continue
-            for prefill in (True, False):
-                sel = np.flatnonzero((kind == k) & ((step == 0) == prefill))
+            for prefill, is_dense in itertools.product((True, False), (False, True)):
+                sel = np.flatnonzero((kind == k) & ((step == 0) == prefill) & (dense == is_dense))
                 if not len(sel):
                     continue
                 j, d = index[sel], step[sel]
                 a = seqs[j, d]
                 load = (Load(a, ptok[j, 0], psq[j, 0]) if prefill else
                         Load(a, 0.0, 0.0, admitted=ptok[j, d], admitted_sq=psq[j, d]))
-                work = self.plan.work.with_load(load).of(name, prefill=prefill)
+                work = self.plan.works[is_dense].with_load(load).of(name, prefill=prefill)
                 mean_ctx = np.divide(ctx[j, d], a, out=np.zeros(len(sel)), where=a > 0)
-                f, b = work.at(mean_ctx)
+                f, b = work.at(self._seen(mean_ctx, sel))
                 flops[sel] = np.broadcast_to(f, len(sel))
                 nbytes[sel] = np.broadcast_to(b, len(sel))
                 idle[sel] = (a == 0) & (ptok[j, d] == 0)
         if self.plan.load.continuation:
             idle |= step == 0       # a window of a longer run: its prefill segment did not happen
         return flops, nbytes, idle
+
+    def _dense(self) -> np.ndarray:
+        """Per task, whether its layer is dense."""
+        m = self.plan.scenario.model
+        return np.isin(self.column("layer"), list(m.dense_layers))
+
+    def _seen(self, context: np.ndarray, sel: np.ndarray | None = None) -> np.ndarray:
+        """The context each task's attention sees: all of it, or a sliding-window layer's
+        window (of the tasks `sel` picks, or of every task)."""
+        m = self.plan.scenario.model
+        if m.sliding_window is None:
+            return context
+        windows = np.array([m.window(l) or np.inf for l in range(m.L)])
+        layer = self.column("layer") if sel is None else self.column("layer")[sel]
+        return np.minimum(context, windows[layer])
 
     def segment_of(self, gid: int) -> int:
         return int(np.searchsorted(self.seg_base, gid, side="right") - 1)

@@ -264,7 +264,10 @@ DS = Schedule(
     streams=S4.streams,
 )
 
-_EXPERTS_ON_CPU = (Op("Route", ahead=1), Op("D5", ahead=1), Op("CPUFFN", ahead=1))
+# A model's shared experts run on the GPU while the CPU runs the routed ones (kTransformers):
+# SharedFFN is launched only where a layer has them (its record's `where`).
+_EXPERTS_ON_CPU = (Op("Route", ahead=1), Op("D5", ahead=1), Op("SharedFFN", ahead=1),
+                   Op("CPUFFN", ahead=1))
 
 S5 = Schedule(
     name="S5", title="FFN on the CPU",
@@ -275,12 +278,12 @@ S5 = Schedule(
     placement={"A_g": 1, "F_g": 0},
     prefill=(Loop("once", (Op("D3"),)),
              Loop("layers", (Op("D3", layer=1, when="first"), Op("PrefillAttn"), Op("KVOut"),
-                             Op("Route"), Op("D5"), Op("CPUFFN"), Op("D6"), Op("Merge"),
-                             _LMHEAD))),
+                             Op("Route"), Op("D5"), Op("SharedFFN"), Op("CPUFFN"), Op("D6"),
+                             Op("Merge"), _LMHEAD))),
     # Micro-batch 1's attention and routing run before micro-batch 0's merge, so the GPU works
     # while the CPU computes experts.
     decode_prologue=(Loop("once", (Op("D4"), Op("PreAttn"), Op("GPUAttn"), Op("KVOut"),
-                                   Op("Route"), Op("D5"), Op("CPUFFN"))),),
+                                   Op("Route"), Op("D5"), Op("SharedFFN"), Op("CPUFFN"))),),
     decode=(Op("D3", layer=1, when="first"), Op("D4", ahead=1), Op("PreAttn", ahead=1),
             Op("GPUAttn", ahead=1), Op("KVOut", ahead=1), *_EXPERTS_ON_CPU, Op("D6"),
             Op("Merge"), _LMHEAD),
@@ -306,11 +309,11 @@ EP = Schedule(
             "states cross the link",
     attention="gpu", paged=False, staging=False, ffn="split", placement=_GPU_LAYER,
     prefill=(*_EXPERT_PREFILL_START,
-             Loop("layers", (*_PREFILL_TO_ROUTE, Op("D5"), Op("GPUFFN"), Op("CPUFFN"),
-                             Op("D6"), Op("Merge"), _LMHEAD))),
+             Loop("layers", (*_PREFILL_TO_ROUTE, Op("D5"), Op("SharedFFN"), Op("GPUFFN"),
+                             Op("CPUFFN"), Op("D6"), Op("Merge"), _LMHEAD))),
     decode_prologue=(),
-    decode=(*_DECODE_TO_ROUTE, Op("D5"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"), Op("Merge"),
-            _LMHEAD),
+    decode=(*_DECODE_TO_ROUTE, Op("D5"), Op("SharedFFN"), Op("GPUFFN"), Op("CPUFFN"), Op("D6"),
+            Op("Merge"), _LMHEAD),
     streams=_streams(D4="h2d_kv"),
 )
 
@@ -321,9 +324,10 @@ EC = Schedule(
             "expert runs on the GPU",
     attention="gpu", paged=False, staging=False, ffn="cache", placement=_GPU_LAYER,
     prefill=(*_EXPERT_PREFILL_START,
-             Loop("layers", (*_PREFILL_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD))),
+             Loop("layers", (*_PREFILL_TO_ROUTE, Op("ExpertIn"), Op("SharedFFN"), Op("GPUFFN"),
+                             _LMHEAD))),
     decode_prologue=(),
-    decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("GPUFFN"), _LMHEAD),
+    decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("SharedFFN"), Op("GPUFFN"), _LMHEAD),
     streams=_streams(D4="h2d_kv"),
 )
 
@@ -340,7 +344,7 @@ ECP = Schedule(
     prefill=EC.prefill,
     decode_prologue=(Loop("once", (Op("ExpertAhead"),)),),
     decode=(*_DECODE_TO_ROUTE, Op("ExpertIn"), Op("ExpertAhead", layer=1, when="first"),
-            Op("GPUFFN"), _LMHEAD),
+            Op("SharedFFN"), Op("GPUFFN"), _LMHEAD),
     streams=_streams(D4="h2d_kv"),
 )
 

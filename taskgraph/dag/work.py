@@ -32,14 +32,23 @@ class WeightLayout:
     r_w: float
     n_pages: int
     # False (FFN on the CPU): the experts never leave host memory; r_w and the pages cover the
-    # rest of the layer (qkv | o | router).
+    # rest of the layer (qkv | o | router | shared).
     streams_experts: bool = True
+    # A dense layer: qkv | o | its FFN, all of it where the GPU's part of a layer lies.
+    dense: bool = False
+
+    @property
+    def layer_bytes(self) -> float:
+        """The whole layer's bytes."""
+        return self.model.dense_layer_bytes if self.dense else self.model.layer_bytes
 
     @property
     def extent_bytes(self) -> float:
         """The bytes of a layer that live on the GPU, resident or streamed."""
         m = self.model
-        return m.layer_bytes if self.streams_experts else m.layer_bytes - m.E * m.expert_bytes
+        if self.streams_experts or self.dense:
+            return self.layer_bytes
+        return m.layer_bytes - m.E * m.expert_bytes
 
     @property
     def resident_bytes(self) -> float:
@@ -54,24 +63,29 @@ class WeightLayout:
         return self.streamed_bytes / self.n_pages if self.n_pages else 0.0
 
     def pages_for(self, section: str) -> range:
-        """Pages that hold any byte of a section ('qkv', 'o', 'route', 'moe', 'post' or
-        'all')."""
+        """Pages that hold any byte of a section ('qkv', 'o', 'route', 'shared', 'moe', 'post'
+        or 'all')."""
         return self._pages[section]
 
     @cached_property
     def _pages(self) -> dict[str, range]:
         return {section: self._pages_of(section)
-                for section in ("qkv", "post", "route", "o", "moe", "all")}
+                for section in ("qkv", "post", "route", "o", "shared", "moe", "all")}
+
+    def sections(self) -> dict[str, tuple[float, float]]:
+        """Each section's byte range in the layer: qkv | o | router | shared | experts, or on a
+        dense layer qkv | o | its FFN (which its router task, 'route', runs)."""
+        m, end = self.model, self.layer_bytes
+        qkv, o = m.qkv_bytes, m.qkv_bytes + m.o_bytes
+        route = end if self.dense else o + m.router_bytes
+        shared = route if self.dense else route + m.shared_bytes
+        return {"qkv": (0, qkv), "post": (qkv, end), "route": (qkv, route), "o": (qkv, o),
+                "shared": (route, shared), "moe": (o, end), "all": (0, end)}
 
     def _pages_of(self, section: str) -> range:
         if not self.n_pages:
             return range(0)
-        m = self.model
-        lo, hi = {"qkv": (0, m.qkv_bytes), "post": (m.qkv_bytes, m.layer_bytes),
-                  "route": (m.qkv_bytes, m.qkv_bytes + m.o_bytes + m.router_bytes),
-                  "o": (m.qkv_bytes, m.qkv_bytes + m.o_bytes),
-                  "moe": (m.qkv_bytes + m.o_bytes, m.layer_bytes),
-                  "all": (0, m.layer_bytes)}[section]
+        lo, hi = self.sections()[section]
         lo, hi = max(lo, self.resident_bytes), min(hi, self.extent_bytes)
         if hi <= lo:
             return range(0)
@@ -110,7 +124,8 @@ class TaskWork:
                  routing: Routing | None = None, ffn: str = "gpu", prefetches: bool = False):
         self.model, self.policy, self.workload, self.layout, self.tp = (model, policy, workload,
                                                                         layout, tp)
-        self.ffn = ffn          # where the schedule runs the experts (Schedule.ffn)
+        self.dense = layout.dense       # the layer is dense: its FFN is one MLP, no experts
+        self.ffn_place = ffn    # where the schedule runs the experts (Schedule.ffn)
         self.prefetches = prefetches    # ECP: the next layer's misses cross ahead
         p = workload.context_prompt
         self.load = load or Load(policy.mu, policy.mu * p, policy.mu * p * p)
@@ -118,7 +133,7 @@ class TaskWork:
 
     def with_load(self, load: Load) -> "TaskWork":
         return TaskWork(self.model, self.policy, self.workload, self.layout, load, self.tp,
-                        self.routing, self.ffn, self.prefetches)
+                        self.routing, self.ffn_place, self.prefetches)
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         """A task's work: its kind's, one GPU's shard of it under tensor parallelism."""
@@ -131,7 +146,31 @@ class TaskWork:
         return Work((work.flops - whole.flops) / n + whole.flops, work.flops_per_ctx / n,
                     (work.bytes - whole.bytes) / n + whole.bytes, work.bytes_per_ctx / n)
 
-    # What the experts' kinds ask.
+    # What the FFN's kinds ask.
+    def ffn(self, tokens: Number) -> Work:
+        """A layer's FFN over `tokens` tokens, with the residual's activations: on an MoE layer
+        the router, the routed experts the tokens choose (each read once) and the shared ones;
+        on a dense layer its MLP."""
+        m, b = self.model, self.model.dtype_bytes
+        if self.dense:
+            return Work(flops=2 * tokens * m.dense_params,
+                        bytes=m.dense_bytes + b * tokens * (2 * m.h + 2 * m.h_dense))
+        routed = self.experts(tokens, 1, self.distinct(tokens))
+        flops, nbytes = 2 * tokens * m.h * m.E + routed.flops, m.router_bytes + routed.bytes
+        if m.shared_experts:
+            shared = self.shared(tokens)
+            flops, nbytes = flops + shared.flops, nbytes + shared.bytes
+        return Work(flops=flops, bytes=nbytes)
+
+    def shared(self, tokens: Number) -> Work:
+        """The shared experts over `tokens` tokens (nothing on a dense layer, or without any)."""
+        m = self.model
+        if self.dense or not m.shared_experts:
+            return Work()
+        return Work(flops=2 * tokens * m.shared_params,
+                    bytes=m.shared_bytes
+                    + m.dtype_bytes * tokens * 2 * m.shared_experts * m.h_shared)
+
     def distinct(self, tokens: Number) -> Number:
         """Distinct experts `tokens` tokens route to in a layer (taskgraph.dag.routing)."""
         return self.routing.distinct(tokens)
@@ -150,7 +189,7 @@ class TaskWork:
         or those pinned: Routing.popular): the share of token-expert pairs they take, and the
         distinct experts touched on the GPU and on the CPU. Otherwise (S5) every expert is the
         CPU's."""
-        if self.ffn != "split":
+        if self.ffn_place != "split":
             return 0.0, 0.0, self.distinct(tokens)
         return self.routing.split(tokens, self.policy.experts_gpu)
 

@@ -54,8 +54,13 @@ def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table
     t.add_column(style="bold")
     t.add_column()
     t.add_row("policy", _policy(r["policy"]))
+    if "model_size" in r:
+        t.add_row("model", _model_size(r["model_size"]))
     limit = (f" ({r['hardware_limit_fraction']:.0%} of the hardware limit, "
-             f"{r['hardware_limit_tok_s']:.0f} tok/s)" if "hardware_limit_tok_s" in r else "")
+             f"{r['hardware_limit_tok_s']:.0f} tok/s)"
+             if r.get("hardware_limit_fraction") is not None else
+             " (the weights leave no room for a KV cache)" if "hardware_limit_tok_s" in r
+             else "")
     t.add_row("throughput", f"{r['throughput_tok_s']:.2f} tok/s{limit}")
     t.add_row("prefill / decode", f"{r['prefill_s']:.2f} s / {r['decode_s']:.2f} s "
                                   f"({r['steps']} steps x {r['layers']} layers)")
@@ -85,6 +90,19 @@ def simulate_table(r: dict[str, Any], rows: list[tuple[str, str]] = ()) -> Table
     t.add_row("tasks", f"{r['tasks']:,} {verb} in {r['wall_s']:.2f} s"
               + ("  (INTERRUPTED)" if r.get("interrupted") else ""))
     return t
+
+
+def _model_size(x: dict[str, Any]) -> str:
+    """Parameters, GB as stored, and the bits per weight of each class of tensor."""
+    p = x["params"]
+    by_bits: dict[float, list[str]] = {}
+    for c, v in x["classes"].items():
+        by_bits.setdefault(v["bits"], []).append(c)
+    size = f"{p['total'] / 1e9:.1f} B params ({p['active'] / 1e9:.1f} B a token), {x['gb']:.2f} GB"
+    if len(by_bits) == 1:
+        return f"{size} at {next(iter(by_bits)):g} bits"
+    return f"{size}: " + "; ".join(f"{b:g} bits {', '.join(cs)}"
+                                   for b, cs in sorted(by_bits.items()))
 
 
 def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:

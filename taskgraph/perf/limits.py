@@ -38,11 +38,16 @@ def hardware_limit_tok_s(scenario: Scenario) -> float:
     link = min(hw.link.h2d_gbps * hw.link.h2d_eff * hw.gpu.count,
                hw.shared.pcie_gbps or math.inf, hw.shared.memory_gbps or math.inf) * 1e9
     delta = m.model_bytes / link
-    # KV capacity: what host and GPU memory hold beyond the weights.
+    # KV capacity: what host and GPU memory hold beyond the weights, within the planning
+    # headroom, or where the weights leave none there, within what an explicit policy may use
+    # (memory less its reserve, as taskgraph.perf.memory.check_fits allows).
     free = (hw.cpu.memory_gb * hw.cpu.usable_fraction
             + hw.gpu.memory_gb * hw.gpu.usable_fraction * hw.gpu.count) * GB - m.model_bytes
-    capacity_tokens = max(free, 0.0) / (m.L * m.kv_bytes_per_token)
-    active_params = (m.qkv_bytes + m.o_bytes + m.router_bytes + m.k * m.expert_bytes) \
-        / m.dtype_bytes * m.L
+    if free <= 0:
+        free = ((hw.cpu.memory_gb - hw.cpu.reserve_gb)
+                + (hw.gpu.memory_gb - hw.gpu.reserve_gb) * hw.gpu.count) * GB - m.model_bytes
+    capacity_tokens = max(free, 0.0) / (m.L * m.kv_bytes_per_token)   # full windows
+    # the FLOPs of a token's layers: twice the parameters they use (the LM head aside)
+    active_params = m.params["active"] - m.V * m.h
     t_gpu = hw.gpu.tflops * 1e12 * hw.gpu.flops_eff * hw.gpu.count / (2 * active_params)
     return min(pme * capacity_tokens / delta, t_gpu)

@@ -70,25 +70,31 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     b = m.dtype_bytes
     prompt = w.context_prompt
     context = prompt + sc.decode_steps
-    kv_all = N * m.L * context * m.kv_bytes_per_token
+    kv_all = N * kv_tokens(m, context) * m.kv_bytes_per_token
     # With the FFN on the CPU the experts never leave host memory; r_w covers the rest. The
-    # expert-level schedules hold experts_gpu of each layer's on the GPU besides.
+    # expert-level schedules hold experts_gpu of each MoE layer's on the GPU besides. A dense
+    # layer lies wholly where the rest of a layer does.
     experts_on_cpu = m.E * m.expert_bytes if schedule.experts_on_host else 0
-    experts_on_gpu = (sc.policy.experts_gpu * m.L * m.expert_bytes
+    experts_on_gpu = (sc.policy.experts_gpu * m.moe_layers * m.expert_bytes
                       if schedule.expert_level else 0)
     extent = m.layer_bytes - experts_on_cpu
-    streamed = (1 - r_w) * extent
+    # (layers, each one's bytes on the GPU's side) for the MoE layers and the dense ones
+    extents = [(m.moe_layers, extent)] + ([(m.dense_count, m.dense_layer_bytes)]
+                                          if m.dense_count else [])
+    streamed = (1 - r_w) * max(e for _, e in extents)      # the largest layer's, in a buffer
 
     # Pipeline stages and data-parallel GPUs each keep their own double buffer, activations
     # and KV slots; tensor parallelism splits one set across the GPUs. Data-parallel GPUs each
     # hold every resident weight and the embedding and LM head too.
     copies = sc.hardware.gpu.count if schedule.grouped else 1
     replicas = sc.hardware.gpu.count if schedule.parallel == "data" else 1
-    decode_act = b * mu * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i + m.V)
-    prefill_act = b * (mu * prompt * (6 * m.h + 2 * m.h_kv + 2 * m.k * m.h_i)
+    ffn_act = max(2 * m.k * m.h_i + 2 * m.shared_experts * (m.h_shared or 0),
+                  2 * (m.h_dense or 0))
+    decode_act = b * mu * (6 * m.h + m.kv_width + ffn_act + m.V)
+    prefill_act = b * (mu * prompt * (6 * m.h + m.kv_width + ffn_act)
                        + mu * m.n_q * prompt * prompt)  # attention scores, not fused
     gpu = {
-        "resident weights (r_w)": r_w * m.L * extent * replicas,
+        "resident weights (r_w)": sum(r_w * n * e for n, e in extents) * replicas,
         "embedding + LM head": float(m.embed_bytes) * replicas,
         ("live weights (ZeRO-3)" if schedule.live_params else "weight double buffer"):
             np.minimum(2 * streamed, schedule.live_params * b or np.inf) * copies,
@@ -108,21 +114,38 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
             gpu["expert prefetch (N x k)"] = float(np.minimum(m.E, N * m.k) * m.expert_bytes)
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all
-        gpu["KV slots"] = float(schedule.kv_slots * mu * context * m.kv_bytes_per_token) * copies
+        gpu["KV slots"] = float(schedule.kv_slots * mu * _longest(m, context)
+                                * m.kv_bytes_per_token) * copies
     else:   # prefill's K,V pass through the slots on their way to the CPU cache
         gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token)
     cpu = {
-        "weights (1 - r_w)": (1 - r_w) * m.L * extent,
+        "weights (1 - r_w)": sum((1 - r_w) * n * e for n, e in extents),
         "KV cache (1 - r_c)": (1 - r_c) * kv_all,
-        "hidden-state buffers": 2 * b * N * (2 * m.h + 2 * m.h_kv),
+        "hidden-state buffers": 2 * b * N * (2 * m.h + m.kv_width),
     }
     if schedule.staging:
         cpu["pinned staging"] = schedule.pin_slots * streamed / np.maximum(n_pages, 1)
     if experts_on_cpu:
-        cpu["experts (FFN on the CPU)"] = float(m.L * experts_on_cpu)
+        # EP's placed experts live on the GPU only (llama.cpp's -ot buffers, Fiddler's
+        # placement); a cache's experts are the host's, the cache holding copies
+        placed = sc.policy.experts_gpu if schedule.ffn == "split" else 0
+        cpu["experts (FFN on the CPU)"] = float(m.moe_layers * (m.E - placed) * m.expert_bytes)
         # a micro-batch's prompt tokens in and out of the CPU experts, in prefill
         cpu["expert FFN buffers"] = float(b * mu * prompt * (2 * m.h + 2 * m.k * m.h_i))
     return gpu, cpu
+
+
+def kv_tokens(model, context: int) -> int:
+    """Tokens of K,V one sequence of `context` tokens keeps, summed over the layers: a sliding
+    window layer keeps its window's."""
+    if model.sliding_window is None:
+        return model.L * context
+    return sum(min(context, model.window(l) or context) for l in range(model.L))
+
+
+def _longest(model, context: int) -> int:
+    """The most tokens of K,V one layer of one sequence keeps."""
+    return max(min(context, model.window(l) or context) for l in range(model.L))
 
 
 def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> list[str]:

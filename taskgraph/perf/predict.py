@@ -40,7 +40,7 @@ import numpy as np
 
 from taskgraph.dag.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
 from taskgraph.dag.work import TaskWork, WeightLayout
-from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, PAGED, TP_PARTS
+from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, KINDS, PAGED, TP_PARTS
 from taskgraph.perf.cost import POOLS, CostModel, cost_model
 from taskgraph.specs import PolicySpec, Scenario
 
@@ -91,15 +91,55 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
                                         F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
     tp = gpus if schedule.parallel == "tensor" else 1
-    work = TaskWork(m, policy, w, WeightLayout(m, r_w, 1 if streamed else 0,
-                                               streams_experts=schedule.ffn == "gpu"), tp=tp)
     contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
+    decode_s = prefill_s = hrm_s = 0.0
+    decode_rows = 0.0
+    # Layers alike in what their tasks do (MoE or dense, full or sliding-window attention),
+    # each priced once and counted as often as the model has them.
+    for layer, count in _layer_classes(m):
+        layout = WeightLayout(m, r_w, 1 if streamed else 0,
+                              streams_experts=schedule.ffn == "gpu", dense=m.is_dense(layer))
+        work = TaskWork(m, policy, w, layout, tp=tp)
+        seen = np.minimum(contexts, m.window(layer) or np.inf)
+        decode, layer_s, prefill = _layer_time(scenario, schedule, work, cost, n, n_pages, layer,
+                                               seen, streamed)
+        decode_s = decode_s + count * layer_s.sum(axis=1)
+        prefill_s = prefill_s + count * prefill.max(axis=0)
+        hrm_s = hrm_s + count * decode.max(axis=0).sum(axis=1)
+        decode_rows = decode_rows + count * decode
+    total = prefill_s + decode_s
+    return Predictions(
+        n=batches.astype(int),
+        throughput_tok_s=batches * mu * G / total,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_layer_ms=decode_s / (G * L) * 1e3,
+        hrm_layer_ms=hrm_s / (G * L) * 1e3,
+        binding=decode_rows.sum(axis=2).argmax(axis=0),
+    )
 
-    decode_ops = _with_collectives(schedule.decode, tp)
+
+def _layer_classes(model) -> list[tuple[int, int]]:
+    """(a layer, how many are like it) for each kind of layer the model has."""
+    classes: dict[tuple[bool, int | None], list[int]] = {}
+    for layer in range(model.L):
+        classes.setdefault((model.is_dense(layer), model.window(layer)), []).append(layer)
+    return [(layers[0], len(layers)) for layers in classes.values()]
+
+
+def _layer_time(scenario: Scenario, schedule: Schedule, work: TaskWork, cost: CostModel,
+                n: np.ndarray, n_pages: np.ndarray, layer: int, contexts: np.ndarray,
+                streamed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer like `layer`: each resource's decode work (ROWS, n, steps), the layer's time
+    in each step (n, steps), and each resource's prefill work (ROWS, n)."""
+    m, w, tp = scenario.model, scenario.workload, work.tp
+    L = m.L
+    decode_ops = _with_collectives(_ops_of(m, schedule.decode, layer), tp)
     decode = _per_layer_time(schedule, decode_ops, work, cost, n, n_pages, L, contexts,
                              prefill=False)                       # (resources, n, steps)
-    prefill_ops = _with_collectives(
-        tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), tp)
+    prefill_ops = _with_collectives(_ops_of(
+        m, tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), layer),
+        tp)
     prefill = _per_layer_time(schedule, prefill_ops, work, cost, n, n_pages, L,
                               np.array([float(w.context_prompt)]), prefill=True)[..., 0]
 
@@ -113,8 +153,9 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
             return _per_layer_time(schedule, tuple(ops), work, cost, n, n_pages, L, contexts,
                                    prefill=False)
 
-        once = per_layer(op for op in schedule.decode if op.when == "first")
-        copy = per_layer(op for op in schedule.decode if op.kind == "D3")
+        own = _ops_of(m, schedule.decode, layer)
+        once = per_layer(op for op in own if op.when == "first")
+        copy = per_layer(op for op in own if op.kind == "D3")
     per_micro_batch = (decode - once) / n[:, None]                # (rows, n, steps)
     # Launched with lookahead, micro-batches pipeline and the busiest resource sets the pace;
     # launched one after the other (FlexGen's order), each waits for the one before it.
@@ -130,23 +171,18 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
         waiting = np.maximum(n - free, 0)[:, None]
         # the copy takes its link's time, or what it draws from a shared pool over the pool's
         # capacity (every GPU copies at once), whichever is longer
-        layer = np.maximum(hrm, copy.max(axis=0)
-                           + np.where(waiting > 0, per_micro_batch[h2d], 0.0)
-                           + waiting * pace)
+        layer_s = np.maximum(hrm, copy.max(axis=0)
+                             + np.where(waiting > 0, per_micro_batch[h2d], 0.0)
+                             + waiting * pace)
     else:
-        layer = np.maximum(hrm, n[:, None] * pace)
-    decode_s = L * layer.sum(axis=1)
-    prefill_s = L * prefill.max(axis=0)
-    total = prefill_s + decode_s
-    return Predictions(
-        n=batches.astype(int),
-        throughput_tok_s=batches * mu * G / total,
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        decode_layer_ms=decode_s / (G * L) * 1e3,
-        hrm_layer_ms=L * hrm.sum(axis=1) / (G * L) * 1e3,
-        binding=decode.sum(axis=2).argmax(axis=0),
-    )
+        layer_s = np.maximum(hrm, n[:, None] * pace)
+    return decode, layer_s, prefill
+
+
+def _ops_of(model, ops, layer: int) -> tuple[Op, ...]:
+    """The ops a layer like `layer` launches (a dense layer no expert's, ...)."""
+    return tuple(op for op in ops
+                 if KINDS[op.kind].where is None or KINDS[op.kind].where(model, layer))
 
 
 def _ahead_of_copy(schedule: Schedule, ops) -> int:

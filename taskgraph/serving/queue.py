@@ -265,7 +265,7 @@ def _summary(scenario: Scenario, requests: list[Request], aborted, batches: list
     out.update({
         "throughput_tok_s": _r(throughput),
         "hardware_limit_tok_s": _r(limit),
-        "hardware_limit_fraction": _r(throughput / limit),
+        "hardware_limit_fraction": _r(throughput / limit) if limit else None,
         "prefill_s": _r(sum(x["prefill_s"] for x in s)),
         "decode_s": _r(decode_s),
         "overlap_s": _r(sum(x["overlap_s"] for x in s)),

@@ -1,0 +1,450 @@
+"""A model described by the files that describe it: a Hugging Face ``config.json`` (with its
+``quantization_config``) or a GGUF file, read with llama.cpp's own ``gguf`` package.
+
+Each family is read from its own fields (Mixtral's ``num_local_experts``, Qwen's
+``num_experts`` and ``mlp_only_layers``, DeepSeek's ``n_routed_experts`` and
+``first_k_dense_replace`` ...), never through another family's names: a ``model_type`` tg does
+not know, or a field whose value would change what tg models in a way it cannot say (a router
+it does not price, a layer pattern it cannot place), is an error naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable
+
+from taskgraph.errors import TgError
+from taskgraph.files import read_json
+from taskgraph.specs import ARCHITECTURES, TENSOR_CLASSES
+
+# The JSON type of each config.json field tg reads. Checked before anything is read, because
+# Python's truthiness and pydantic's lax coercion would take a wrong type as a value:
+# bool("false") is True, "256" becomes 256, true becomes 1.
+_INT, _NUMBER = ("a whole number", (int,)), ("a number", (int, float))
+_HF_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    **dict.fromkeys((
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "num_local_experts", "num_experts", "n_routed_experts",
+        "num_experts_per_tok", "vocab_size", "head_dim", "sliding_window",
+        "max_position_embeddings", "d_model", "n_layers", "n_heads", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+        "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group", "kv_lora_rank",
+        "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "max_window_layers", "bits", "group_size"), _INT),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "factor", "routed_scaling_factor"),
+                    _NUMBER),
+    **dict.fromkeys(("torch_dtype", "dtype", "hidden_act", "_name_or_path", "rope_type", "type",
+                     "model_type", "topk_method", "scoring_func", "quant_method"),
+                    ("a string", (str,))),
+    **dict.fromkeys(("rope_scaling", "rope_parameters", "ffn_config", "attn_config",
+                     "quantization_config"), ("an object", (dict,))),
+    **dict.fromkeys(("mlp_only_layers", "layer_types", "weight_block_size",
+                     "modules_to_not_convert"), ("a list", (list,))),
+    **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "use_sliding_window",
+                     "rope_interleave"), ("true or false", (bool,))),
+}
+_JSON_KIND = {bool: "true/false", int: "a number", float: "a number with a decimal point",
+              str: "a string", list: "a list", dict: "an object"}
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def hf_config_json(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` whose fields tg reads each hold their JSON type (null
+    counts as absent); a wrong one is an error naming the field, never a guess."""
+    path = Path(path)
+    cfg = read_json(path, "model config")
+    nested = [(f"{outer}.", cfg[outer]) for outer in ("rope_scaling", "rope_parameters",
+                                                      "quantization_config")
+              if isinstance(cfg.get(outer), dict)]
+    for prefix, doc in [("", cfg)] + nested:
+        for key, value in doc.items():
+            want = _HF_TYPES.get(key)
+            if want is None or value is None:
+                continue
+            if isinstance(value, bool) != (want[1] == (bool,)) or not isinstance(value, want[1]):
+                raise TgError(f"Model config '{path}': {prefix}{key} must be {want[0]}, not "
+                              f"{_JSON_KIND.get(type(value), 'that')}.")
+    return cfg
+
+
+def model_from_hf_config(path: str | Path) -> dict[str, Any]:
+    """Model fields from a Hugging Face ``config.json`` of a family tg knows (ARCHITECTURES):
+    its shapes, which layers are dense, its shared experts and router, its attention (GQA or
+    MLA, sliding windows, sinks), every field that changes what it computes, its dtype and,
+    from ``quantization_config``, how each class of tensor is stored."""
+    path = Path(path)
+    cfg = hf_config_json(path)
+    family = cfg.get("model_type") or ("dbrx" if "d_model" in cfg else "mixtral")
+    reader = _FAMILIES.get(family)
+    if reader is None:
+        raise TgError(f"Model config '{path}': model_type '{family}' is not a family tg "
+                      f"describes ({', '.join(ARCHITECTURES)}).")
+    try:
+        fields = reader(cfg)
+    except KeyError as missing:
+        raise TgError(f"Model config '{path}': a {family} config needs the field {missing}."
+                      ) from None
+    except _Unsupported as err:
+        raise TgError(f"Model config '{path}': {err}") from None
+    fields["architecture"] = family
+    fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings") or False)
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise TgError(f"Model config '{path}': dtype '{dtype}' is not one tg runs "
+                          "(float32, bfloat16, float16).")
+        fields.update(dtype=dtype, dtype_bytes=_DTYPES[dtype])
+    quant = cfg.get("quantization_config")
+    if quant:
+        try:
+            fields["precision"] = _precision(quant, fields)
+        except _Unsupported as err:
+            raise TgError(f"Model config '{path}': quantization_config.{err}") from None
+    name = cfg.get("_name_or_path") or path.parent.name or path.stem
+    return dict(name=str(name), **fields)
+
+
+class _Unsupported(Exception):
+    """A field's value tg cannot describe: the message names the field."""
+
+
+# --- the families -------------------------------------------------------------------------------
+
+def _common(cfg: dict[str, Any], experts_key: str) -> dict[str, Any]:
+    """What most families spell alike: shapes, norms, RoPE, head_dim, activation."""
+    fields = dict(h=cfg["hidden_size"], L=cfg["num_hidden_layers"],
+                  n_q=cfg["num_attention_heads"],
+                  n_kv=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                  E=cfg[experts_key], k=cfg["num_experts_per_tok"], V=cfg["vocab_size"],
+                  **_rope_fields(cfg))
+    for ours in ("head_dim", "rms_norm_eps", "hidden_act"):
+        if cfg.get(ours) is not None:
+            fields[ours] = cfg[ours]
+    return fields
+
+
+def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
+    fields = _common(cfg, "num_local_experts")
+    fields["h_i"] = cfg["intermediate_size"]
+    if cfg.get("sliding_window") is not None:
+        fields["sliding_window"] = cfg["sliding_window"]
+    return fields
+
+
+def _phimoe(cfg: dict[str, Any]) -> dict[str, Any]:
+    return _mixtral(cfg)
+
+
+def _dbrx(cfg: dict[str, Any]) -> dict[str, Any]:
+    ffn, attn = cfg.get("ffn_config") or {}, cfg.get("attn_config") or {}
+    return dict(h=cfg["d_model"], h_i=ffn["ffn_hidden_size"], L=cfg["n_layers"],
+                n_q=cfg["n_heads"], n_kv=attn["kv_n_heads"], E=ffn["moe_num_experts"],
+                k=ffn["moe_top_k"], V=cfg["vocab_size"],
+                rope_theta=attn.get("rope_theta", 10000.0))
+
+
+def _qwen_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE and Qwen3-MoE: dense layers by mlp_only_layers and decoder_sparse_step, a
+    gated shared expert (Qwen2-MoE), an optional sliding window from max_window_layers on."""
+    experts = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    fields = _common(cfg, experts)
+    L, step = fields["L"], cfg.get("decoder_sparse_step") or 1
+    fields["h_i"] = cfg["moe_intermediate_size"]
+    fields["renormalize"] = bool(cfg.get("norm_topk_prob", False))
+    only = cfg.get("mlp_only_layers") or []
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in only):
+        raise _Unsupported("mlp_only_layers must list layer numbers.")
+    dense = sorted(set(only) | {i for i in range(L) if (i + 1) % step})
+    if dense:
+        fields.update(dense_layers=tuple(dense), h_dense=cfg["intermediate_size"])
+    shared = cfg.get("shared_expert_intermediate_size")
+    if shared:
+        fields.update(shared_experts=1, h_shared=shared, shared_gate=True)
+    if cfg.get("use_sliding_window"):
+        window, first = cfg["sliding_window"], cfg.get("max_window_layers", L)
+        fields.update(sliding_window=window, sliding_layers=tuple(range(first, L)))
+    return fields
+
+
+def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3 (and GLM-4.5, which routes as V3 with GQA attention): MLA, shared
+    experts, the first first_k_dense_replace layers dense (and every moe_layer_freq-th after
+    them an MoE one), softmax or sigmoid routing with grouped top-k."""
+    fields = _common(cfg, "n_routed_experts")
+    L, first = fields["L"], cfg.get("first_k_dense_replace") or 0
+    every = cfg.get("moe_layer_freq") or 1
+    dense = [i for i in range(L) if i < first or i % every]
+    fields["h_i"] = cfg["moe_intermediate_size"]
+    if dense:
+        fields.update(dense_layers=tuple(dense), h_dense=cfg["intermediate_size"])
+    if cfg.get("n_shared_experts"):
+        fields.update(shared_experts=cfg["n_shared_experts"],
+                      h_shared=cfg["moe_intermediate_size"])
+    method = cfg.get("topk_method", "noaux_tc" if cfg.get("model_type") != "deepseek_v2"
+                     else "greedy")
+    scoring = cfg.get("scoring_func", "sigmoid" if method == "noaux_tc" else "softmax")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise _Unsupported(f"topk_method '{method}' is not a router tg describes (greedy, "
+                           "group_limited_greedy, noaux_tc).")
+    if scoring not in ("softmax", "sigmoid"):
+        raise _Unsupported(f"scoring_func '{scoring}' is not a router tg describes (softmax, "
+                           "sigmoid).")
+    fields.update(router=scoring, renormalize=bool(cfg.get("norm_topk_prob", False)),
+                  routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
+    if method != "greedy" and cfg.get("n_group"):
+        fields.update(expert_groups=cfg["n_group"], topk_groups=cfg.get("topk_group") or 1)
+    if cfg.get("model_type") != "glm4_moe":
+        fields.pop("head_dim", None)     # DeepSeek's head_dim is the rope part (MLA's own)
+        fields["rope_interleave"] = (True if cfg.get("model_type") == "deepseek_v2"
+                                     else bool(cfg.get("rope_interleave", True)))
+        fields.update(attention="mla", q_lora_rank=cfg.get("q_lora_rank"),
+                      kv_lora_rank=cfg["kv_lora_rank"],
+                      qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                      qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
+        fields["n_kv"] = fields["n_q"]
+    return fields
+
+
+def _olmoe(cfg: dict[str, Any]) -> dict[str, Any]:
+    fields = _common(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts")
+    fields.update(h_i=cfg["intermediate_size"],
+                  renormalize=bool(cfg.get("norm_topk_prob", False)))
+    return fields
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: alternating sliding-window and full attention (layer_types), attention sinks,
+    softmax over the top k router logits."""
+    fields = _common(cfg, "num_local_experts")
+    fields.update(h_i=cfg["intermediate_size"], attention_sinks=True)
+    types = cfg.get("layer_types") or []
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise _Unsupported(f"layer_types holds '{unknown[0]}'; tg describes "
+                           "sliding_attention and full_attention layers.")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding:
+        fields.update(sliding_window=cfg["sliding_window"], sliding_layers=sliding)
+    return fields
+
+
+_FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "mixtral": _mixtral, "phimoe": _phimoe, "dbrx": _dbrx, "qwen2_moe": _qwen_moe,
+    "qwen3_moe": _qwen_moe, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek,
+    "glm4_moe": _deepseek, "olmoe": _olmoe, "gpt_oss": _gpt_oss,
+}
+assert set(_FAMILIES) == set(ARCHITECTURES)
+
+
+def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE theta and scaling from either transformers 4's (rope_theta, rope_scaling) or 5's
+    (rope_parameters) spelling."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 1e6))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
+    if kind == "linear":
+        out["rope_scaling_factor"] = params.get("factor", 1.0)
+    return out
+
+
+# --- quantization_config -------------------------------------------------------------------------
+
+#: What a quantization method converts, by default: every linear layer (attention, experts,
+#: shared experts, dense FFNs). The router, embedding and LM head stay as they were.
+_LINEAR = ("attention", "experts", "shared", "dense")
+#: Which of a checkpoint's module names belong to which class of tensor, for
+#: modules_to_not_convert.
+_MODULES = {"attention": re.compile(r"self_attn|attention|attn"),
+            "router": re.compile(r"router|\.gate$|mlp\.gate\b|\bgate\b(?!_)"),
+            "experts": re.compile(r"experts(?!.*shared)"),
+            "shared": re.compile(r"shared_expert"),
+            "dense": re.compile(r"mlp(?!\.experts)(?!\.shared)"),
+            "embedding": re.compile(r"embed"), "head": re.compile(r"lm_head")}
+
+
+def _precision(quant: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Each class of tensor's format under a checkpoint's quantization_config."""
+    method = quant.get("quant_method")
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block is None:
+            fmt: str | float = "fp8"
+        elif block == [128, 128]:
+            fmt = "fp8-block128"
+        elif (len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                      for b in block)):
+            fmt = 8.0 + 32.0 / (block[0] * block[1])       # an fp32 scale per block
+        else:
+            raise _Unsupported(f"weight_block_size {block} is not a block of weights.")
+        converted = _LINEAR
+    elif method == "mxfp4":
+        fmt, converted = "mxfp4", ("experts",)
+    elif method in ("awq", "gptq"):
+        bits, group = quant.get("bits", 4), quant.get("group_size", 128)
+        if bits not in (2, 3, 4, 8) or not isinstance(group, int) or group < 0:
+            raise _Unsupported(f"bits {bits} in groups of {group}: tg prices 2, 3, 4 or 8 bits "
+                               "in groups of 8 to 4096 (or -1, a group per row).")
+        fmt = f"int{bits}-g{group if group > 0 else 4096}"
+        converted = _LINEAR
+    else:
+        raise _Unsupported(f"quant_method '{method}' is not a format tg prices (fp8, mxfp4, "
+                           "awq, gptq).")
+    kept = [str(name) for name in quant.get("modules_to_not_convert") or []]
+    precision = {}
+    for cls in converted:
+        if not any(_MODULES[cls].search(name) for name in kept):
+            precision[cls] = fmt
+    return precision
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+#: llama.cpp's architecture names (general.architecture) and the family each stands for. A
+#: "llama" file with experts is a Mixtral.
+_GGUF_FAMILIES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                  "deepseek2": "deepseek_v3", "olmoe": "olmoe", "phimoe": "phimoe",
+                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "dbrx": "dbrx"}
+
+
+def model_from_gguf(path: str | Path) -> dict[str, Any]:
+    """Model fields from a GGUF file's metadata, and each class of tensor's bits per weight
+    from its tensors' types (as llama.cpp stores them: a class's bytes over its weights)."""
+    import gguf
+    from gguf.constants import Keys
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        raise TgError(f"GGUF file '{path}' cannot be read: {err}") from None
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.get_field(key)
+        return default if field is None else field.contents()
+
+    arch = value(Keys.General.ARCHITECTURE)
+    family = _GGUF_FAMILIES.get(arch)
+    if family is None:
+        raise TgError(f"GGUF file '{path}': general.architecture '{arch}' is not a family tg "
+                      f"describes ({', '.join(sorted(_GGUF_FAMILIES))}).")
+
+    def key(template: str, default: Any = None, required: bool = False) -> Any:
+        got = value(template.format(arch=arch), default)
+        if got is None and required:
+            raise TgError(f"GGUF file '{path}' lacks {template.format(arch=arch)}.")
+        return got
+
+    L = key(Keys.LLM.BLOCK_COUNT, required=True)
+    E = key(Keys.LLM.EXPERT_COUNT, required=True)
+    if not E:
+        raise TgError(f"GGUF file '{path}': {arch} with no experts is no MoE.")
+    n_q = key(Keys.Attention.HEAD_COUNT, required=True)
+    n_kv = key(Keys.Attention.HEAD_COUNT_KV, n_q)
+    tokens = value(Keys.Tokenizer.LIST)
+    vocab = key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens is not None else None)
+    h = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
+    fields: dict[str, Any] = dict(
+        h=h, L=L, n_q=n_q if isinstance(n_q, int) else max(n_q),
+        n_kv=n_kv if isinstance(n_kv, int) else max(n_kv), E=E,
+        k=key(Keys.LLM.EXPERT_USED_COUNT, required=True), V=vocab,
+        h_i=key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) or key(Keys.LLM.FEED_FORWARD_LENGTH),
+        rope_theta=float(key(Keys.Rope.FREQ_BASE, 10000.0)),
+        rms_norm_eps=float(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        architecture=family)
+    if vocab is None:
+        raise TgError(f"GGUF file '{path}' gives neither {arch}.vocab_size nor a token list.")
+    head_dim = key(Keys.Attention.KEY_LENGTH)
+    if head_dim and head_dim != h // fields["n_q"] and family != "deepseek_v3":
+        fields["head_dim"] = head_dim
+    dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0) or 0
+    if dense:
+        fields.update(dense_layers=tuple(range(dense)),
+                      h_dense=key(Keys.LLM.FEED_FORWARD_LENGTH, required=True))
+    shared = key(Keys.LLM.EXPERT_SHARED_COUNT, 0) or 0
+    shared_ff = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+    if shared or shared_ff:
+        fields.update(shared_experts=shared or 1, h_shared=shared_ff or fields["h_i"],
+                      shared_gate=family == "qwen2_moe")
+    if key(Keys.LLM.EXPERT_GATING_FUNC) == 2:        # llama.cpp: 1 softmax, 2 sigmoid
+        fields["router"] = "sigmoid"
+    norm = key(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    if norm is not None:
+        fields["renormalize"] = bool(norm)
+    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    if scale:
+        fields["routed_scaling"] = float(scale)
+    groups = key(Keys.LLM.EXPERT_GROUP_COUNT)
+    if groups and groups > 1:
+        fields.update(expert_groups=groups,
+                      topk_groups=key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1))
+    kv_lora = key(Keys.Attention.KV_LORA_RANK)
+    if kv_lora:
+        rope = key(Keys.Rope.DIMENSION_COUNT, required=True)
+        k_len = key(Keys.Attention.KEY_LENGTH_MLA) or key(Keys.Attention.KEY_LENGTH)
+        v_len = key(Keys.Attention.VALUE_LENGTH_MLA) or key(Keys.Attention.VALUE_LENGTH)
+        fields.pop("head_dim", None)
+        fields.update(attention="mla", kv_lora_rank=kv_lora,
+                      q_lora_rank=key(Keys.Attention.Q_LORA_RANK) or None,
+                      qk_rope_head_dim=rope, qk_nope_head_dim=k_len - rope, v_head_dim=v_len,
+                      n_kv=fields["n_q"])
+    window = key(Keys.Attention.SLIDING_WINDOW)
+    if window:
+        fields["sliding_window"] = window
+        if family == "gpt_oss":            # llama.cpp: every other layer, from the first
+            fields["sliding_layers"] = tuple(range(0, L, 2))
+    if family == "gpt_oss":
+        fields["attention_sinks"] = True
+    fields["precision"] = _gguf_precision(reader)
+    fields["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    name = value(Keys.General.NAME) or path.stem
+    return dict(name=str(name), **fields)
+
+
+def _gguf_precision(reader: Any) -> dict[str, float]:
+    """Each class of tensor's bits per weight: the bytes of its tensors over their weights.
+    A tensor type tg does not price is an error naming the tensor and the type."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    stored = {cls: [0, 0] for cls in TENSOR_CLASSES}          # weights, bytes
+    for tensor in reader.tensors:
+        cls = _gguf_class(tensor.name)
+        if cls is None:
+            continue
+        if tensor.tensor_type not in GGML_QUANT_SIZES:
+            raise TgError(f"GGUF tensor '{tensor.name}' is of type "
+                          f"{getattr(tensor.tensor_type, 'name', tensor.tensor_type)}, which tg "
+                          "does not price.")
+        block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+        stored[cls][0] += int(tensor.n_elements)
+        stored[cls][1] += int(tensor.n_elements) // block * size
+    return {cls: round(8.0 * nbytes / weights, 4) for cls, (weights, nbytes) in stored.items()
+            if weights}
+
+
+def _gguf_class(name: str) -> str | None:
+    """The class of tensor a GGUF tensor belongs to (by llama.cpp's tensor names); None for
+    what tg does not count (norms, biases, sinks)."""
+    if not name.endswith(".weight"):
+        return None
+    return _gguf_classes().get(re.sub(r"^blk\.\d+\.", "blk.{bid}.", name[:-len(".weight")]))
+
+
+@cache
+def _gguf_classes() -> dict[str, str]:
+    """llama.cpp's tensor names -> class of tensor, from the gguf package's own table."""
+    from gguf.constants import MODEL_TENSOR as T, TENSOR_NAMES
+
+    groups = {
+        "embedding": (T.TOKEN_EMBD,), "head": (T.OUTPUT,),
+        "attention": (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_QKV, T.ATTN_OUT, T.ATTN_Q_A,
+                      T.ATTN_Q_B, T.ATTN_KV_A_MQA, T.ATTN_KV_B, T.ATTN_K_B, T.ATTN_V_B),
+        "router": (T.FFN_GATE_INP,),
+        "experts": (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP, T.FFN_GATE_UP_EXP),
+        "shared": (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP, T.FFN_GATE_INP_SHEXP),
+        "dense": (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN),
+    }
+    return {TENSOR_NAMES[t]: cls for cls, ts in groups.items() for t in ts}

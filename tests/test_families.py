@@ -1,0 +1,164 @@
+"""The executor on the families after Mixtral, against transformers' own model classes on random
+tiny checkpoints transformers writes: Qwen2-MoE (Q, K, V biases, a gated shared expert, gates
+not renormalised; and with a dense first layer), Qwen3-MoE (each head's Q and K normed,
+head_dim apart from h / n_q, gates renormalised), OLMoE (all heads' Q and K normed at once) and
+DeepSeek-V2/V3 (MLA, dense first layers, shared experts, greedy, group-limited and biased
+sigmoid routing). Every schedule, ragged requests
+sharing micro-batches: each request's greedy tokens are those of ``generate()`` on its prompt
+alone, and every step's logits agree within fp32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from taskgraph.dag.builder import make_plan  # noqa: E402
+from taskgraph.dag.compiled import compile_plan  # noqa: E402
+from taskgraph.errors import TgError  # noqa: E402
+from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.runtime import Runtime  # noqa: E402
+from taskgraph.kernels.reference import reference_forward  # noqa: E402
+from taskgraph.kernels.weights import load_safetensors  # noqa: E402
+from taskgraph.scenario import scenario_from_dict  # noqa: E402
+
+FAMILIES = {
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                      norm_topk_prob=False),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=6,
+                      num_experts_per_tok=3, norm_topk_prob=True, rms_norm_eps=1e-6),
+    "olmoe": dict(hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                  rope_theta=500.0),
+    # MLA (Q projected directly), a dense first layer, two shared experts, softmax gates not
+    # renormalised; and grouped (group-limited greedy) routing with scaled gates
+    "deepseek_v2": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
+                        n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+                        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy",
+                        head_dim=8),
+    "deepseek_v2-grouped": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8,
+                                n_shared_experts=1, num_experts_per_tok=2,
+                                first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=24,
+                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                routed_scaling_factor=2.0, head_dim=8),
+    # MLA with a Q latent, sigmoid scores chosen with a bias in 4 groups of which 2 are taken,
+    # renormalised and scaled gates, a dense first layer
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=8),
+    # a dense first layer (mlp_only_layers) of its own intermediate size before MoE layers
+    "qwen2_moe-dense": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
+                            shared_expert_intermediate_size=80, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                            mlp_only_layers=[0], num_hidden_layers=3),
+}
+PROMPT_LENS = [7, 3, 5, 6]
+STEPS = 3
+SCHEDULES = {"S1": {"r_w": 0.3}, "S3": {}, "S4": {}, "DS": {}, "S5": {},
+             "EP": {"experts_gpu": 2}, "EC": {"experts_gpu": 2},
+             "ECP": {"experts_gpu": 2, "prefetch": 0.5}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    family = request.param.split("-")[0]
+    folder = tmp_path_factory.mktemp(request.param)
+    cfg = transformers.AutoConfig.for_model(
+        family, **{"num_hidden_layers": 2, **FAMILIES[request.param]}, vocab_size=128,
+        max_position_embeddings=64, initializer_range=0.15, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():                  # a router bias that changes which experts win
+        for name, p in model.named_parameters(recurse=True):
+            if "e_score_correction_bias" in name:
+                p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, 128, (len(PROMPT_LENS), max(PROMPT_LENS)), generator=g)
+    expected = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = prompts[i, :n][None]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS + 1,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        expected.append((out.sequences[0, n:], torch.stack(out.logits, 1)[0]))
+    return folder, prompts, torch.tensor(PROMPT_LENS), expected
+
+
+def _run(folder, schedule, prompts, lens, mu=2):
+    n = len(lens)
+    gpu_attention = schedule not in ("S1", "S2", "S3")
+    policy = {"N": n, "mu": n if schedule == "DS" else mu, "A_g": int(gpu_attention),
+              "F_g": int(schedule in ("S1", "S2", "S3", "S4", "DS")), "r_w": 0.0, "r_c": 0.0,
+              **SCHEDULES[schedule]}
+    if schedule == "DS":
+        policy["r_c"] = 1.0
+    sc = scenario_from_dict({
+        "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": 4},
+        "hardware": "t4", "workload": {"prompt_len": prompts.shape[1], "gen_len": STEPS},
+        "policy": policy, "schedule": schedule})
+    plan = make_plan(sc)
+    w = load_safetensors(folder, sc.model, torch.float32)
+    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
+    run = execute(compile_plan(plan), rt)
+    assert not run.interrupted and run.failure is None, run.failure
+    return rt.outputs()[0], rt.step_logits.cpu(), w
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_each_family_computes_transformers_tokens(checkpoint, schedule):
+    folder, prompts, lens, expected = checkpoint
+    tokens, step_logits, w = _run(folder, schedule, prompts, lens)
+    for i, (hf_tokens, hf_logits) in enumerate(expected):
+        assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
+        torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
+    ref = reference_forward(w, prompts, 2, STEPS, lens)
+    assert torch.equal(ref.tokens, tokens)
+
+
+def test_without_the_familys_own_parts_the_tokens_are_not_transformers(checkpoint):
+    """The guard: the same checkpoint without its family's own parts (biases, Q/K norms, the
+    router's bias, the shared expert's gate; the other renormalisation, gate scale and RoPE
+    pairing) does not compute the family's logits."""
+    folder, prompts, lens, expected = checkpoint
+    from taskgraph.model_files import model_from_hf_config
+    from taskgraph.specs import ModelSpec
+
+    m = ModelSpec.model_validate(model_from_hf_config(folder / "config.json"))
+    w = load_safetensors(folder, m, torch.float32)
+    plain = m.model_copy(update={"renormalize": not m.renormalize, "shared_gate": False,
+                                 "routed_scaling": 1.0, "rope_interleave": not m.rope_interleave})
+    for l in range(m.L):
+        w.extras[l] = {k: v for k, v in w.extras[l].items() if k.endswith("_a_norm")}
+    w.model = plain
+    ref = reference_forward(w, prompts, 2, STEPS, lens)
+    theirs = torch.stack([e[1][-1] for e in expected])
+    assert (ref.logits - theirs).abs().max() > 1e-2
+
+
+def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
+    from taskgraph.exec.execute import check_computable
+    from taskgraph.presets import MODELS
+    from taskgraph.specs import ModelSpec
+
+    with pytest.raises(TgError, match="gpt_oss is simulated, not executed"):
+        check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 64)
+    with pytest.raises(TgError, match="model.precision.experts = q4_k"):
+        check_computable(ModelSpec(**{**MODELS["qwen3-30b-a3b"],
+                                      "precision": {"experts": "q4_k"}}), 64)

@@ -1,0 +1,253 @@
+"""The MoEs offloaded today, described from their own files: a Hugging Face config.json that
+transformers itself writes (checked against the parameters transformers' own model of it has),
+its quantization_config, and a GGUF file gguf's writer makes (checked against the tensors'
+own types). Presets against their model cards."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from taskgraph.errors import TgError
+from taskgraph.formats import bits
+from taskgraph.model_files import model_from_gguf, model_from_hf_config
+from taskgraph.presets import MODELS
+from taskgraph.specs import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+# Tiny configs of every family, in each family's own field names.
+TINY = {
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, vocab_size=128),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                      num_experts_per_tok=2, vocab_size=128, decoder_sparse_step=1,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, num_experts=8, num_experts_per_tok=4, vocab_size=128,
+                      norm_topk_prob=True),
+    "deepseek_v2": dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
+                        n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+                        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, vocab_size=128,
+                        topk_method="greedy"),
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, vocab_size=128),
+    "olmoe": dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                  num_experts_per_tok=2, vocab_size=128),
+    "phimoe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                   num_experts_per_tok=2, vocab_size=128),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                    sliding_window=8),
+    "glm4_moe": dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, first_k_dense_replace=1, vocab_size=128),
+}
+
+
+def _save(tmp_path, family: str, **extra) -> tuple:
+    config = transformers.AutoConfig.for_model(family, **{**TINY[family], **extra})
+    config.save_pretrained(tmp_path)
+    return config, tmp_path / "config.json"
+
+
+def _weights_of(model) -> int:
+    """The weights of transformers' model: its matrices (and stacked experts), not its norms,
+    biases or attention sinks."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if p.dim() >= 2 and "bias" not in name)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_a_config_transformers_writes_is_read_as_its_family(tmp_path, family):
+    """Every family's config.json, as transformers writes it, is read into a model whose
+    parameter count is that of transformers' own model of the config."""
+    config, path = _save(tmp_path, family)
+    spec = ModelSpec.model_validate(model_from_hf_config(path))
+    assert spec.architecture == family
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert spec.params["total"] == _weights_of(model)
+
+
+def test_each_familys_own_fields(tmp_path):
+    qwen2 = ModelSpec.model_validate(model_from_hf_config(_save(tmp_path / "q2", "qwen2_moe")[1]))
+    assert (qwen2.E, qwen2.h_i, qwen2.dense_layers, qwen2.h_dense) == (8, 48, (1,), 160)
+    assert (qwen2.shared_experts, qwen2.h_shared, qwen2.shared_gate) == (1, 80, True)
+    v3 = ModelSpec.model_validate(model_from_hf_config(_save(tmp_path / "v3", "deepseek_v3")[1]))
+    assert (v3.attention, v3.kv_lora_rank, v3.q_lora_rank, v3.dense_layers) == ("mla", 32, 48,
+                                                                                (0,))
+    assert (v3.router, v3.expert_groups, v3.topk_groups, v3.routed_scaling) == ("sigmoid", 4, 2,
+                                                                                2.5)
+    assert v3.kv_width == 32 + 8        # the latent and the rope key, per token
+    oss = ModelSpec.model_validate(model_from_hf_config(_save(tmp_path / "oss", "gpt_oss")[1]))
+    assert oss.sliding_layers == (0, 2) and oss.window(0) == 8 and oss.window(1) is None
+    assert oss.attention_sinks
+    qwen3 = ModelSpec.model_validate(model_from_hf_config(_save(tmp_path / "q3", "qwen3_moe")[1]))
+    assert qwen3.renormalize and qwen3.d == 32 and qwen3.q_dim == 128 != qwen3.h
+
+
+def test_quantization_configs_set_each_classs_format(tmp_path):
+    _, path = _save(tmp_path / "v3", "deepseek_v3", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic"})
+    v3 = ModelSpec.model_validate(model_from_hf_config(path))
+    assert v3.bits("experts") == v3.bits("attention") == 8 + 32 / 128 ** 2
+    assert v3.bits("embedding") == v3.bits("router") == 16
+    _, path = _save(tmp_path / "oss", "gpt_oss", quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]})
+    oss = ModelSpec.model_validate(model_from_hf_config(path))
+    assert oss.bits("experts") == 4.25 and oss.bits("attention") == 16
+    _, path = _save(tmp_path / "awq", "qwen3_moe", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+        "modules_to_not_convert": ["mlp.gate"]})
+    awq = ModelSpec.model_validate(model_from_hf_config(path))
+    assert awq.bits("experts") == awq.bits("attention") == 4 + 20 / 128
+    assert awq.bits("router") == 16
+    # a quantized expert is priced at its bytes: 4.156 bits of each of its weights
+    assert awq.expert_bytes == pytest.approx(awq.expert_params * (4 + 20 / 128) / 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mamba"}, "model_type 'mamba' is not a family tg describes"),
+    ({"topk_method": "sinkhorn"}, "topk_method 'sinkhorn'"),
+    ({"quantization_config": {"quant_method": "bitnet"}}, "quant_method 'bitnet'"),
+    ({"n_routed_experts": "8"}, "n_routed_experts must be a whole number"),
+])
+def test_what_tg_cannot_describe_is_named(tmp_path, change, message):
+    _, path = _save(tmp_path, "deepseek_v3")
+    cfg = json.loads(path.read_text())
+    cfg.update(change)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(TgError, match=message):
+        model_from_hf_config(path)
+
+
+def test_a_shared_expert_without_a_size_is_refused():
+    with pytest.raises(ValueError, match="h_shared"):
+        ModelSpec(**{**MODELS["mixtral-8x7b"], "shared_experts": 1})
+    with pytest.raises(ValueError, match="outside what a format holds"):
+        ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": 0.5}})
+    with pytest.raises(ValueError, match="Unknown weight format 'q4_z'"):
+        ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": "q4_z"}})
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K"):
+    gguf = pytest.importorskip("gguf")
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    h, h_i, E, L, n_q, n_kv, d, V = 256, 256, 8, 2, 4, 2, 64, 512
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(L)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(1024)
+    w.add_expert_feed_forward_length(h_i)
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_head_count(n_q)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(V)
+
+    def tensor(name, shape, qtype):
+        block, size = GGML_QUANT_SIZES[qtype]
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, np.zeros(shape, dtype=np.float32 if qtype == Q.F32 else np.float16))
+            return
+        byte_shape = (*shape[:-1], shape[-1] // block * size)
+        w.add_tensor(name, np.zeros(byte_shape, dtype=np.uint8), raw_dtype=qtype)
+
+    tensor("token_embd.weight", (V, h), Q.Q4_K)
+    tensor("output.weight", (V, h), Q.Q6_K)
+    for l in range(L):
+        tensor(f"blk.{l}.attn_q.weight", (n_q * d, h), Q.Q8_0)
+        tensor(f"blk.{l}.attn_k.weight", (n_kv * d, h), Q.Q8_0)
+        tensor(f"blk.{l}.attn_v.weight", (n_kv * d, h), Q.Q8_0)
+        tensor(f"blk.{l}.attn_output.weight", (h, n_q * d), Q.Q8_0)
+        tensor(f"blk.{l}.attn_norm.weight", (h,), Q.F32)
+        tensor(f"blk.{l}.ffn_gate_inp.weight", (E, h), Q.F32)
+        for part in ("gate", "up"):
+            tensor(f"blk.{l}.ffn_{part}_exps.weight", (E, h_i, h), Q[expert_type])
+        tensor(f"blk.{l}.ffn_down_exps.weight", (E, h, h_i), Q.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_is_read_with_its_tensors_types(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)
+    spec = ModelSpec.model_validate(model_from_gguf(path))
+    assert (spec.architecture, spec.h, spec.E, spec.k, spec.L, spec.d, spec.V) == (
+        "qwen3_moe", 256, 8, 2, 2, 64, 512)
+    # gate and up at Q4_K, down at Q6_K: each class's bytes over its weights
+    assert spec.bits("experts") == pytest.approx((2 * bits("q4_k") + bits("q6_k")) / 3, abs=1e-4)
+    assert spec.bits("attention") == pytest.approx(8.5)
+    assert (spec.bits("router"), spec.bits("embedding"), spec.bits("head")) == (32, 4.5, 6.5625)
+    assert spec.expert_bytes == pytest.approx(256 * 256 * (2 * 144 + 210) / 256)
+
+
+def test_a_gguf_of_an_unknown_architecture_is_refused(tmp_path):
+    path = tmp_path / "rwkv.gguf"
+    _write_gguf(path, arch="rwkv6")
+    with pytest.raises(TgError, match="general.architecture 'rwkv6'"):
+        model_from_gguf(path)
+
+
+# --- presets against their model cards ----------------------------------------------------------
+
+# (total, active) parameters in billions, as each model's card states them. Cards count the
+# active ones with the embedding and the head, with one of them, or with neither: within 10%
+# of tg's (the head, not the embedding, which a token only looks up).
+CARDS = {"qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235, 22), "deepseek-v3": (671, 37),
+         "deepseek-v2-lite": (15.7, 2.4), "gpt-oss-20b": (21, 3.6), "gpt-oss-120b": (117, 5.1),
+         "olmoe-1b-7b": (6.9, 1.3), "phi-3.5-moe": (41.9, 6.6), "qwen2-57b-a14b": (57.4, 14),
+         "glm-4.5-air": (106, 12), "mixtral-8x7b": (46.7, 12.9)}
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_presets_have_their_model_cards_parameters(name):
+    spec = ModelSpec(**MODELS[name])
+    total, active = CARDS[name]
+    assert spec.params["total"] / 1e9 == pytest.approx(total, rel=0.02)
+    assert spec.params["active"] / 1e9 == pytest.approx(active, rel=0.10)
+
+
+def test_every_published_figures_scenario_runs():
+    """scenarios/small-batch/published.yaml: each figure's scenario simulates on its stated
+    machine (those not checked against a tolerance are shown in the docs, not tuned to)."""
+    import yaml
+    from pathlib import Path
+
+    from taskgraph.scenario import for_schedule, load_scenario
+    from taskgraph.sim.simulate import simulate_scenario
+
+    for entry in yaml.safe_load(Path("scenarios/small-batch/published.yaml").read_text()):
+        sc = load_scenario(f"scenarios/small-batch/{entry['scenario']}")
+        s = simulate_scenario(for_schedule(sc, entry["schedule"])[0], entry["schedule"]).summary
+        assert np.isfinite(s["token_latency_ms"]) and s["token_latency_ms"] > 0, entry["scenario"]
