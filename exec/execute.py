@@ -180,8 +180,9 @@ def _check_host_memory(buffers: float, tasks: int) -> None:
 
 # Fields of a checkpoint's config.json that change what is computed but not its shape: with
 # --weights they come from the checkpoint, whatever the scenario's model says.
-_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_interleave",
-                "rms_norm_eps", "tie_word_embeddings", "sliding_window", "sliding_layers",
+_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_yarn",
+                "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
+                "sliding_layers",
                 "hidden_act", "architecture", "dtype", "dtype_bytes", "router", "renormalize",
                 "routed_scaling", "expert_groups", "topk_groups", "shared_gate",
                 "attention_sinks")
@@ -189,8 +190,9 @@ _SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V", "dense_layers", 
                  "shared_experts", "h_shared", "attention", "q_lora_rank", "kv_lora_rank",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 #: The families whose layers the executor's kernels compute as transformers does
-#: (tests/test_families.py); the others are simulated only.
-EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+#: (tests/test_families.py, tests/test_transformers_parity.py); the others are simulated only.
+EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+            "gpt_oss")
 
 
 def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
@@ -242,9 +244,9 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if m.hidden_act != "silu":
         raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
                       "with SiLU only.")
-    if m.rope_type not in ("default", "linear"):
-        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default and linear "
-                      "RoPE scalings only.")
+    if m.rope_type not in ("default", "linear", "yarn"):
+        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default, linear and "
+                      "YaRN RoPE scalings only.")
     if m.sliding_window is not None and m.sliding_window < context:
         raise TgError(f"model.sliding_window = {m.sliding_window} is shorter than the context "
                       f"this run reaches ({context} tokens); tg's attention sees every token, "

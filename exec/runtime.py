@@ -32,9 +32,10 @@ import torch
 from taskgraph.dag.builder import Plan
 from taskgraph.dag.routing import Routing
 from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decode_attention,
-                                   decode_mask, experts, kv_shape, lm_head, mlp, post_attention,
-                                   pre_attention, prefill_attention, prefill_layer, qkv_widths,
-                                   rmsnorm, rotate_qkv, route, shared_experts, split_qkv)
+                                   decode_mask, expert_biases, experts, kv_shape, lm_head, mlp,
+                                   o_projection, post_attention, pre_attention,
+                                   prefill_attention, prefill_layer, qkv_widths, rmsnorm,
+                                   rotate_qkv, route, shared_experts, split_qkv)
 from taskgraph.kernels.weights import ModelWeights, attention_shapes, layer_sections
 from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
 
@@ -186,8 +187,9 @@ class Runtime:
         # each layer where it lies in host memory: what the CPU's tasks read (its experts, and
         # MLA's up-projection for CPU attention)
         empty = torch.empty(0, dtype=self.w.embed.dtype)
-        self._host_views = [LayerView(self.m, flat, empty, dense=dense)
-                            for flat, dense in zip(self.w.layers, self.dense)]
+        self._host_views = [LayerView(self.m, flat, empty, small, dense)
+                            for flat, small, dense in zip(self.w.layers, self.w.extras,
+                                                          self.dense)]
         self.embed = self.w.embed.to(self.device)
         self.final_norm = self.w.final_norm.to(self.device)
         self.head = self.w.lm_head.to(self.device)
@@ -403,7 +405,7 @@ class Runtime:
         """O projection, residual, norm and the router's choice; on a dense layer its MLP
         instead, into the residual (no expert task runs there)."""
         x, W = self._hidden(s, j), self._view(s, l, j)
-        x += (self.attn_prefill[j] if s == 0 else self.attn[j]) @ W["o"].T
+        x += o_projection(self.attn_prefill[j] if s == 0 else self.attn[j], W)
         normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
         if W.dense:
             x += mlp(normed, W, "dense")
@@ -613,13 +615,14 @@ class Runtime:
         if self.plan.schedule.ffn == "split":
             # the experts the GPU holds; the others are the CPU's (CPUFFN), Merge adds both
             self.ffn_gpu[j][:T].copy_(experts(normed, ids, gates, self._gpu_experts[l], self.m,
-                                              self._on_gpu[l]))
+                                              self._on_gpu[l],
+                                              expert_biases(self._view(s, l, j))))
             return
         x = self._hidden(s, j)
         if self._caches is None:                     # zero copy: where they lie
             x += self._with_shared(j, T, experts(normed, ids, gates, self._host_views[l], self.m))
             return
-        parts = ExpertSum(normed, ids, gates, self.m)
+        parts = ExpertSum(normed, ids, gates, self.m, expert_biases(self._view(s, l, j)))
         for r, round_ in enumerate(self._rounds.pop((l, j))):
             if r:
                 for e, slot in round_.copies:

@@ -8,6 +8,7 @@ straddles the two is stitched together; every other one is a view, no copy.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -109,29 +110,85 @@ class Rope:
     transformers does, so bf16 runs round where it rounds."""
 
     def __init__(self, m: ModelSpec, device: torch.device | str = "cpu"):
-        if m.rope_type not in ("default", "linear"):
-            raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default and "
-                          "linear RoPE scalings only.")
+        if m.rope_type not in ("default", "linear", "yarn"):
+            raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default, linear "
+                          "and YaRN RoPE scalings only.")
         d = m.qk_rope_head_dim if m.attention == "mla" else m.d
         self.inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                device=device) / d))
         self.scale = 1.0 / m.rope_scaling_factor
         self.interleave = m.rope_interleave
+        self.attention_scaling = 1.0           # what multiplies cos and sin (YaRN's)
+        if m.rope_type == "yarn":
+            self.inv_freq, self.attention_scaling = _yarn(m, d, device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated. Pairs
         (DeepSeek's) come out as the even dimensions' then the odd ones' (transformers'
         DeepSeek-V3 layout): q and k alike, so their products are the pairs' own."""
         freqs = (positions.float() * self.scale).unsqueeze(-1) * self.inv_freq
+        a = self.attention_scaling
         if self.interleave:
-            cos, sin = freqs.cos().to(x.dtype).unsqueeze(-2), freqs.sin().to(x.dtype).unsqueeze(-2)
+            cos = (freqs.cos() * a).to(x.dtype).unsqueeze(-2)
+            sin = (freqs.sin() * a).to(x.dtype).unsqueeze(-2)
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)        # [..., T, 1, d]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if a == 1.0:
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        else:
+            cos, sin = (emb.cos() * a).to(x.dtype), (emb.sin() * a).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+
+def _yarn(m: ModelSpec, dim: int, device) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale, as transformers computes them
+    (modeling_rope_utils._compute_yarn_parameters)."""
+    y = m.rope_yarn or {}
+    base, original = m.rope_theta, y.get("original_max_position_embeddings")
+    if original is None:
+        raise TgError("model.rope_yarn: YaRN needs original_max_position_embeddings.")
+    factor = y.get("factor") or y["max_position_embeddings"] / original
+
+    def mscale(scale: float, value: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * value * math.log(scale) + 1.0
+
+    attention = y.get("attention_factor")
+    if attention is None:
+        attention = (mscale(factor, y["mscale"]) / mscale(factor, y["mscale_all_dim"])
+                     if y.get("mscale") and y.get("mscale_all_dim") else mscale(factor))
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(y.get("beta_fast") or 32), correction(y.get("beta_slow") or 1)
+    if y.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = (1 - ramp).to(device)
+    freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float) / dim)
+    inv_freq = (1.0 / (factor * freqs)) * (1 - extrapolate) + (1.0 / freqs) * extrapolate
+    return inv_freq, float(attention)
+
+
+def softmax_scale(m: ModelSpec) -> float:
+    """Attention's score scale: 1 / sqrt(head), MLA's query head being nope + rope, times
+    YaRN's mscale squared where the model's rope parameters give mscale_all_dim (DeepSeek)."""
+    head = m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention == "mla" else m.d
+    scale = head ** -0.5
+    y = m.rope_yarn or {}
+    if m.rope_type == "yarn" and y.get("mscale_all_dim"):
+        factor = y.get("factor") or y["max_position_embeddings"] / y[
+            "original_max_position_embeddings"]
+        if factor > 1:
+            mscale = 0.1 * y["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    return scale
 
 
 # The widths of what attention keeps and moves, by kind of attention. GQA: a token's q, k and v
@@ -230,8 +287,30 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, W: LayerView,
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
                                          values.transpose(1, 2), attn_mask=mask,
                                          is_causal=causal and mask is None,
-                                         scale=(nope + rope) ** -0.5)
+                                         scale=softmax_scale(m))
     return out.transpose(1, 2).reshape(B, q.shape[1], n * vd)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """Attention with a learned sink logit per head in every softmax, dropped after it
+    (gpt-oss), as transformers' eager attention computes it. q [B, Tq, n_q, d]; k, v
+    [B, T, n_kv, d]; `mask` [B, 1, Tq, T] bool (True: attend) or None -> [B, Tq, n_q * d]."""
+    B, Tq, n_q, d = q.shape
+    T, group = k.shape[1], n_q // k.shape[2]
+    keys = k.repeat_interleave(group, dim=2).transpose(1, 2)          # [B, n_q, T, d]
+    values = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = q.transpose(1, 2) @ keys.transpose(2, 3) * d ** -0.5     # [B, n_q, Tq, T]
+    if causal:
+        rows = torch.arange(Tq, device=q.device)[:, None] + (T - Tq)
+        allowed = torch.arange(T, device=q.device)[None, :] <= rows
+        mask = allowed if mask is None else mask & allowed
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, n_q, Tq, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(dim=-1)[..., :-1].to(values.dtype)
+    return (probs @ values).transpose(1, 2).reshape(B, Tq, n_q * d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -251,6 +330,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = mask[:, None, None, :]
     if W is not None and W.m.attention == "mla":      # `k` is the latent cache; `W` expands it
         return mla_attention(q[:, None], k, W, mask)[:, 0]
+    if W is not None and "sinks" in W.extras:
+        return sink_attention(q[:, None], k, v, W["sinks"], mask)[:, 0]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, enable_gqa=True)
     return out.reshape(B, n_q * d)
@@ -288,6 +369,12 @@ def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, to
     fp32 over all experts, then the top k are renormalised where the model says so (Mixtral;
     Qwen's and OLMoE's norm_topk_prob), as transformers does. Inside :func:`routes_seen`, the
     experts are also kept."""
+    if m.architecture == "gpt_oss":            # a softmax over the k best logits
+        top, idx = (x @ W["router"].T + W["router_logit_bias"]).topk(m.k, dim=-1)
+        seen = getattr(_routes, "seen", None)
+        if seen is not None:
+            seen.append(idx.detach().cpu())
+        return idx, top.softmax(dim=-1)
     logits = (x @ W["router"].T).float()
     if m.router == "softmax" and m.expert_groups == 1:
         top, idx = logits.softmax(-1).topk(m.k, dim=-1)
@@ -339,7 +426,8 @@ def routes_seen() -> Iterator[list[torch.Tensor]]:
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerView,
-            m: ModelSpec, only: frozenset[int] | None = None) -> torch.Tensor:
+            m: ModelSpec, only: frozenset[int] | None = None,
+            biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The routed SwiGLU experts: x [T, h] with each token's experts and gates -> [T, h].
 
     `W` is anything that gives ``w13.{e}`` and ``w2.{e}`` for the experts chosen (a
@@ -347,8 +435,9 @@ def experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, W: LayerVie
     outside it contribute exactly zero and their weights are not read: one part of a sum split
     between two places (EP: the GPU's experts and the CPU's). Every other expert is computed on
     the same rows at the same place as without `only`, so for top-2 routing the two parts add up
-    to the whole bit for bit (adding zero is exact and a sum of two terms commutes)."""
-    parts = ExpertSum(x, idx, gates, m)
+    to the whole bit for bit (adding zero is exact and a sum of two terms commutes). gpt-oss's
+    experts add `biases` (each expert's gate | up and down; a LayerView's own by default)."""
+    parts = ExpertSum(x, idx, gates, m, biases if biases is not None else expert_biases(W))
     parts.add(W, parts.chosen if only is None else [e for e in parts.chosen if e in only])
     return parts.result()
 
@@ -361,7 +450,9 @@ class ExpertSum:
     one pass, as :func:`experts` does, so the sum is :func:`experts`' bit for bit whatever the
     rounds and whatever k (an expert never added contributes exactly zero)."""
 
-    def __init__(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, m: ModelSpec):
+    def __init__(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, m: ModelSpec,
+                 biases: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.biases = biases          # gpt-oss: each expert's gate | up bias and down bias
         # Group the (token, expert) pairs by expert once: one sort and one host sync per layer
         # instead of a unique() and a nonzero() per expert.
         flat = idx.reshape(-1)
@@ -384,8 +475,13 @@ class ExpertSum:
         """The outputs of the experts `which` (each chosen by some token) from weights `W`."""
         for e in which:
             rows = self._rows[e]
-            g, u = (self.xs[rows] @ W[f"w13.{e}"].T).chunk(2, dim=-1)
-            self.ys[rows] = (F.silu(g) * u) @ W[f"w2.{e}"].T
+            if self.biases is None:
+                g, u = (self.xs[rows] @ W[f"w13.{e}"].T).chunk(2, dim=-1)
+                self.ys[rows] = (F.silu(g) * u) @ W[f"w2.{e}"].T
+            else:
+                b13, b2 = self.biases
+                g, u = (self.xs[rows] @ W[f"w13.{e}"].T + b13[e]).chunk(2, dim=-1)
+                self.ys[rows] = _clamped_glu(g, u) @ W[f"w2.{e}"].T + b2[e]
             self._done.add(e)
 
     def result(self) -> torch.Tensor:
@@ -395,6 +491,25 @@ class ExpertSum:
                 self.ys[rows] = 0
         self.ys *= self.gates.reshape(-1)[self.order].unsqueeze(-1)
         return torch.zeros_like(self.x).index_add_(0, self.rows, self.ys)
+
+
+def _clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702,
+                 limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's gated unit: gate and up clamped, gate x sigmoid(alpha gate) x (up + 1)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_biases(W) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A layer's experts' biases (gpt-oss), where its view holds them."""
+    extras = getattr(W, "extras", {})
+    return (extras["b13"], extras["b2"]) if "b13" in extras else None
+
+
+def o_projection(attn: torch.Tensor, W: LayerView) -> torch.Tensor:
+    """The O projection, with its bias where the model has one (gpt-oss)."""
+    out = attn @ W["o"].T
+    return out + W["o_bias"] if "o_bias" in W.extras else out
 
 
 def shared_experts(x: torch.Tensor, W: LayerView) -> torch.Tensor:
@@ -421,7 +536,7 @@ def ffn(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
 def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,
                    m: ModelSpec) -> torch.Tensor:
     """O projection + residual + RMSNorm + FFN + residual: x [T, h], attn [T, q_dim]."""
-    x = x + attn @ W["o"].T
+    x = x + o_projection(attn, W)
     return x + ffn(rmsnorm(x, norm, m.rms_norm_eps), W, m)
 
 
@@ -452,6 +567,8 @@ def prefill_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView, m: Mode
         mask = (causal[None] & (cols[None, None, :] < lens[:, None, None]))[:, None]
     if m.attention == "mla":
         return mla_attention(q, k, W, mask, causal=True).reshape(B * P, -1), k, v
+    if "sinks" in W.extras:
+        return sink_attention(q, k, v, W["sinks"], mask, causal=True).reshape(B * P, -1), k, v
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return attn.transpose(1, 2).reshape(B * P, m.q_dim), k, v

@@ -82,13 +82,18 @@ def extra_shapes(m: ModelSpec, dense: bool = False) -> dict[str, tuple[int, ...]
     """A family's small per-layer tensors beside its matrices (kept where the layer runs, as the
     norms are): Qwen2-MoE's Q, K and V biases (one vector, q | k | v), Qwen3-MoE's RMSNorm of
     each head's Q and K, OLMoE's of all heads' Q and K at once; MLA's norms of the Q and KV
-    latents, and DeepSeek-V3's router bias (an MoE layer's)."""
+    latents, and DeepSeek-V3's router bias (an MoE layer's); gpt-oss's biases and sinks."""
     if m.architecture == "qwen2_moe":
         return {"qkv_bias": (m.q_dim + 2 * m.h_kv,)}
     if m.architecture == "qwen3_moe":
         return {"q_norm": (m.d,), "k_norm": (m.d,)}
     if m.architecture == "olmoe":
         return {"q_norm": (m.q_dim,), "k_norm": (m.h_kv,)}
+    if m.architecture == "gpt_oss":
+        # biases of Q | K | V and O, a sink logit per head, the router's bias, and each
+        # expert's (its gate | up, and down)
+        return {"qkv_bias": (m.q_dim + 2 * m.h_kv,), "o_bias": (m.h,), "sinks": (m.n_q,),
+                "router_logit_bias": (m.E,), "b13": (m.E, 2 * m.h_i), "b2": (m.E, m.h)}
     out: dict[str, tuple[int, ...]] = {}
     if m.attention == "mla":
         out["kv_a_norm"] = (m.kv_lora_rank,)
@@ -163,7 +168,8 @@ def _tensor_name(m: ModelSpec, layer: int, section: str) -> str:
     elif section.startswith("dense."):
         base = f"mlp.{_PROJ[section.split('.')[1]]}"
     elif section == "router":
-        base = "block_sparse_moe.gate" if mixtral else "mlp.gate"
+        base = ("block_sparse_moe.gate" if mixtral else
+                "mlp.router" if m.architecture == "gpt_oss" else "mlp.gate")
     elif section.startswith("shared."):
         part = section.split(".")[1]
         shared = "mlp.shared_expert" if m.architecture == "qwen2_moe" else "mlp.shared_experts"
@@ -180,6 +186,10 @@ def _extra_names(layer: int, name: str) -> list[str]:
     p = f"model.layers.{layer}.self_attn."
     if name == "qkv_bias":
         return [p + f"{x}_proj.bias" for x in "qkv"]
+    if name in ("o_bias", "sinks"):
+        return [p + ("o_proj.bias" if name == "o_bias" else "sinks")]
+    if name == "router_logit_bias":
+        return [f"model.layers.{layer}.mlp.router.bias"]
     if name == "router_bias":
         return [f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
     if name in ("q_a_norm", "kv_a_norm"):
@@ -285,8 +295,13 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
     for i in range(m.L):
         sections = layer_sections(m, m.is_dense(i))
         flat = torch.empty(sections[-1].offset + sections[-1].size, dtype=dtype)
+        fused = _fused_experts(read, m, i) if m.architecture == "gpt_oss" else None
         for s in sections:
             out = flat[s.offset:s.offset + s.size]
+            if fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
+                part, e = s.name.split(".")
+                out.copy_(fused[part][int(e)].reshape(-1))
+                continue
             if s.name in ("uk", "uv"):      # MLA's up-projection, each head's key | value rows
                 n, nope, v = m.n_q, m.qk_nope_head_dim, m.v_head_dim
                 kv_b = read(f"model.layers.{i}.self_attn.kv_b_proj.weight",
@@ -299,9 +314,12 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
         norms.append((read(p + "input_layernorm.weight", (m.h,)),
                       read(p + "post_attention_layernorm.weight", (m.h,))))
         small = {}
-        for name, (size,) in extra_shapes(m, m.is_dense(i)).items():
+        for name, shape in extra_shapes(m, m.is_dense(i)).items():
+            if name in ("b13", "b2"):
+                small[name] = fused[name]
+                continue
             parts = _extra_names(i, name)
-            sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [size]
+            sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [shape[0]]
             small[name] = torch.cat([read(t, (n,)) for t, n in zip(parts, sizes)])
         extras.append(small)
         handles.clear()     # unmap: the pages read stay resident while a handle is open
@@ -317,6 +335,20 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
     return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
                         final_norm=read("model.norm.weight", (m.h,)), lm_head=head,
                         extras=extras)
+
+
+def _fused_experts(read: Any, m: ModelSpec, layer: int) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as its checkpoint stores them, all of a layer's in one tensor (x @ W,
+    gate and up interleaved column by column), as tg's matrices (rows are output features):
+    w1 the gates, w3 the ups, w2 the down projections; b13 each expert's gate | up bias, b2
+    its down bias."""
+    p = f"model.layers.{layer}.mlp.experts."
+    gate_up = read(p + "gate_up_proj", (m.E, m.h, 2 * m.h_i))
+    bias = read(p + "gate_up_proj_bias", (m.E, 2 * m.h_i))
+    return {"w1": gate_up[..., 0::2].transpose(1, 2), "w3": gate_up[..., 1::2].transpose(1, 2),
+            "w2": read(p + "down_proj", (m.E, m.h_i, m.h)).transpose(1, 2),
+            "b13": torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=-1),
+            "b2": read(p + "down_proj_bias", (m.E, m.h))}
 
 
 def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:

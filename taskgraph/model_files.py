@@ -219,6 +219,10 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     softmax over the top k router logits."""
     fields = _common(cfg, "num_local_experts")
     fields.update(h_i=cfg["intermediate_size"], attention_sinks=True)
+    for name, value in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if cfg.get(name, value) != value:
+            raise _Unsupported(f"{name} {cfg[name]}: tg computes gpt-oss's experts with "
+                               f"{name} {value}.")
     types = cfg.get("layer_types") or []
     unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
     if unknown:
@@ -248,7 +252,15 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
     if kind == "linear":
         out["rope_scaling_factor"] = params.get("factor", 1.0)
+    if kind == "yarn":
+        out["rope_yarn"] = {k: params[k] for k in _YARN if params.get(k) is not None}
+        if cfg.get("max_position_embeddings") is not None:
+            out["rope_yarn"]["max_position_embeddings"] = cfg["max_position_embeddings"]
     return out
+
+
+_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+         "attention_factor", "mscale", "mscale_all_dim")
 
 
 # --- quantization_config -------------------------------------------------------------------------

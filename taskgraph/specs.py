@@ -111,6 +111,10 @@ class ModelSpec(BaseModel):
     rope_theta: float = Field(default=1e6, gt=0, allow_inf_nan=False)
     rope_type: str = "default"           # HF rope_type; the executor computes default, linear
     rope_scaling_factor: float = Field(default=1.0, gt=0, allow_inf_nan=False)   # linear
+    # YaRN's own parameters, as config.json gives them (factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, truncate, attention_factor, mscale, mscale_all_dim; and the model's
+    # max_position_embeddings): the executor computes the frequencies transformers does
+    rope_yarn: dict[str, float | bool | None] | None = None
     # RoPE rotates pairs of neighbouring dimensions (DeepSeek's), not the two halves (Llama's)
     rope_interleave: bool = False
     rms_norm_eps: float = Field(default=1e-5, gt=0, allow_inf_nan=False)

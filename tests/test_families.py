@@ -1,9 +1,10 @@
 """The executor on the families after Mixtral, against transformers' own model classes on random
 tiny checkpoints transformers writes: Qwen2-MoE (Q, K, V biases, a gated shared expert, gates
 not renormalised; and with a dense first layer), Qwen3-MoE (each head's Q and K normed,
-head_dim apart from h / n_q, gates renormalised), OLMoE (all heads' Q and K normed at once) and
+head_dim apart from h / n_q, gates renormalised), OLMoE (all heads' Q and K normed at once),
 DeepSeek-V2/V3 (MLA, dense first layers, shared experts, greedy, group-limited and biased
-sigmoid routing). Every schedule, ragged requests
+sigmoid routing) and gpt-oss (biases, attention sinks, YaRN, a softmax over the top router
+logits, clamped experts). Every schedule, ragged requests
 sharing micro-batches: each request's greedy tokens are those of ``generate()`` on its prompt
 alone, and every step's logits agree within fp32 tolerance."""
 
@@ -58,6 +59,12 @@ FAMILIES = {
                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=8),
+    # biases everywhere, a sink logit per head, a softmax over the k best router logits,
+    # clamped experts with interleaved gate | up, YaRN RoPE, sliding and full layers (the
+    # window longer than these contexts)
+    "gpt_oss": dict(hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=6,
+                    num_experts_per_tok=2, sliding_window=32, num_hidden_layers=2),
     # a dense first layer (mlp_only_layers) of its own intermediate size before MoE layers
     "qwen2_moe-dense": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
                             shared_expert_intermediate_size=80, num_attention_heads=4,
@@ -81,13 +88,10 @@ def checkpoint(request, tmp_path_factory):
         eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():                  # a router bias that changes which experts win
-        for name, p in model.named_parameters(recurse=True):
-            if "e_score_correction_bias" in name:
-                p.normal_(0, 0.3)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.normal_(0, 0.3)
+    with torch.no_grad():     # biases and sinks that matter (transformers starts some at 0)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "e_score_correction_bias" in name or "sinks" in name or name.endswith("bias"):
+                t.normal_(0, 0.3)
     model.save_pretrained(folder)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, 128, (len(PROMPT_LENS), max(PROMPT_LENS)), generator=g)
@@ -145,7 +149,8 @@ def test_without_the_familys_own_parts_the_tokens_are_not_transformers(checkpoin
     plain = m.model_copy(update={"renormalize": not m.renormalize, "shared_gate": False,
                                  "routed_scaling": 1.0, "rope_interleave": not m.rope_interleave})
     for l in range(m.L):
-        w.extras[l] = {k: v for k, v in w.extras[l].items() if k.endswith("_a_norm")}
+        w.extras[l] = {k: v for k, v in w.extras[l].items()
+                       if k.endswith("_a_norm") or k == "router_logit_bias"}
     w.model = plain
     ref = reference_forward(w, prompts, 2, STEPS, lens)
     theirs = torch.stack([e[1][-1] for e in expected])
@@ -157,8 +162,10 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
     from taskgraph.presets import MODELS
     from taskgraph.specs import ModelSpec
 
-    with pytest.raises(TgError, match="gpt_oss is simulated, not executed"):
-        check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 64)
+    with pytest.raises(TgError, match="phimoe is simulated, not executed"):
+        check_computable(ModelSpec(**MODELS["phi-3.5-moe"]), 64)
+    with pytest.raises(TgError, match="sliding_window = 128 is shorter than the context"):
+        check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 200)
     with pytest.raises(TgError, match="model.precision.experts = q4_k"):
         check_computable(ModelSpec(**{**MODELS["qwen3-30b-a3b"],
                                       "precision": {"experts": "q4_k"}}), 64)

@@ -274,9 +274,12 @@ def test_config_fields_that_change_the_math_are_read_or_refused(tmp_path, capsys
     assert rc == 2 and "sliding_window = 4" in err and "Traceback" not in err
     rc, err, _ = execute_with(hidden_act="gelu")
     assert rc == 2 and "hidden_act = gelu" in err
-    rc, err, _ = execute_with(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+    rc, err, _ = execute_with(rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                                "rope_theta": 1e6})
     assert rc == 2 and "rope_type" in err
+    rc, err, _ = execute_with(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                               "rope_theta": 1e6})
+    assert rc == 2 and "YaRN needs original_max_position_embeddings" in err
     rc, err, out = execute_with(sliding_window=4096)      # longer than the context: fine
     assert rc == 0, err
     # fewer layers than the checkpoint: run, but say so
