@@ -24,6 +24,7 @@ from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
 from taskgraph.sim.simulate import Simulation
+from taskgraph.kernels.quant import expert_format
 from taskgraph.specs import TENSOR_CLASSES, ModelSpec, Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
@@ -236,11 +237,16 @@ def check_computable(m: ModelSpec, context: int) -> None:
                       f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
                       "executed (docs/models.md).")
 
-    quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None]
+    quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
+                 and not (c == "experts" and expert_format(m))]
     if quantized:
         raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
-                      "tg execute runs weights in the model's dtype; quantized precisions are "
-                      "simulated, not executed.")
+                      "tg execute runs weights in the model's dtype, and routed experts in it "
+                      "or at q8_0 or q4_0; other precisions are simulated, not executed.")
+    if expert_format(m) and (m.h % 32 or m.h_i % 32):
+        raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
+                      f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
+                      f"{m.h_i} long.")
     if m.hidden_act != "silu":
         raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
                       "with SiLU only.")
@@ -584,6 +590,10 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts |
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
     dtype, warnings = _torch_dtype(torch, m, dev)
     plan = make_plan(scenario, schedule)
+    if expert_format(m) and not plan.schedule.experts_on_host:
+        raise TgError(f"model.precision.experts = {m.precision.experts}: tg execute keeps "
+                      "quantized experts apart from their layer, as S5, EP, EC and ECP do; "
+                      f"{plan.schedule.name} streams them with the layer's other weights.")
     if plan.tp > 1:
         from taskgraph.exec.tensor import check_shardable
 
@@ -747,7 +757,8 @@ def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: _Input
     from taskgraph.kernels.reference import reference_forward
 
     p, G, lens, slots = job.plan.scenario.policy, job.plan.G, inputs.lens, batch_.slots
-    ref = reference_forward(w, inputs.prompts, p.mu, G, lens, record=record_routing)
+    ref = reference_forward(w.dequantized(), inputs.prompts, p.mu, G, lens,
+                            record=record_routing)
     routing = (_recorded_routing(ref, job.plan.scenario.model, slots, lens,
                                  inputs.prompts.shape[1]) if record_routing else None)
     tokens, logits, _ = ran.outputs.outputs()
@@ -891,7 +902,8 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
     if check:
         for row in outputs:
             p = prompts[row["id"]]
-            alone = reference_forward(runs[0].weights, torch.tensor([p.prompt_ids]), 1,
+            alone = reference_forward(runs[0].weights.dequantized(),
+                                      torch.tensor([p.prompt_ids]), 1,
                                       max(1, p.max_new_tokens - 1))
             if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
                 mismatched.append(row["id"])

@@ -36,6 +36,7 @@ from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decod
                                    o_projection, post_attention, pre_attention,
                                    prefill_attention, prefill_layer, qkv_widths, rmsnorm,
                                    rotate_qkv, route, shared_experts, split_qkv)
+from taskgraph.kernels.quant import QuantizedExperts, expert_format, expert_nbytes
 from taskgraph.kernels.weights import ModelWeights, attention_shapes, layer_sections
 from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
 
@@ -173,6 +174,9 @@ class Runtime:
             for l, flat in enumerate(self.w.layers):
                 if not flat.is_pinned():
                     self.w.layers[l] = flat.pin_memory()
+            for l, store in enumerate(self.w.experts_q or ()):
+                if store is not None and not store.is_pinned():
+                    self.w.experts_q[l] = store.pin_memory()
         self.resident = [flat[:self.cut[dense]].to(self.device)
                          for flat, dense in zip(self.w.layers, self.dense)]
         streamed = max(numel[dense] - self.cut[dense] for dense in numel)   # the largest layer's
@@ -190,6 +194,12 @@ class Runtime:
         self._host_views = [LayerView(self.m, flat, empty, small, dense)
                             for flat, small, dense in zip(self.w.layers, self.w.extras,
                                                           self.dense)]
+        # and each layer's experts there: in its flat vector, or at 8 or 4 bits apart from it
+        self._quantized = expert_format(self.m)
+        self._host_experts = (self._host_views if self._quantized is None else
+                              [QuantizedExperts(self.m, self._quantized, store,
+                                                {e: e for e in range(self.m.E)}, self.dtype)
+                               if store is not None else None for store in self.w.experts_q])
         self.embed = self.w.embed.to(self.device)
         self.final_norm = self.w.final_norm.to(self.device)
         self.head = self.w.lm_head.to(self.device)
@@ -437,7 +447,7 @@ class Runtime:
         only = self._on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
-            self._host_views[l], self.m, only))
+            self._host_experts[l], self.m, only))
 
     @runs("D6")
     def _D6(self, s: int, l: int, j: int) -> None:
@@ -478,10 +488,12 @@ class Runtime:
         host memory (no copy at start-up, none on a miss: ExpertIn is a no-op like every other
         host-device copy, and EC has no cache to keep)."""
         m, p, sched = self.m, self.plan.scenario.policy, self.plan.schedule
-        sections = {s.name: s for s in layer_sections(m)}
-        # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector: one block.
-        self._expert_at = [sections[f"w1.{e}"].offset for e in range(m.E)]
-        self._expert_numel = 3 * m.h_i * m.h
+        if self._quantized is None:
+            # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector: one
+            # block.
+            sections = {s.name: s for s in layer_sections(m)}
+            self._expert_at = [sections[f"w1.{e}"].offset for e in range(m.E)]
+            self._expert_numel = 3 * m.h_i * m.h
         self.expert_copies = 0                      # experts ExpertIn copied (EC), all layers
         self.expert_copies_by_layer = [0] * self.L
         n = min(p.experts_gpu, m.E)
@@ -494,11 +506,11 @@ class Runtime:
             rows = self.mu * self.P
             self.ffn_gpu = [dev(rows, m.h) for _ in range(self.n)]
             if self.zero_copy:
-                self._gpu_experts = self._host_views
+                self._gpu_experts = self._host_experts
             else:
                 self._gpu_experts = []
                 for l, held in enumerate(self.placed):
-                    area = dev(len(held), self._expert_numel)
+                    area = self._expert_area(len(held))
                     for slot, e in enumerate(held):
                         area[slot].copy_(self._expert_block(l, e))
                     self._gpu_experts.append(self._slot_views(area, dict(enumerate(held))))
@@ -545,8 +557,7 @@ class Runtime:
                 if popular else [[] for _ in range(self.L)])
         cached = n * m.moe_layers                  # a dense layer has no experts to cache
         slots = cached + self.staging_slots + self.prefetch_slots
-        self._expert_pool = dev(slots, self._expert_numel)
-        self._pool_views = [self._expert_views(self._expert_pool[i]) for i in range(slots)]
+        self._expert_pool = self._expert_area(slots)
         self._caches = []
         first = 0
         for l in range(self.L):
@@ -579,20 +590,31 @@ class Runtime:
         return self.prefetches and not self.zero_copy
 
     def _expert_block(self, l: int, e: int) -> torch.Tensor:
-        """Expert e of layer l in host memory: w1 | w3 | w2, one flat block."""
+        """Expert e of layer l in host memory: w1 | w3 | w2, one block (of a layer's flat
+        vector, or its blocks at 8 or 4 bits: kernels.quant)."""
+        if self._quantized is not None:
+            return self.w.experts_q[l][e]
         a = self._expert_at[e]
         return self.w.layers[l][a:a + self._expert_numel]
 
-    def _expert_views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) of the expert in a flat block, as views."""
-        m, cut = self.m, 2 * self.m.h_i * self.m.h
-        return block[:cut].view(2 * m.h_i, m.h), block[cut:].view(m.h, m.h_i)
+    def _expert_area(self, slots: int) -> torch.Tensor:
+        """Device slots for `slots` experts, each an expert's block."""
+        if self._quantized is not None:
+            return torch.zeros(slots, expert_nbytes(self.m, self._quantized), dtype=torch.uint8,
+                               device=self.device)
+        return self._dev(slots, self._expert_numel)
 
-    def _slot_views(self, area: torch.Tensor, expert_of: dict[int, int]) -> dict:
-        """What :func:`experts` reads (``w13.{e}``, ``w2.{e}``) over an area's slots."""
-        out = {}
+    def _slot_views(self, area: torch.Tensor, expert_of: dict[int, int]) -> Any:
+        """What :func:`experts` reads (``w13.{e}``, ``w2.{e}``) over an area's slots
+        (slot -> expert); blocks at 8 or 4 bits are dequantized as they are read."""
+        if self._quantized is not None:
+            return QuantizedExperts(self.m, self._quantized, area,
+                                    {e: slot for slot, e in expert_of.items()}, self.dtype)
+        m, cut, out = self.m, 2 * self.m.h_i * self.m.h, {}
         for slot, e in expert_of.items():
-            out[f"w13.{e}"], out[f"w2.{e}"] = self._expert_views(area[slot])
+            block = area[slot]
+            out[f"w13.{e}"] = block[:cut].view(2 * m.h_i, m.h)
+            out[f"w2.{e}"] = block[cut:].view(m.h, m.h_i)
         return out
 
     @runs("GPUFFN")
@@ -620,16 +642,16 @@ class Runtime:
             return
         x = self._hidden(s, j)
         if self._caches is None:                     # zero copy: where they lie
-            x += self._with_shared(j, T, experts(normed, ids, gates, self._host_views[l], self.m))
+            x += self._with_shared(j, T, experts(normed, ids, gates, self._host_experts[l],
+                                                 self.m))
             return
         parts = ExpertSum(normed, ids, gates, self.m, expert_biases(self._view(s, l, j)))
         for r, round_ in enumerate(self._rounds.pop((l, j))):
             if r:
                 for e, slot in round_.copies:
                     self._copy_expert(l, e, slot)
-            W = {}
-            for e, slot in round_.compute.items():
-                W[f"w13.{e}"], W[f"w2.{e}"] = self._pool_views[slot]
+            W = self._slot_views(self._expert_pool,
+                                 {slot: e for e, slot in round_.compute.items()})
             parts.add(W, sorted(round_.compute))
         x += self._with_shared(j, T, parts.result())
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from taskgraph.errors import TgError
+from taskgraph.kernels.quant import expert_format
 from taskgraph.kernels.weights import Section, layer_sections
 from taskgraph.specs import ModelSpec
 
@@ -73,7 +74,7 @@ def _sections(m: ModelSpec, dense: bool = False) -> dict[str, Section]:
     layer's ``dense.w13``, the shared experts' ``shared.w13``)."""
     key = (m.h, m.h_i, m.q_dim, m.h_kv, m.E, m.shared_experts, m.h_shared, m.shared_gate,
            dense and m.h_dense, m.attention, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-           m.qk_rope_head_dim, m.v_head_dim)
+           m.qk_rope_head_dim, m.v_head_dim, expert_format(m))
     table = _SECTION_CACHE.get(key)
     if table is None:
         table = {s.name: s for s in layer_sections(m, dense)}
@@ -84,7 +85,7 @@ def _sections(m: ModelSpec, dense: bool = False) -> dict[str, Section]:
                                          table["dense.w1"].offset)
             _SECTION_CACHE[key] = table
             return table
-        for e in range(m.E):
+        for e in range(m.E) if "w1.0" in table else ():     # experts apart: kernels.quant
             table[f"w13.{e}"] = Section(f"w13.{e}", (2 * m.h_i, m.h), table[f"w1.{e}"].offset)
         if m.shared_experts:
             width = m.shared_experts * m.h_shared

@@ -20,6 +20,7 @@ import torch
 
 from taskgraph.errors import TgError
 from taskgraph.files import note_input, read_json
+from taskgraph.kernels.quant import expert_format, quantize_expert
 from taskgraph.specs import ModelSpec
 
 
@@ -65,6 +66,8 @@ def layer_sections(m: ModelSpec, dense: bool = False) -> list[Section]:
         shapes += [("shared.w1", (width, m.h)), ("shared.w3", (width, m.h)),
                    ("shared.w2", (m.h, width))] + ([("shared.gate", (1, m.h))]
                                                    if m.shared_gate else [])
+    if expert_format(m):     # the experts lie apart, in blocks (ModelWeights.experts_q)
+        return _laid_out(shapes)
     for e in range(m.E):
         shapes += [(f"w1.{e}", (m.h_i, m.h)), (f"w3.{e}", (m.h_i, m.h)), (f"w2.{e}", (m.h, m.h_i))]
     return _laid_out(shapes)
@@ -116,10 +119,37 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     extras: list[dict[str, torch.Tensor]] | None = None
+    # Each MoE layer's experts at 8 or 4 bits (kernels.quant), [E, bytes] (None for a dense
+    # layer), where the model stores them so; else None and they lie in the layers' vectors.
+    experts_q: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if self.extras is None:
             self.extras = [{} for _ in self.layers]
+
+    def dequantized(self) -> "ModelWeights":
+        """The same weights with the experts dequantized back into each layer's vector, for a
+        model that keeps them in its dtype: what a reference run computes with."""
+        if self.experts_q is None:
+            return self
+        from taskgraph.kernels.quant import QuantizedExperts
+
+        m = self.model.model_copy(update={"precision": self.model.precision.model_copy(
+            update={"experts": None})})
+        fmt, layers = expert_format(self.model), []
+        for l, (flat, store) in enumerate(zip(self.layers, self.experts_q)):
+            if store is None:
+                layers.append(flat)
+                continue
+            read = QuantizedExperts(self.model, fmt, store, {e: e for e in range(m.E)},
+                                    flat.dtype)
+            parts = [flat]
+            for e in range(m.E):
+                w13 = read[f"w13.{e}"]
+                parts += [w13.reshape(-1), read[f"w2.{e}"].reshape(-1)]
+            layers.append(torch.cat(parts))
+        return ModelWeights(m, layers, self.norms, self.embed, self.final_norm, self.lm_head,
+                            self.extras)
 
     @property
     def layer_numel(self) -> int:
@@ -139,6 +169,10 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
             fan_in = s.shape[1]
             flat[s.offset:s.offset + s.size] = torch.randn(s.size, generator=g) / fan_in ** 0.5
         layers.append(flat.to(dtype))
+    experts_q = None
+    if expert_format(m):
+        experts_q = [None if m.is_dense(l) else _quantized(m, lambda e, part, shape: torch.randn(
+            shape, generator=g) / shape[1] ** 0.5) for l in range(m.L)]
     norms = [(1 + 0.1 * torch.randn(m.h, generator=g), 1 + 0.1 * torch.randn(m.h, generator=g))
              for _ in range(m.L)]
     extras = [{name: ((1 + 0.1 * torch.randn(shape, generator=g)) if "norm" in name else
@@ -149,7 +183,16 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
     return ModelWeights(
         model=m, layers=layers, norms=[(a.to(dtype), b.to(dtype)) for a, b in norms],
         embed=embed, final_norm=torch.ones(m.h, dtype=dtype),
-        lm_head=embed if m.tie_word_embeddings else head, extras=extras)
+        lm_head=embed if m.tie_word_embeddings else head, extras=extras, experts_q=experts_q)
+
+
+def _quantized(m: ModelSpec, matrix: Any) -> torch.Tensor:
+    """A layer's experts in blocks [E, bytes], from `matrix(e, part, shape)` giving each of an
+    expert's w1, w3, w2 (rows are output features)."""
+    shapes = {"w1": (m.h_i, m.h), "w3": (m.h_i, m.h), "w2": (m.h, m.h_i)}
+    return torch.stack([quantize_expert(*(matrix(e, part, shape)
+                                          for part, shape in shapes.items()), expert_format(m))
+                        for e in range(m.E)])
 
 
 _ATTENTION = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -292,6 +335,7 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
         return out
 
     layers, norms, extras = [], [], []
+    experts_q: list | None = [] if expert_format(m) else None
     for i in range(m.L):
         sections = layer_sections(m, m.is_dense(i))
         flat = torch.empty(sections[-1].offset + sections[-1].size, dtype=dtype)
@@ -310,6 +354,10 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                 continue
             read(_tensor_name(m, i, s.name), s.shape, out)
         layers.append(flat)
+        if expert_format(m):
+            experts_q.append(None if m.is_dense(i) else _quantized(
+                m, lambda e, part, shape: (fused[part][e] if fused is not None else
+                                           read(_tensor_name(m, i, f"{part}.{e}"), shape))))
         p = f"model.layers.{i}."
         norms.append((read(p + "input_layernorm.weight", (m.h,)),
                       read(p + "post_attention_layernorm.weight", (m.h,))))
@@ -334,7 +382,7 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
     handles.clear()
     return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
                         final_norm=read("model.norm.weight", (m.h,)), lm_head=head,
-                        extras=extras)
+                        extras=extras, experts_q=experts_q)
 
 
 def _fused_experts(read: Any, m: ModelSpec, layer: int) -> dict[str, torch.Tensor]:
