@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+# gpt-oss's two sizes share everything but their depth and experts: sliding-window attention
+# (128 tokens) on every other layer from the first, sinks, experts in MXFP4.
+_GPT_OSS = dict(architecture="gpt_oss", h=2880, h_i=2880, n_q=64, n_kv=8, head_dim=64, k=4,
+                V=201088, sliding_window=128, attention_sinks=True, rope_theta=150000.0,
+                precision=dict(experts="mxfp4"))
+
 MODELS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(name="mixtral-8x7b", h=4096, h_i=14336, L=32, n_q=32, n_kv=8, E=8, k=2,
                          V=32000),
@@ -50,14 +56,10 @@ MODELS: dict[str, dict[str, Any]] = {
                              renormalize=False, attention="mla", kv_lora_rank=512,
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              rope_theta=10000.0, rms_norm_eps=1e-6),
-    "gpt-oss-20b": dict(name="gpt-oss-20b", architecture="gpt_oss", h=2880, h_i=2880, L=24,
-                        n_q=64, n_kv=8, head_dim=64, E=32, k=4, V=201088, sliding_window=128,
-                        sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True,
-                        rope_theta=150000.0, precision=dict(experts="mxfp4")),
-    "gpt-oss-120b": dict(name="gpt-oss-120b", architecture="gpt_oss", h=2880, h_i=2880, L=36,
-                         n_q=64, n_kv=8, head_dim=64, E=128, k=4, V=201088, sliding_window=128,
-                         sliding_layers=tuple(range(0, 36, 2)), attention_sinks=True,
-                         rope_theta=150000.0, precision=dict(experts="mxfp4")),
+    "gpt-oss-20b": dict(_GPT_OSS, name="gpt-oss-20b", L=24, E=32,
+                        sliding_layers=tuple(range(0, 24, 2))),
+    "gpt-oss-120b": dict(_GPT_OSS, name="gpt-oss-120b", L=36, E=128,
+                         sliding_layers=tuple(range(0, 36, 2))),
     "olmoe-1b-7b": dict(name="olmoe-1b-7b", architecture="olmoe", h=2048, h_i=1024, L=16,
                         n_q=16, n_kv=16, E=64, k=8, V=50304, renormalize=False,
                         rope_theta=10000.0),
