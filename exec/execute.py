@@ -212,6 +212,12 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
         e = err.errors()[0]
         raise TgError(f"The checkpoint's config '{config}' is not a valid model: "
                       f"{'.'.join(map(str, e['loc']))}: {e['msg']}.") from None
+    stored = [c for c in TENSOR_CLASSES if getattr(ckpt.precision, c) is not None]
+    if stored:
+        raise TgError(f"The checkpoint '{folder}' stores its {', '.join(stored)} weights as "
+                      f"{getattr(ckpt.precision, stored[0])} (its quantization_config): tg "
+                      "execute runs weights in their dtype, and routed experts at q8_0 or q4_0 "
+                      "it quantizes itself; the checkpoint is simulated, not executed.")
     for name in _SHAPE_FIELDS:
         if getattr(model, name) != getattr(ckpt, name):
             raise TgError(f"model.{name} = {getattr(model, name)} in the scenario, but the "
@@ -243,6 +249,9 @@ def check_computable(m: ModelSpec, context: int) -> None:
         raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
                       "tg execute runs weights in the model's dtype, and routed experts in it "
                       "or at q8_0 or q4_0; other precisions are simulated, not executed.")
+    if m.attention_sinks != (m.architecture == "gpt_oss"):
+        raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
+                      "as gpt-oss has them, and only there.")
     if expert_format(m) and (m.h % 32 or m.h_i % 32):
         raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
                       f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
@@ -598,9 +607,12 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts |
         from taskgraph.exec.tensor import check_shardable
 
         check_shardable(m, plan.tp)
-        if m.architecture != "mixtral":
-            raise TgError(f"tensor parallelism splits Mixtral's layers; {m.architecture}'s run on "
-                          "one GPU, or on several in pipeline or data parallel.")
+        if (m.architecture != "mixtral" or m.dense_count or m.shared_experts
+                or m.attention != "gqa" or expert_format(m)):
+            raise TgError("tensor parallelism splits Mixtral's layers (every one an MoE layer "
+                          "of routed experts, grouped-query attention, weights in the model's "
+                          "dtype); this model runs on one GPU, or on several in pipeline or data "
+                          "parallel.")
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     key = (scenario.model_dump_json(), schedule)

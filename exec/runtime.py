@@ -447,7 +447,7 @@ class Runtime:
         only = self._on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
-            self._host_experts[l], self.m, only))
+            self._host_experts[l], self.m, only, expert_biases(self._host_views[l])))
 
     @runs("D6")
     def _D6(self, s: int, l: int, j: int) -> None:
@@ -643,7 +643,8 @@ class Runtime:
         x = self._hidden(s, j)
         if self._caches is None:                     # zero copy: where they lie
             x += self._with_shared(j, T, experts(normed, ids, gates, self._host_experts[l],
-                                                 self.m))
+                                                 self.m, None,
+                                                 expert_biases(self._host_views[l])))
             return
         parts = ExpertSum(normed, ids, gates, self.m, expert_biases(self._view(s, l, j)))
         for r, round_ in enumerate(self._rounds.pop((l, j))):

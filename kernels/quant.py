@@ -29,7 +29,8 @@ def expert_format(m: ModelSpec) -> str | None:
     """The format the model's routed experts are stored in, where the executor stores them so
     (None: in the model's dtype, with the layer's other weights)."""
     fmt = m.precision.experts
-    return fmt if isinstance(fmt, str) and fmt in BLOCK_BYTES else None
+    fmt = fmt.lower() if isinstance(fmt, str) else None
+    return fmt if fmt in BLOCK_BYTES else None
 
 
 def expert_nbytes(m: ModelSpec, fmt: str) -> int:

@@ -320,7 +320,7 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                           f"scenario's model needs {shape}.")
         # Casting would turn quantized integers into wrong weights, and one NaN spreads to every
         # logit (argmax then says token 0), so neither is run.
-        if not t.dtype.is_floating_point:
+        if not t.dtype.is_floating_point or t.dtype.itemsize == 1:       # fp8: scaled blocks
             raise TgError(f"Checkpoint tensor '{name}' in '{file}' is "
                           f"{str(t.dtype).removeprefix('torch.')}; tg runs float32, bfloat16 or "
                           "float16 weights, not quantized ones (dequantize the checkpoint first).")

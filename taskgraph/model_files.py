@@ -55,6 +55,8 @@ def hf_config_json(path: str | Path) -> dict[str, Any]:
     counts as absent); a wrong one is an error naming the field, never a guess."""
     path = Path(path)
     cfg = read_json(path, "model config")
+    if not isinstance(cfg, dict):
+        raise TgError(f"The model config '{path}' must hold a JSON object.")
     nested = [(f"{outer}.", cfg[outer]) for outer in ("rope_scaling", "rope_parameters",
                                                       "quantization_config")
               if isinstance(cfg.get(outer), dict)]
@@ -224,9 +226,9 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
             raise _Unsupported(f"{name} {cfg[name]}: tg computes gpt-oss's experts with "
                                f"{name} {value}.")
     types = cfg.get("layer_types") or []
-    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    unknown = [t for t in types if t not in ("sliding_attention", "full_attention")]
     if unknown:
-        raise _Unsupported(f"layer_types holds '{unknown[0]}'; tg describes "
+        raise _Unsupported(f"layer_types holds {str(unknown[0])[:40]!r}; tg describes "
                            "sliding_attention and full_attention layers.")
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if sliding:
@@ -269,12 +271,13 @@ _YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
 #: shared experts, dense FFNs). The router, embedding and LM head stay as they were.
 _LINEAR = ("attention", "experts", "shared", "dense")
 #: Which of a checkpoint's module names belong to which class of tensor, for
-#: modules_to_not_convert.
-_MODULES = {"attention": re.compile(r"self_attn|attention|attn"),
-            "router": re.compile(r"router|\.gate$|mlp\.gate\b|\bgate\b(?!_)"),
-            "experts": re.compile(r"experts(?!.*shared)"),
-            "shared": re.compile(r"shared_expert"),
-            "dense": re.compile(r"mlp(?!\.experts)(?!\.shared)"),
+#: modules_to_not_convert (one layer's module named keeps the whole class unconverted: tg states
+#: a class's precision, not a layer's).
+_MODULES = {"attention": re.compile(r"self_attn|attention|\battn\b"),
+            "router": re.compile(r"(^|\.)gate$|\brouter\b"),
+            "experts": re.compile(r"(?<!shared_)experts"),
+            "shared": re.compile(r"shared_experts?($|\.)"),
+            "dense": re.compile(r"mlp($|\.(gate|up|down)_proj)"),
             "embedding": re.compile(r"embed"), "head": re.compile(r"lm_head")}
 
 
@@ -297,7 +300,7 @@ def _precision(quant: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         fmt, converted = "mxfp4", ("experts",)
     elif method in ("awq", "gptq"):
         bits, group = quant.get("bits", 4), quant.get("group_size", 128)
-        if bits not in (2, 3, 4, 8) or not isinstance(group, int) or group < 0:
+        if bits not in (2, 3, 4, 8) or not isinstance(group, int) or group < -1 or group == 0:
             raise _Unsupported(f"bits {bits} in groups of {group}: tg prices 2, 3, 4 or 8 bits "
                                "in groups of 8 to 4096 (or -1, a group per row).")
         fmt = f"int{bits}-g{group if group > 0 else 4096}"
@@ -396,8 +399,10 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
     kv_lora = key(Keys.Attention.KV_LORA_RANK)
     if kv_lora:
         rope = key(Keys.Rope.DIMENSION_COUNT, required=True)
-        k_len = key(Keys.Attention.KEY_LENGTH_MLA) or key(Keys.Attention.KEY_LENGTH)
-        v_len = key(Keys.Attention.VALUE_LENGTH_MLA) or key(Keys.Attention.VALUE_LENGTH)
+        k_len = (key(Keys.Attention.KEY_LENGTH_MLA)
+                 or key(Keys.Attention.KEY_LENGTH, required=True))
+        v_len = (key(Keys.Attention.VALUE_LENGTH_MLA)
+                 or key(Keys.Attention.VALUE_LENGTH, required=True))
         fields.pop("head_dim", None)
         fields.update(attention="mla", kv_lora_rank=kv_lora,
                       q_lora_rank=key(Keys.Attention.Q_LORA_RANK) or None,

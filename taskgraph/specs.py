@@ -411,7 +411,7 @@ class ModelSpec(BaseModel):
     def size(self) -> dict[str, Any]:
         """What a user checks against the model card: parameters (in all and used a token),
         GB and bits per weight of each class of tensor as stored, and the KV cache one token
-        adds over all layers (a sliding-window layer keeps only its window's)."""
+        adds over all layers (while a sliding-window layer holds fewer than its window)."""
         bits = {"attention": self.bits("attention"), "router": self.bits("router"),
                 "experts": self.bits("experts"), "shared": self.bits("shared"),
                 "dense": self.bits("dense"),

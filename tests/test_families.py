@@ -169,3 +169,36 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
     with pytest.raises(TgError, match="model.precision.experts = q4_k"):
         check_computable(ModelSpec(**{**MODELS["qwen3-30b-a3b"],
                                       "precision": {"experts": "q4_k"}}), 64)
+
+
+def test_tensor_parallelism_refuses_what_its_shards_do_not_split():
+    """A Mixtral-named model with a shared expert or a dense layer is refused under tensor
+    parallelism (the shards would leave the shared expert out, or miss the dense layer)."""
+    from taskgraph import execute
+
+    for extra in ({"model.shared_experts": 1, "model.h_shared": 128},
+                  {"model.dense_layers": [0], "model.h_dense": 256}):
+        with pytest.raises(TgError, match="tensor parallelism splits Mixtral's layers"):
+            execute("scenarios/tiny.yaml", schedule="S1", overrides={
+                "hardware.gpu.count": 2, "workload.gen_len": 2, **extra})
+
+
+def test_a_checkpoint_stored_in_fp8_is_refused(checkpoint, tmp_path):
+    """Its quantization_config says the weights are fp8 blocks: tg does not run them as if
+    they were the dtype's (the scales would be lost), whatever the tensors hold."""
+    import json
+    import shutil
+
+    from taskgraph import execute
+
+    folder = checkpoint[0]
+    copy = tmp_path / "fp8"
+    shutil.copytree(folder, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TgError, match="stores its .* weights as fp8-block128"):
+        execute({"model": {"hf_config": str(copy / "config.json"), "dtype_bytes": 4},
+                 "hardware": "t4", "workload": {"prompt_len": 4, "gen_len": 2},
+                 "policy": {"N": 2, "mu": 1, "r_w": 0.0, "r_c": 0.0}, "schedule": "S4"},
+                weights=str(copy))

@@ -142,6 +142,39 @@ def test_what_tg_cannot_describe_is_named(tmp_path, change, message):
         model_from_hf_config(path)
 
 
+def test_modules_kept_unconverted_keep_only_their_class(tmp_path):
+    """modules_to_not_convert: the router kept leaves the dense FFNs and shared experts
+    converted; the shared expert's gate kept leaves the shared experts converted; the
+    experts named keep the routed ones, not the shared ones; a group per row (-1) is read."""
+    def precision(keep, family="deepseek_v3", **quant):
+        _, path = _save(tmp_path / f"{family}-{len(keep)}-{len(quant)}", family,
+                        quantization_config={"quant_method": "awq", "bits": 4,
+                                             "group_size": 128, **quant,
+                                             "modules_to_not_convert": keep})
+        return ModelSpec.model_validate(model_from_hf_config(path)).precision
+
+    p = precision(["model.layers.1.mlp.gate"])
+    assert (p.router, p.dense, p.shared, p.experts) == (None, "int4-g128", "int4-g128",
+                                                        "int4-g128")
+    p = precision(["mlp.shared_expert_gate"], family="qwen2_moe")
+    assert p.shared == "int4-g128"
+    p = precision(["mlp.experts"])
+    assert (p.experts, p.shared) == (None, "int4-g128")
+    assert precision([], group_size=-1).experts == "int4-g4096"
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(TgError, match="must hold a JSON object"):
+        model_from_hf_config(path)
+    _, path = _save(tmp_path / "oss", "gpt_oss")
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "layer_types": [1, "x"]}))
+    with pytest.raises(TgError, match="layer_types holds '1'"):
+        model_from_hf_config(path)
+
+
 def test_a_shared_expert_without_a_size_is_refused():
     with pytest.raises(ValueError, match="h_shared"):
         ModelSpec(**{**MODELS["mixtral-8x7b"], "shared_experts": 1})

@@ -65,6 +65,17 @@ def test_quantized_experts_compute_the_dequantized_models_tokens(fmt, schedule, 
                for flat in ex.weights.layers)
 
 
+@pytest.mark.parametrize("schedule, policy", [("S5", {"policy.N": 2, "policy.mu": 1}),
+                                              ("EP", {"policy.experts_gpu": 3})])
+def test_gpt_oss_experts_keep_their_biases_at_8_bits(schedule, policy):
+    """gpt-oss's experts add biases after their blocks are dequantized, on the CPU as on the
+    GPU (lost on the CPU's side, the check fails by 5 units of logit)."""
+    s = execute(TINY, schedule=schedule, overrides={
+        "model.architecture": "gpt_oss", "model.attention_sinks": True,
+        "model.precision.experts": "q8_0", "workload.gen_len": 2, **policy}).summary
+    assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
+
+
 def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
     """The guard: EP's blocks copied from the next expert's (the CPU's own, and the
     reference's, untouched) compute other tokens."""
@@ -82,6 +93,7 @@ def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
 @pytest.mark.parametrize("schedule, fmt, message", [
     ("S4", "q4_0", "keeps quantized experts apart from their layer"),
     ("EP", "q4_k", "model.precision.experts = q4_k"),
+    ("S1", "Q4_0", "keeps quantized experts apart"),          # a format's name in any case
 ])
 def test_what_the_executor_does_not_quantize_is_refused(schedule, fmt, message):
     with pytest.raises(TgError, match=message):
