@@ -274,9 +274,12 @@ def experts_summary(plan) -> dict[str, Any]:
         out.update(gpu_share=_r(share), distinct_on_gpu=_r(float(on_gpu)),
                    distinct_on_cpu=_r(float(on_cpu)))
     else:
-        hits = work.cache_hits()
-        out.update(hit_rate=_r(float(np.mean(hits))),
-                   hit_rate_by_layer=[_r(float(h)) for h in hits])
+        hits, m = work.cache_hits(), plan.scenario.model
+        moe = [float(h) for l, h in enumerate(hits) if not m.is_dense(l)]
+        # a dense layer has no experts to cache: None
+        out.update(hit_rate=_r(float(np.mean(moe))),
+                   hit_rate_by_layer=[None if m.is_dense(l) else _r(float(h))
+                                      for l, h in enumerate(hits)])
     return out
 
 

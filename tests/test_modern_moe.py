@@ -146,3 +146,11 @@ def test_deepseek_v3_simulates_in_seconds_at_batch_1_and_a_large_batch():
                workload={"prompt_len": 256, "max_prompt_len": 256, "gen_len": 8})
     run = simulate_scenario(big).summary
     assert run["tasks"] > 20_000 and np.isfinite(run["throughput_tok_s"])
+
+
+def test_a_dense_layer_has_no_cache_hit_rate():
+    sc = tiny(model=DEEPSEEKISH, schedule="EC", policy={**EXPERT_POLICY, "experts_gpu": 2},
+              workload={"gen_len": 3})
+    s = simulate_scenario(sc).summary["experts"]
+    assert s["hit_rate_by_layer"][0] is None
+    assert all(0 <= h <= 1 for h in s["hit_rate_by_layer"][1:])
