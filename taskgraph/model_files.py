@@ -348,9 +348,21 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
                       f"describes ({', '.join(sorted(_GGUF_FAMILIES))}).")
 
     def key(template: str, default: Any = None, required: bool = False) -> Any:
-        got = value(template.format(arch=arch), default)
-        if got is None and required:
-            raise TgError(f"GGUF file '{path}' lacks {template.format(arch=arch)}.")
+        """A metadata value of the architecture's, checked as config.json's fields are: a
+        count must be a whole number (a head count may be one per layer), a scale a number."""
+        name = template.format(arch=arch)
+        got = value(name, default)
+        if got is None:
+            if required:
+                raise TgError(f"GGUF file '{path}' lacks {name}.")
+            return None
+        numbers = got if isinstance(got, list) else [got]
+        whole = name.endswith(("_count", "_length", "_rank", "sliding_window", "vocab_size",
+                               "count_kv"))
+        kind = (int,) if whole else (int, float)
+        if not numbers or any(isinstance(x, bool) or not isinstance(x, kind) for x in numbers):
+            raise TgError(f"GGUF file '{path}': {name} must be "
+                          f"{'a whole number' if whole else 'a number'}, not {str(got)[:40]!r}.")
         return got
 
     L = key(Keys.LLM.BLOCK_COUNT, required=True)
@@ -366,7 +378,8 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
         h=h, L=L, n_q=n_q if isinstance(n_q, int) else max(n_q),
         n_kv=n_kv if isinstance(n_kv, int) else max(n_kv), E=E,
         k=key(Keys.LLM.EXPERT_USED_COUNT, required=True), V=vocab,
-        h_i=key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) or key(Keys.LLM.FEED_FORWARD_LENGTH),
+        h_i=(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+             or key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
         rope_theta=float(key(Keys.Rope.FREQ_BASE, 10000.0)),
         rms_norm_eps=float(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
         architecture=family)
@@ -386,7 +399,7 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
                       shared_gate=family == "qwen2_moe")
     if key(Keys.LLM.EXPERT_GATING_FUNC) == 2:        # llama.cpp: 1 softmax, 2 sigmoid
         fields["router"] = "sigmoid"
-    norm = key(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    norm = value(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch))       # a boolean
     if norm is not None:
         fields["renormalize"] = bool(norm)
     scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)

@@ -245,6 +245,20 @@ def test_a_gguf_file_is_read_with_its_tensors_types(tmp_path):
     assert spec.expert_bytes == pytest.approx(256 * 256 * (2 * 144 + 210) / 256)
 
 
+def test_gguf_metadata_of_the_wrong_type_is_named(tmp_path):
+    """A count stored as text is refused naming the GGUF key, as a config.json field is."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "text.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_string("qwen3moe.block_count", "2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(TgError, match="qwen3moe.block_count must be a whole number, not '2'"):
+        model_from_gguf(path)
+
+
 def test_a_gguf_of_an_unknown_architecture_is_refused(tmp_path):
     path = tmp_path / "rwkv.gguf"
     _write_gguf(path, arch="rwkv6")
