@@ -729,26 +729,10 @@ def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
     summary["measured"] = True
     summary["zero_copy"] = zero_copy
     runtime = ran.runtime
-    if job.plan.schedule.ffn == "cache" and hasattr(runtime, "expert_copies"):
-        # what EC's expert cache really copied (host -> device, misses) and held (its decode
-        # hit rate), beside what the model expects of it; GPUFFN's share of the copies is the
-        # later rounds of a micro-batch missing more experts than the staging area holds
-        # (exec.runtime.Runtime._GPUFFN)
-        from taskgraph.exec.runtime import share
-
-        chosen, missed = runtime.decode_chosen, runtime.decode_missed
-        summary["experts"] = {**summary.get("experts", {}),
-                              "copies": runtime.expert_copies,
-                              "copies_by_layer": list(runtime.expert_copies_by_layer),
-                              "copies_in_gpuffn": runtime.expert_copies_in_gpuffn,
-                              "measured_hit_rate": share(sum(chosen) - sum(missed),
-                                                          sum(chosen)),
-                              "measured_hit_rate_by_layer": [share(c - m, c) for c, m
-                                                             in zip(chosen, missed)]}
-        if runtime.prefetches:
-            # ECP's predictor as measured: its accuracy, and the share of the decode misses it
-            # had already copied (what the simulator's policy.prefetch stands for)
-            summary["experts"]["prefetch"] = runtime.prefetch.to_dict()
+    cache = getattr(runtime, "cache", None)      # a Runtime's (not a run in processes)
+    if job.plan.schedule.ffn == "cache" and cache is not None:
+        # what EC's expert cache really copied and held, beside what the model expects of it
+        summary["experts"] = {**summary.get("experts", {}), **cache.to_dict()}
     summary["max_abs_err"] = summary["tokens_match"] = None
     return summary
 

@@ -7,13 +7,9 @@ weights and the KV cache of all sequences; the device holds the resident part of
 between host weights and the device (CGOPipe). Every buffer is allocated once, up front; the task
 graph's buffer-reuse edges are what keep tasks from clobbering each other.
 
-Expert-level schedules keep experts on the device besides: EP the ``experts_gpu`` most popular
-experts of each layer, copied once at start-up; EC a cache of ``experts_gpu`` expert slots per
-layer and one staging area of min(E, mu * k) slots shared by every layer, filled by ``ExpertIn``
-(:class:`_ExpertCache`), a micro-batch that misses more than the staging area holds computed in
-rounds; ECP besides a prefetch area of min(E, N * k) slots that ``ExpertAhead`` fills with the
-next layer's predicted experts (:meth:`Runtime._ExpertAhead`), measured in
-:class:`PrefetchCounts`.
+Expert-level schedules keep experts on the device besides (EP placed, EC a cache, ECP a cache
+and a prefetch area): :mod:`taskgraph.exec.expert_cache` holds which expert lies in which slot;
+the tasks here say when they cross.
 
 Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
 elements: an element belongs to the page holding its first byte, so a task never reads a page the
@@ -23,8 +19,6 @@ graph did not make it wait for (checked at start-up).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,7 +30,8 @@ from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decod
                                    o_projection, post_attention, pre_attention,
                                    prefill_attention, prefill_layer, qkv_widths, rmsnorm,
                                    rotate_qkv, route, shared_experts, split_qkv)
-from taskgraph.kernels.quant import QuantizedExperts, expert_format, expert_nbytes
+from taskgraph.exec.expert_cache import CachedExperts, ExpertBlocks, PlacedExperts
+from taskgraph.kernels.quant import QuantizedExperts, expert_format
 from taskgraph.kernels.weights import ModelWeights, attention_shapes, layer_sections
 from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
 
@@ -91,8 +86,11 @@ class Runtime:
         self._activation_buffers()
         if plan.schedule.experts_on_host:
             self._ffn_buffers()
+        # the experts the GPU keeps: EP's placed ones, or EC's cache (exec.expert_cache)
+        self.placed: PlacedExperts | None = None
+        self.cache: CachedExperts | None = None
         if plan.schedule.expert_level:
-            self._expert_buffers(self._dev)
+            self._expert_buffers()
         self._prediction_buffers()
         self._output_buffers(record_logits)
 
@@ -237,7 +235,7 @@ class Runtime:
         """ECP: what ExpertAhead predicts from, micro-batch 0's normed hidden state as Route
         left it, in a ring of two (see :meth:`_ExpertAhead`); None for other schedules."""
         self._ahead_in = ([self._dev(self.mu, self.m.h) for _ in range(2)]
-                          if self._caches_prefetch() else None)
+                          if self.prefetches and not self.zero_copy else None)
 
     def _output_buffers(self, record_logits: bool) -> None:
         """Each sequence's tokens, its last step's logits and hidden state, and with
@@ -444,7 +442,7 @@ class Runtime:
     def _CPUFFN(self, s: int, l: int, j: int) -> None:
         T = self.mu * self.P if s == 0 else self.mu
         # EP: only the experts the GPU does not hold (S5: every expert)
-        only = self._on_host[l] if self.plan.schedule.ffn == "split" else None
+        only = self.placed.on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
             self._host_experts[l], self.m, only, expert_biases(self._host_views[l])))
@@ -476,302 +474,103 @@ class Runtime:
         T = self._hidden(s, j).shape[0]
         self.shared_out[j][:T].copy_(shared_experts(self.normed[j][:T], self._view(s, l, j)))
 
-    # --- experts on the GPU (EP: the most popular, placed; EC: a cache) ------------------------
+    # --- experts on the GPU (EP: the most popular, placed; EC: a cache): exec.expert_cache ---
 
-    def _expert_buffers(self, dev) -> None:
-        """EP: each layer's ``experts_gpu`` most popular experts (``Routing.popular``), copied
-        to the device once, here, apart from the forward (as gpt-fast's setup_caches); the
-        other experts are the host's (CPUFFN); a buffer per micro-batch for the GPU's part of
-        the sum. EC: each layer's expert slots on the device and the cache over them.
-
-        Zero copy shares host and device memory: the GPU's experts are read where they lie in
-        host memory (no copy at start-up, none on a miss: ExpertIn is a no-op like every other
-        host-device copy, and EC has no cache to keep)."""
+    def _expert_buffers(self) -> None:
+        """EP: the placed experts, and a buffer per micro-batch for the GPU's part of the sum.
+        EC: the cache's slots and the staging (and ECP's prefetch) area."""
         m, p, sched = self.m, self.plan.scenario.policy, self.plan.schedule
-        if self._quantized is None:
-            # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector: one
-            # block.
-            sections = {s.name: s for s in layer_sections(m)}
-            self._expert_at = [sections[f"w1.{e}"].offset for e in range(m.E)]
-            self._expert_numel = 3 * m.h_i * m.h
-        self.expert_copies = 0                      # experts ExpertIn copied (EC), all layers
-        self.expert_copies_by_layer = [0] * self.L
+        blocks = ExpertBlocks(m, self.w, self._quantized, self.dtype, self.device)
         n = min(p.experts_gpu, m.E)
         if sched.ffn == "split":
-            placed = Routing.of(self.plan.scenario).popular(n)          # (L, n)
-            self.placed = [[] if dense else sorted(int(e) for e in row)
-                           for row, dense in zip(placed, self.dense)]
-            self._on_gpu = [frozenset(row) for row in self.placed]
-            self._on_host = [frozenset(range(m.E)) - held for held in self._on_gpu]
-            rows = self.mu * self.P
-            self.ffn_gpu = [dev(rows, m.h) for _ in range(self.n)]
-            if self.zero_copy:
-                self._gpu_experts = self._host_experts
-            else:
-                self._gpu_experts = []
-                for l, held in enumerate(self.placed):
-                    area = self._expert_area(len(held))
-                    for slot, e in enumerate(held):
-                        area[slot].copy_(self._expert_block(l, e))
-                    self._gpu_experts.append(self._slot_views(area, dict(enumerate(held))))
-            return
-        # EC. The device holds c = experts_gpu slots per layer (the cache) and ONE staging area
-        # of S = min(E, mu * k) slots shared by every layer: the most a decode micro-batch can
-        # miss (its mu tokens choose at most mu * k distinct experts). That is what the memory
-        # model counts. A micro-batch missing more than S experts (prefill: mu * P tokens choose
-        # up to all E) is computed in rounds of at most S staged experts (_ExpertIn, _GPUFFN).
-        # All slots lie in one pool: [l * c, (l + 1) * c) start as layer l's cache, the last S
-        # as the staging area; a miss the cache keeps may cross through a staging slot, which
-        # then joins the layer's cache while the slot of a hit the cache drops joins the staging
-        # area (a swap of slot numbers, no copy: see _ExpertCache.plan), so a layer's slots and
-        # the staging area's are any c and S of the pool, c and S at all times.
-        #
-        # Sharing the staging area between layers is safe because its writers and readers are
-        # ordered: layer l's ExpertIn waits for layer l's Route (it reads the router's choice),
-        # and the GPU stream runs that Route after the previous layer's GPUFFN, the last reader
-        # of the staging area; micro-batches of one layer likewise (EC's prefill and decode
-        # launch Route(l, j + 1) after GPUFFN(l, j) on the GPU stream: tests/test_expert_exec.py
-        # checks that order on the compiled graph). GPUFFN's own later rounds copy on the GPU
-        # stream, between its computations.
-        #
-        # "popular" holds the c most popular experts fixed, copied here once like EP's; every
-        # miss goes through the staging area.
-        #
-        # ECP adds a prefetch area of A = min(E, N * k) slots, what the memory model counts
-        # ("expert prefetch (N x k)"): ExpertAhead copies into it the experts it predicts for the
-        # next layer that its cache does not hold (see _ExpertAhead for why they can never land
-        # on a slot still to be read).
-        self.cache_capacity = n
-        self.staging_slots = min(m.E, self.mu * m.k)
-        self.prefetch_slots = min(m.E, p.N * m.k) if self.prefetches else 0
-        self.prefetch = PrefetchCounts(self.L)
-        self.expert_copies_in_gpuffn = 0            # of those, copied by GPUFFN's later rounds
-        # decode's chosen experts and those not in the cache (a prefetched one is a miss too),
-        # per layer: the measured hit rate
-        self.decode_chosen, self.decode_missed = [0] * self.L, [0] * self.L
-        if self.zero_copy:
-            self._caches = None
-            return
-        popular = p.eviction == "popular"
-        held = ([sorted(int(e) for e in row) for row in Routing.of(self.plan.scenario).popular(n)]
-                if popular else [[] for _ in range(self.L)])
-        cached = n * m.moe_layers                  # a dense layer has no experts to cache
-        slots = cached + self.staging_slots + self.prefetch_slots
-        self._expert_pool = self._expert_area(slots)
-        self._caches = []
-        first = 0
-        for l in range(self.L):
-            if self.dense[l]:
-                self._caches.append(None)
-                continue
-            owned = list(range(first, first + n))
-            first += n
-            for slot, e in zip(owned, held[l]):
-                self._expert_pool[slot].copy_(self._expert_block(l, e))
-            self._caches.append(_ExpertCache(owned, held[l] if popular else None))
-        # the pool slots that form the staging area and the prefetch area now (swaps change
-        # which)
-        self._staging = list(range(cached, cached + self.staging_slots))
-        self._prefetch = list(range(cached + self.staging_slots, slots))
-        # the last prediction: the (step, layer) ExpertAhead predicted for, the experts it
-        # predicted, and those it copied into the prefetch area -> their slots
-        self._ahead: tuple[int, int, list[int], dict[int, int]] | None = None
-        # each (layer, micro-batch)'s rounds: ExpertIn plans them and runs the first's copies,
-        # that micro-batch's GPUFFN computes them (and copies the later rounds' experts)
-        self._rounds: dict[tuple[int, int], list[_Round]] = {}
+            self.placed = PlacedExperts(self._popular(n), blocks, self._host_experts,
+                                        self.zero_copy)
+            self.ffn_gpu = [self._dev(self.mu * self.P, m.h) for _ in range(self.n)]
+        else:
+            self.cache = CachedExperts(
+                blocks, n, staging_slots=min(m.E, self.mu * m.k),
+                prefetch_slots=min(m.E, p.N * m.k) if self.prefetches else 0,
+                dense=self.dense,
+                popular=self._popular(n) if p.eviction == "popular" else None,
+                zero_copy=self.zero_copy)
+
+    def _popular(self, n: int) -> list[list[int]]:
+        """Each layer's n most popular experts (``Routing.popular``), sorted; none on a dense
+        layer."""
+        rows = Routing.of(self.plan.scenario).popular(n)
+        return [[] if dense else sorted(int(e) for e in row)
+                for row, dense in zip(rows, self.dense)]
 
     @property
     def prefetches(self) -> bool:
         """ECP: the decode launches ExpertAhead, a prefetch one layer ahead."""
         return any(op.kind == "ExpertAhead" for op in self.plan.schedule.decode)
 
-    def _caches_prefetch(self) -> bool:
-        """ECP with a cache on the device (not zero copy, where ExpertAhead moves nothing)."""
-        return self.prefetches and not self.zero_copy
-
-    def _expert_block(self, l: int, e: int) -> torch.Tensor:
-        """Expert e of layer l in host memory: w1 | w3 | w2, one block (of a layer's flat
-        vector, or its blocks at 8 or 4 bits: kernels.quant)."""
-        if self._quantized is not None:
-            return self.w.experts_q[l][e]
-        a = self._expert_at[e]
-        return self.w.layers[l][a:a + self._expert_numel]
-
-    def _expert_area(self, slots: int) -> torch.Tensor:
-        """Device slots for `slots` experts, each an expert's block."""
-        if self._quantized is not None:
-            return torch.zeros(slots, expert_nbytes(self.m, self._quantized), dtype=torch.uint8,
-                               device=self.device)
-        return self._dev(slots, self._expert_numel)
-
-    def _slot_views(self, area: torch.Tensor, expert_of: dict[int, int]) -> Any:
-        """What :func:`experts` reads (``w13.{e}``, ``w2.{e}``) over an area's slots
-        (slot -> expert); blocks at 8 or 4 bits are dequantized as they are read."""
-        if self._quantized is not None:
-            return QuantizedExperts(self.m, self._quantized, area,
-                                    {e: slot for slot, e in expert_of.items()}, self.dtype)
-        m, cut, out = self.m, 2 * self.m.h_i * self.m.h, {}
-        for slot, e in expert_of.items():
-            block = area[slot]
-            out[f"w13.{e}"] = block[:cut].view(2 * m.h_i, m.h)
-            out[f"w2.{e}"] = block[cut:].view(m.h, m.h_i)
-        return out
-
     @runs("GPUFFN")
     def _GPUFFN(self, s: int, l: int, j: int) -> None:
-        """EP: the experts the GPU holds. EC: every chosen expert, into the residual, in the
-        rounds ExpertIn planned: the first round's experts (the hits, the misses copied into the
-        cache's slots and up to S staged ones) are on the device when this starts; each later
-        round first copies its up to S misses into the staging area (on this task's stream, so
-        after the previous round's computation read it), then computes them. Each round's
-        outputs fill their rows of one buffer (kernels.ops.ExpertSum) that is weighed and summed
-        once at the end: the reference's sum bit for bit, whatever k.
+        """EP: the experts the GPU holds; the others are the CPU's (CPUFFN), Merge adds both.
+        EC: every chosen expert, into the residual, in the rounds ExpertIn planned
+        (:meth:`CachedExperts.rounds`). Each round's outputs fill their rows of one buffer
+        (kernels.ops.ExpertSum) that is weighed and summed once at the end: the reference's
+        sum bit for bit, whatever k.
 
         Known difference from the simulator's task model: there ExpertIn moves every miss's
         bytes and GPUFFN computes every chosen expert; here, when a micro-batch misses more than
         the S staging slots (prefill), GPUFFN performs the later rounds' copies itself. The
         bytes and flops are the same, split between the two tasks otherwise
-        (``expert_copies_in_gpuffn`` counts those copies)."""
+        (``copies_in_gpuffn`` counts those copies)."""
         T = self._hidden(s, j).shape[0]
         normed, ids, gates = self.normed[j][:T], self.expert_ids[j][:T], self.gates[j][:T]
-        if self.plan.schedule.ffn == "split":
-            # the experts the GPU holds; the others are the CPU's (CPUFFN), Merge adds both
-            self.ffn_gpu[j][:T].copy_(experts(normed, ids, gates, self._gpu_experts[l], self.m,
-                                              self._on_gpu[l],
+        if self.placed is not None:
+            self.ffn_gpu[j][:T].copy_(experts(normed, ids, gates, self.placed.weights[l],
+                                              self.m, self.placed.on_gpu[l],
                                               expert_biases(self._view(s, l, j))))
             return
         x = self._hidden(s, j)
-        if self._caches is None:                     # zero copy: where they lie
+        if self.cache.pool is None:                     # zero copy: where they lie
             x += self._with_shared(j, T, experts(normed, ids, gates, self._host_experts[l],
                                                  self.m, None,
                                                  expert_biases(self._host_views[l])))
             return
         parts = ExpertSum(normed, ids, gates, self.m, expert_biases(self._view(s, l, j)))
-        for r, round_ in enumerate(self._rounds.pop((l, j))):
-            if r:
-                for e, slot in round_.copies:
-                    self._copy_expert(l, e, slot)
-            W = self._slot_views(self._expert_pool,
-                                 {slot: e for e, slot in round_.compute.items()})
-            parts.add(W, sorted(round_.compute))
+        for weights, chosen in self.cache.rounds(l, j):
+            parts.add(weights, chosen)
         x += self._with_shared(j, T, parts.result())
 
     @runs("ExpertIn")
     def _ExpertIn(self, s: int, l: int, j: int) -> None:
-        """The micro-batch's chosen experts the layer's cache misses, host -> device: those the
-        cache keeps into its slots, the others into the shared staging area, in rounds of at
-        most S when there are more (:meth:`_ExpertCache.plan`); this task copies the first
-        round's, GPUFFN the later rounds' (see :meth:`_GPUFFN`). Each miss is copied once per
-        micro-batch. Reading the router's choice on the host: on the CPU backend the ids are
-        host memory already; on CUDA this stream has waited for Route's event, and ``tolist()``
-        waits for the copy back (a host sync, in this task's time, as a real cache's lookup is).
+        """The micro-batch's chosen experts the layer's cache misses, host -> device
+        (:meth:`CachedExperts.bring_in`). Reading the router's choice on the host: on the CPU
+        backend the ids are host memory already; on CUDA this stream has waited for Route's
+        event, and ``tolist()`` waits for the copy back (a host sync, in this task's time, as a
+        real cache's lookup is).
 
         A slot it overwrites may have been read by the previous micro-batch's GPUFFN of this
         layer, or (staging) by the previous layer's: the graph orders them through the GPU
         stream (this task waits for this micro-batch's Route, launched there after that
         GPUFFN)."""
         T = self._hidden(s, j).shape[0]
-        wanted = torch.unique(self.expert_ids[j][:T]).tolist()          # sorted
-        rounds = self._caches[l].plan(wanted, self._staging)
-        if s:       # decode: what the cache held of what the step chose (prefill finds it cold)
-            self.decode_chosen[l] += len(wanted)
-            self.decode_missed[l] += sum(len(r.copies) for r in rounds)
-        if self._prefetch:
-            self._take_prefetched(s, l, j, wanted, rounds)
-        for e, slot in rounds[0].copies:
-            self._copy_expert(l, e, slot)
-        copies = sum(len(r.copies) for r in rounds)
-        self.expert_copies += copies
-        self.expert_copies_by_layer[l] += copies
-        self.expert_copies_in_gpuffn += copies - len(rounds[0].copies)
-        self._rounds[l, j] = rounds
+        self.cache.bring_in(s, l, j, torch.unique(self.expert_ids[j][:T]).tolist())
 
     @runs("ExpertAhead")
     def _ExpertAhead(self, s: int, l: int, j: int) -> None:
         """ECP: predict the experts layer l's router will choose, and copy those its cache does
-        not hold into the prefetch area (host -> device), while layer l - 1 runs. The prediction
-        is Mixtral-offloading's speculative guess: layer l's router applied to the hidden state
-        layer l - 1's router saw (micro-batch 0's normed rows, which Route(l - 1, 0) left in
-        ``_ahead_in``; for layer 0, the previous step's last layer's, in prefill each sequence's
-        last prompt token), each row's top k. Layer l's ExpertIn then takes the predicted
-        experts its micro-batch chose from the prefetch area instead of copying them
-        (:meth:`_take_prefetched`) and copies only what is still missing: a wrong guess costs a
-        wasted copy, never a wrong token.
+        not hold into the prefetch area (:meth:`CachedExperts.prefetch`), while layer l - 1
+        runs. The prediction is Mixtral-offloading's speculative guess: layer l's router
+        applied to the hidden state layer l - 1's router saw (micro-batch 0's normed rows,
+        which Route(l - 1, 0) left in ``_ahead_in``; for layer 0, the previous step's last
+        layer's, in prefill each sequence's last prompt token), each row's top k.
 
-        Why nothing here overwrites what is still to be read:
-
-        * Its slots: the prefetch area is A pool slots that neither a layer's cache nor the
-          staging area owns, so no GPUFFN reads them: neither layer l - 1's (this task waits
-          only for Route(l - 1, 0), so they may still run beside it) nor layer l's. A slot
-          joins the area only in an ExpertIn that takes a prefetched expert instead
-          (:meth:`_take_prefetched`): it is the slot that ExpertIn had planned to copy a miss
-          into, so free to write then (see the staging comment in :meth:`_expert_buffers`), and
-          every later write to it comes later on the same in-order h2d stream. What the area
-          held before is layer l - 1's prediction: ExpertIn(l - 1, 0), launched before this
-          task on this stream, took from it what its micro-batch chose; the rest is dropped (a
-          wasted copy).
         * Its input: Route(l - 1, 0) writes ``_ahead_in[(s L + l - 1) % 2]``, the one this task
           reads (its data dependency). The next Route to write that buffer is Route(l + 1, 0),
           launched on the GPU stream after GPUFFN(l, 0), which waits for this task.
         * Layer l's router: in layer l's weights, which the decode's D3(l) copied into their
           half of the double buffer earlier on this same h2d stream (launched at layer l - 1's
-          first micro-batch, before ExpertIn(l - 1, 0) and this task), and which D3(l + 2), later
-          on this stream, overwrites; or resident.
-        * Layer l's GPUFFNs wait for this task (GPUFFN's record reads ExpertAhead), so the
-          experts copied here have landed before any of them reads them."""
+          first micro-batch, before ExpertIn(l - 1, 0) and this task), and which D3(l + 2),
+          later on this stream, overwrites; or resident."""
         x = self._ahead_in[(s * self.L + l - 1) % 2]
         ids, _ = route(x, self._view(s, l, 0), self.m)
-        predicted = torch.unique(ids).tolist()
-        cache = self._caches[l]
-        absent = [e for e in predicted if not cache.holds(e)]
-        assert len(absent) <= len(self._prefetch)       # mu * k <= N * k, and <= E
-        placed = dict(zip(absent, self._prefetch))
-        for e, slot in placed.items():
-            self._copy_expert(l, e, slot)
-        self._ahead = (s, l, predicted, placed)
-        self.prefetch.predicted[l] += len(predicted)
-        self.prefetch.copies[l] += len(placed)
-
-    def _take_prefetched(self, s: int, l: int, j: int, wanted: list[int], rounds: list[_Round]
-                         ) -> None:
-        """ECP, in ExpertIn: count the predicted experts the router chose for micro-batch 0
-        (whose rows the prediction was made from), and take those the prefetch area holds
-        instead of copying them. A taken expert's prefetch slot and the slot its copy was
-        planned into swap roles (every mention of the one in the plan, the cache and the
-        staging area is renamed to the other): the prefetch slot, holding the expert, joins the
-        cache or the staging area; the planned slot, free to write now, joins the prefetch
-        area, where only a later ExpertAhead (later on this stream) writes it.
-
-        Only while the area still holds this layer's prediction for this step: ExpertAhead(l +
-        1), launched on this stream right after ExpertIn(l, 0), replaces it, so in general only
-        micro-batch 0 takes (the other micro-batches find what the cache kept of micro-batch
-        0's); the last layer of the last step has no next prediction, and its later
-        micro-batches may take what is left. Only the first round's copies are taken (decode,
-        whose misses fit the staging area, has one round; prefill has no prediction)."""
-        if s:
-            self.prefetch.misses[l] += sum(len(r.copies) for r in rounds)
-        if self._ahead is None or self._ahead[:2] != (s, l):
-            return
-        predicted, placed = self._ahead[2:]
-        if j == 0:
-            self.prefetch.used[l] += len(set(predicted) & set(wanted))
-        for e, planned in list(rounds[0].copies):
-            slot = placed.pop(e, None)
-            if slot is None:
-                continue
-            rounds[0].copies.remove((e, planned))
-            for round_ in rounds:
-                round_.copies = [(x, slot if y == planned else y) for x, y in round_.copies]
-                round_.compute = {x: slot if y == planned else y
-                                  for x, y in round_.compute.items()}
-            self._caches[l].rename(planned, slot)
-            self._staging[:] = [slot if y == planned else y for y in self._staging]
-            self._prefetch[self._prefetch.index(slot)] = planned
-            self.prefetch.taken[l] += 1
-
-    def _copy_expert(self, l: int, e: int, slot: int) -> None:
-        """Expert e of layer l, host -> a pool slot: one copy of its w1 | w3 | w2 block."""
-        self._expert_pool[slot].copy_(self._expert_block(l, e), non_blocking=True)
+        self.cache.prefetch(s, l, torch.unique(ids).tolist())
 
     @runs("D3")
     def _D3(self, s: int, l: int, index: int) -> None:
@@ -823,135 +622,6 @@ def _marked(cls: type) -> dict[str, str]:
 
 
 Runtime.kernels = _marked(Runtime)
-
-
-def share(part: int, whole: int) -> float | None:
-    """part / whole, rounded, or None when there is no whole (a run that never looked)."""
-    return round(part / whole, 6) if whole else None
-
-
-class PrefetchCounts:
-    """ECP's predictor, measured layer by layer over the decode steps: experts predicted (each
-    step's distinct ones, from micro-batch 0's tokens), those of them the router then chose for
-    micro-batch 0 (used), the predicted ones ExpertAhead copied (those the cache did not hold), the
-    copies an ExpertIn took instead of copying (taken), and the decode misses (what ExpertIn
-    would have copied without a prefetch: its copies plus the ones it took)."""
-
-    def __init__(self, layers: int):
-        self.predicted = [0] * layers
-        self.used = [0] * layers
-        self.copies = [0] * layers
-        self.taken = [0] * layers
-        self.misses = [0] * layers
-
-    def to_dict(self) -> dict[str, Any]:
-        """``summary["experts"]["prefetch"]``: ``accuracy`` (used / predicted) is the share of
-        the predictor's guesses the router confirmed; ``covered`` (taken / misses) is the share
-        of the cache's decode misses that were already on the device, what the simulator's
-        ``policy.prefetch`` stands for."""
-        by_layer = [{"predicted": p, "used": u, "accuracy": share(u, p), "copies": c,
-                     "taken": t, "misses": m, "covered": share(t, m)}
-                    for p, u, c, t, m in zip(self.predicted, self.used, self.copies, self.taken,
-                                             self.misses)]
-        total = {key: sum(row[key] for row in by_layer)
-                 for key in ("predicted", "used", "copies", "taken", "misses")}
-        return {**total, "accuracy": share(total["used"], total["predicted"]),
-                "covered": share(total["taken"], total["misses"]), "by_layer": by_layer}
-
-
-@dataclass
-class _Round:
-    """One round of a micro-batch's experts (EC): the (expert, pool slot) copies that bring
-    its misses in, then the experts computed, each from its slot."""
-
-    copies: list[tuple[int, int]]
-    compute: dict[int, int]
-
-
-class _ExpertCache:
-    """Which expert each of a layer's c cache slots holds, for EC, and where a micro-batch's
-    chosen experts are read from.
-
-    "lru" (``fixed`` None): the least recently used go first. Which experts stay is what
-    ``taskgraph.dag.routing``'s replay keeps: a micro-batch's experts, in id order, become the
-    most recent, then the cache is cut to c. "popular": the fixed experts in the c slots never
-    go, and every miss is staged."""
-
-    def __init__(self, slots: list[int], fixed: list[int] | None):
-        self.capacity = len(slots)
-        self.fixed = dict(zip(fixed, slots)) if fixed is not None else None
-        self.lru: OrderedDict[int, int] = OrderedDict()    # expert -> slot, least recent first
-        self.free = [] if fixed is not None else list(slots)
-
-    def holds(self, e: int) -> bool:
-        """Whether expert e is in the cache's slots."""
-        return e in (self.fixed if self.fixed is not None else self.lru)
-
-    def rename(self, old: int, new: int) -> None:
-        """Pool slot `old` is called `new` from now on (ECP: a prefetched expert's slot takes
-        the place of the slot its copy was planned into)."""
-        if self.fixed is None:
-            for e, slot in self.lru.items():
-                if slot == old:
-                    self.lru[e] = new
-            self.free = [new if slot == old else slot for slot in self.free]
-
-    def plan(self, wanted: list[int], staging: list[int]) -> list[_Round]:
-        """The rounds of a micro-batch whose chosen experts are `wanted` (sorted, distinct),
-        given the pool slots of the shared staging area (S of them; updated in place when a
-        slot changes hands). Round 0 computes every hit from its cache slot, the misses the
-        cache keeps that fit in a slot free now (empty, or holding an expert this micro-batch
-        neither needs nor keeps) from that slot, and up to S other misses from the staging
-        area; each later round up to S more staged misses, in id order. A miss the cache keeps
-        that found no free slot (the only ones left hold hits the cut drops, read in round 0)
-        is staged, and after its round the two slots swap roles: the miss stays in the cache
-        where it was copied, the dropped hit's slot joins the staging area. Each miss is copied
-        once, and no slot is written while an expert in it is still to be read."""
-        if self.fixed is not None:                        # "popular": every miss staged
-            hits = {e: self.fixed[e] for e in wanted if e in self.fixed}
-            return _rounds(hits, [], [e for e in wanted if e not in self.fixed], staging)
-        need = set(wanted)
-        hits = {e: self.lru[e] for e in wanted if e in self.lru}
-        order = [e for e in self.lru if e not in need] + wanted
-        keep = set(order[max(0, len(order) - self.capacity):]) if self.capacity else set()
-        dropped = [e for e in self.lru if e not in keep]
-        free_now = self.free + [self.lru[e] for e in dropped if e not in need]
-        free_later = [self.lru[e] for e in dropped if e in need]
-        stay = [e for e in wanted if e not in hits and e in keep]
-        direct = list(zip(stay, free_now))
-        slot_of = dict(direct)                            # where each kept miss will lie
-        staged = [e for e in wanted if e not in hits and e not in slot_of]
-        # the kept misses left over are as many as the dropped hits' slots at most: the cache's
-        # c slots hold what it keeps
-        assert len(stay) - len(direct) <= len(free_later)
-        swaps = dict(zip(stay[len(direct):], free_later))
-        rounds = _rounds(hits, direct, staged, staging, swaps, slot_of)
-        self.free = free_now[len(direct):] + free_later[len(swaps):]
-        self.lru = OrderedDict((e, slot_of[e] if e in slot_of else self.lru[e])
-                               for e in order if e in keep)
-        return rounds
-
-
-def _rounds(hits: dict[int, int], direct: list[tuple[int, int]], staged: list[int],
-            staging: list[int], swaps: dict[int, int] | None = None,
-            slot_of: dict[int, int] | None = None) -> list[_Round]:
-    """Round 0: the hits and the misses copied straight into cache slots (`direct`), then the
-    `staged` misses S at a time into the staging area. A staged miss in `swaps` takes its
-    staging slot into the cache (``slot_of``) and gives the staging area the slot named, from
-    the next round on."""
-    S, swaps = len(staging), swaps or {}
-    rounds = [_Round(list(direct), {**hits, **dict(direct)})]
-    for r in range(0, len(staged), S):
-        if r:
-            rounds.append(_Round([], {}))
-        now = rounds[-1]
-        for i, e in enumerate(staged[r:r + S]):
-            now.copies.append((e, staging[i]))
-            now.compute[e] = staging[i]
-        for i, e in enumerate(staged[r:r + S]):
-            if e in swaps:
-                slot_of[e], staging[i] = staging[i], swaps[e]
-    return rounds
 
 
 def page_elements(layout: Any, numel: int, b: int) -> tuple[int, list[tuple[int, int]]]:

@@ -20,6 +20,7 @@ from taskgraph import api  # noqa: E402
 from taskgraph.dag.builder import make_plan  # noqa: E402
 from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.exec import runtime as runtime_module  # noqa: E402
+from taskgraph.exec.expert_cache import CachedExperts, LayerCache, PlacedExperts  # noqa: E402
 from taskgraph.exec.dispatch import execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 
@@ -194,10 +195,10 @@ def test_tokens_and_logits_are_transformers_own(hf_checkpoint, schedule, mu, pol
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
         torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
     if schedule == "EC" and not zero_copy:
-        assert rt.expert_copies > 0             # the experts it ran crossed into the cache
-        assert rt.staging_slots == min(4, mu * 2)
+        assert rt.cache.copies > 0             # the experts it ran crossed into the cache
+        assert rt.cache.staging_slots == min(4, mu * 2)
         # with one sequence a micro-batch, prefill's misses outnumber the staging slots
-        assert (rt.expert_copies_in_gpuffn > 0) == (mu == 1)
+        assert (rt.cache.copies_in_gpuffn > 0) == (mu == 1)
 
 
 # --- 3. guards: without the copies, or without the GPU's part, the result is wrong -----------
@@ -206,15 +207,15 @@ def test_without_expertin_copies_the_check_fails(monkeypatch):
     """ExpertIn still maps experts to slots but copies nothing: the slots stay zero and the
     tokens are no longer the reference's."""
     assert _execute("EC", "policy.experts_gpu=2").summary["tokens_match"] is True
-    monkeypatch.setattr(Runtime, "_copy_expert", lambda self, l, e, slot: None)
+    monkeypatch.setattr(CachedExperts, "copy", lambda self, l, e, slot: None)
     s = _execute("EC", "policy.experts_gpu=2").summary
     assert s["tokens_match"] is False and s["max_abs_err"] > 1e-2
 
 
 def test_copying_the_wrong_expert_fails(monkeypatch):
     """A miss copied from the next expert's weights: the slot mapping is what GPUFFN reads."""
-    real = Runtime._copy_expert
-    monkeypatch.setattr(Runtime, "_copy_expert",
+    real = CachedExperts.copy
+    monkeypatch.setattr(CachedExperts, "copy",
                         lambda self, l, e, slot: real(self, l, (e + 1) % E, slot))
     assert _execute("EC", "policy.experts_gpu=3").summary["tokens_match"] is False
 
@@ -230,13 +231,13 @@ def test_without_gpuffn_ep_fails(monkeypatch):
 
 def test_ep_with_the_cpu_computing_every_expert_fails(monkeypatch):
     """If the host's part also computed the GPU's experts, Merge would count them twice."""
-    real = Runtime._expert_buffers
+    real = PlacedExperts.__init__
 
-    def everything_on_host(self, dev):
-        real(self, dev)
-        self._on_host = [frozenset(range(E))] * self.L
+    def everything_on_host(self, *args, **kw):
+        real(self, *args, **kw)
+        self.on_host = [frozenset(range(E))] * len(self.on_host)
 
-    monkeypatch.setattr(Runtime, "_expert_buffers", everything_on_host)
+    monkeypatch.setattr(PlacedExperts, "__init__", everything_on_host)
     assert _execute("EP", "policy.experts_gpu=2").summary["tokens_match"] is False
 
 
@@ -269,13 +270,13 @@ def _lru_copies(steps, capacity):
 def copy_log(monkeypatch):
     """Every (layer, expert) the runtime copies host -> device, in order."""
     log = []
-    real = Runtime._copy_expert
+    real = CachedExperts.copy
 
     def logged(self, l, e, slot):
         log.append((l, e))
         real(self, l, e, slot)
 
-    monkeypatch.setattr(Runtime, "_copy_expert", logged)
+    monkeypatch.setattr(CachedExperts, "copy", logged)
     return log
 
 
@@ -339,12 +340,12 @@ def test_expertin_copies_what_an_lru_cache_misses(tmp_path, runtimes, copy_log, 
     trace = json.loads(rec.read_text())
     wanted = _wanted_per_layer(trace, N // mu, mu, rt.P)
     expected = _lru_copies(wanted, capacity)
-    assert rt.expert_copies_by_layer == expected
-    assert rt.expert_copies == sum(expected)
+    assert rt.cache.copies_by_layer == expected
+    assert rt.cache.copies == sum(expected)
     assert result.summary["experts"]["copies_by_layer"] == expected
     _assert_copied_once(copy_log, _lru_misses(wanted, capacity))
     if capacity < E:
-        assert rt.expert_copies_in_gpuffn > 0            # some micro-batch ran in rounds
+        assert rt.cache.copies_in_gpuffn > 0            # some micro-batch ran in rounds
     # what bounds it: each layer copies at least its distinct experts once, at most every
     # chosen expert of every micro-batch
     for layer, sets in enumerate(wanted):
@@ -387,8 +388,8 @@ def test_a_popular_cache_copies_only_what_it_does_not_hold(tmp_path, runtimes, c
     wanted = _wanted_per_layer(json.loads(rec.read_text()), 2, 2, rt.P)
     expected = [sum(len(w - set(held[layer].tolist())) for w in sets_)
                 for layer, sets_ in enumerate(wanted)]
-    assert rt.expert_copies_by_layer == expected
-    assert (rt.expert_copies == 0) == (capacity == E)
+    assert rt.cache.copies_by_layer == expected
+    assert (rt.cache.copies == 0) == (capacity == E)
     _assert_copied_once(copy_log, [[w - set(held[layer].tolist()) for w in sets_]
                                    for layer, sets_ in enumerate(wanted)])
 
@@ -403,11 +404,11 @@ def test_ep_places_the_routers_most_popular_experts_once(runtimes):
     _assert_reference(_execute("EP", *sets).summary)
     (rt,) = runtimes
     popular = Routing.of(load_scenario(TINY, sets)).popular(2)
-    assert rt.placed == [sorted(row.tolist()) for row in popular] == [[6, 7]] * rt.L
+    assert rt.placed.held == [sorted(row.tolist()) for row in popular] == [[6, 7]] * rt.L
     host = {t.untyped_storage().data_ptr() for t in rt.w.layers}
-    for l, held in enumerate(rt.placed):
+    for l, held in enumerate(rt.placed.held):
         for e in held:
-            w13 = rt._gpu_experts[l][f"w13.{e}"]
+            w13 = rt.placed.weights[l][f"w13.{e}"]
             assert w13.untyped_storage().data_ptr() not in host
             torch.testing.assert_close(w13, rt._host_views[l][f"w13.{e}"], rtol=0, atol=0)
 
@@ -441,6 +442,9 @@ def _buffer_bytes(rt: Runtime) -> int:
         elif isinstance(obj, dict):
             for o in obj.values():
                 walk(o)
+        elif type(obj).__module__ == CachedExperts.__module__:    # the experts it holds
+            for o in vars(obj).values():
+                walk(o)
 
     for value in vars(rt).values():
         walk(value)
@@ -463,7 +467,7 @@ def test_ec_allocates_c_slots_a_layer_and_one_staging_area(monkeypatch, c, mu, e
     assert rt.mu * rt.P * m.k > m.E
     S = min(m.E, mu * m.k)
     with monkeypatch.context() as patch:
-        patch.setattr(Runtime, "_expert_buffers", lambda self, dev: None)
+        patch.setattr(Runtime, "_expert_buffers", lambda self: None)
         without = _runtime(sets)
     experts_bytes = _buffer_bytes(rt) - _buffer_bytes(without)
     assert experts_bytes == (c * L + S) * m.expert_bytes
@@ -474,7 +478,7 @@ def test_ec_allocates_c_slots_a_layer_and_one_staging_area(monkeypatch, c, mu, e
 
 
 def test_the_cache_plans_rounds_that_never_overwrite_what_is_still_to_be_read():
-    """_ExpertCache.plan over random micro-batches of several layers sharing one staging area,
+    """LayerCache.plan over random micro-batches of several layers sharing one staging area,
     played on a pool that records which (layer, expert) each slot holds: every expert a round
     computes is in its slot then, no layer's cached expert is overwritten by another's, a round
     stages at most S, each miss is copied once, the cache keeps what an LRU replay keeps, and
@@ -490,7 +494,7 @@ def test_the_cache_plans_rounds_that_never_overwrite_what_is_still_to_be_read():
         caches = []
         for l in range(L):
             owned = list(range(l * c, (l + 1) * c))
-            caches.append(runtime_module._ExpertCache(owned, fixed[l] if popular else None))
+            caches.append(LayerCache(owned, fixed[l] if popular else None))
             if popular:
                 for slot, e in zip(owned, fixed[l]):
                     pool[slot] = (l, e)

@@ -120,8 +120,8 @@ def test_tokens_and_logits_are_transformers_own(hf_checkpoint, mu, policy, devic
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
         torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
     # the prefetch ran, and some of what it copied was taken instead of a copy
-    assert sum(rt.prefetch.predicted) > 0 and sum(rt.prefetch.taken) > 0
-    assert rt.prefetch_slots == min(4, len(lens) * 2)
+    assert sum(rt.cache.prefetch_counts.predicted) > 0 and sum(rt.cache.prefetch_counts.taken) > 0
+    assert rt.cache.prefetch_slots == min(4, len(lens) * 2)
 
 
 # --- 2. what a prefetch changes: when a miss crosses, not what the cache holds --------------
@@ -184,8 +184,8 @@ def test_a_prefetch_into_the_staging_area_breaks_the_layer_before(sets):
     assert _tokens_match(_run(sc, w, prompts, delay=_late("GPUFFN")), ref)
 
     def into_staging(rt):
-        rt._prefetch = rt._staging                    # the same slots, the same list
-        rt._take_prefetched = lambda *args: None      # nothing taken: ExpertIn copies all
+        rt.cache.prefetch_area = rt.cache.staging                    # the same slots, the same list
+        rt.cache.take_prefetched = lambda *args: None      # nothing taken: ExpertIn copies all
 
     assert not _tokens_match(_run(sc, w, prompts, delay=_late("GPUFFN"), patch=into_staging),
                              ref)
@@ -201,15 +201,15 @@ def test_a_taken_slot_must_leave_the_prefetch_area():
     sc, w, prompts = _tiny(*sets, steps=6)
     ref = _reference(sc, w, prompts)
     kept = _run(sc, w, prompts, delay=_late("GPUFFN"))
-    assert _tokens_match(kept, ref) and sum(kept.prefetch.taken) > 0
+    assert _tokens_match(kept, ref) and sum(kept.cache.prefetch_counts.taken) > 0
 
     def read_in_place(rt):
         def take(s, l, j, wanted, rounds):
-            if rt._ahead is not None and rt._ahead[:2] == (s, l):
-                for e, slot in rt._ahead[3].items():
+            if rt.cache.ahead is not None and rt.cache.ahead[:2] == (s, l):
+                for e, slot in rt.cache.ahead[3].items():
                     if e in rounds[0].compute:
                         rounds[0].compute[e] = slot
-        rt._take_prefetched = take
+        rt.cache.take_prefetched = take
 
     assert not _tokens_match(_run(sc, w, prompts, delay=_late("GPUFFN"), patch=read_in_place),
                              ref)
@@ -224,13 +224,13 @@ def test_without_copying_what_the_guess_missed_the_tokens_break():
     assert _tokens_match(_run(sc, w, prompts), ref)
 
     def trust_the_guess(rt):
-        real = rt._take_prefetched
+        real = rt.cache.take_prefetched
 
         def take(s, l, j, wanted, rounds):
             real(s, l, j, wanted, rounds)
             if s:
                 rounds[0].copies.clear()
-        rt._take_prefetched = take
+        rt.cache.take_prefetched = take
 
     assert not _tokens_match(_run(sc, w, prompts, patch=trust_the_guess), ref)
 
@@ -314,9 +314,9 @@ def test_ecp_allocates_the_memory_models_prefetch_area(monkeypatch, c, N, mu):
     rt = _runtime(sets, "ECP")
     m, L = rt.m, rt.L
     A = min(m.E, N * m.k)
-    assert rt.prefetch_slots == A and len(rt._prefetch) == A
+    assert rt.cache.prefetch_slots == A and len(rt.cache.prefetch_area) == A
     with monkeypatch.context() as patch:
-        patch.setattr(Runtime, "_expert_buffers", lambda self, dev: None)
+        patch.setattr(Runtime, "_expert_buffers", lambda self: None)
         without = _runtime(sets, "ECP")
     experts_bytes = _buffer_bytes(rt) - _buffer_bytes(without)
     assert experts_bytes == (c * L + min(m.E, mu * m.k) + A) * m.expert_bytes
@@ -381,8 +381,8 @@ def test_the_measured_accuracy_is_the_guess_recomputed_from_the_reference(monkey
     assert _tokens_match(rt, _reference(sc, w, prompts))
     predicted, used = _expected_counts(w, prompts, sc.policy.mu, sc.decode_steps, None,
                                        monkeypatch)
-    assert rt.prefetch.predicted == predicted
-    assert rt.prefetch.used == used
+    assert rt.cache.prefetch_counts.predicted == predicted
+    assert rt.cache.prefetch_counts.used == used
     assert 0 < sum(used) < sum(predicted)          # a guess, right some of the time
 
 
@@ -395,7 +395,7 @@ def test_the_accuracy_on_a_transformers_checkpoint_is_recomputed_too(hf_checkpoi
     w = load_safetensors(folder, sc.model, torch.float32)
     rt = _run(sc, w, prompts, lens)
     predicted, used = _expected_counts(w, prompts, 2, sc.decode_steps, lens, monkeypatch)
-    assert (rt.prefetch.predicted, rt.prefetch.used) == (predicted, used)
+    assert (rt.cache.prefetch_counts.predicted, rt.cache.prefetch_counts.used) == (predicted, used)
 
 
 def test_a_model_whose_layers_agree_is_predicted_right(monkeypatch):
@@ -414,7 +414,7 @@ def test_a_model_whose_layers_agree_is_predicted_right(monkeypatch):
             w.layers[l][sec.offset:sec.offset + sec.size] *= 1e-4
     rt = _run(sc, w, prompts)
     assert _tokens_match(rt, _reference(sc, w, prompts))
-    pf = rt.prefetch.to_dict()["by_layer"]
+    pf = rt.cache.prefetch_counts.to_dict()["by_layer"]
     assert all(row["accuracy"] == 1.0 and row["taken"] == row["copies"] for row in pf[1:])
     assert pf[0]["accuracy"] < 1.0
 

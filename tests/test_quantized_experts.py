@@ -79,10 +79,10 @@ def test_gpt_oss_experts_keep_their_biases_at_8_bits(schedule, policy):
 def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
     """The guard: EP's blocks copied from the next expert's (the CPU's own, and the
     reference's, untouched) compute other tokens."""
-    from taskgraph.exec.runtime import Runtime
+    from taskgraph.exec.expert_cache import ExpertBlocks
 
-    real = Runtime._expert_block
-    monkeypatch.setattr(Runtime, "_expert_block",
+    real = ExpertBlocks.host
+    monkeypatch.setattr(ExpertBlocks, "host",
                         lambda self, l, e: real(self, l, (e + 1) % self.m.E))
     s = execute(TINY, schedule="EP", overrides={"model.precision.experts": "q8_0",
                                                  "policy.experts_gpu": 3,
