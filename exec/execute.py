@@ -13,20 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pydantic import ValidationError
 from rich.text import Text
 
 from taskgraph.dag.builder import Plan, make_plan
 from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import CheckFailed, TgError
+from taskgraph.exec.batches import (Batch, Inputs, SharedBatches, batch_of, inputs_of,
+                                    request_outputs)
+from taskgraph.exec.loading import (check_computable, check_host_memory, kept_synthetic_weights,
+                                    need_torch, pick_device, torch_dtype)
 from taskgraph.files import atomic_path
+from taskgraph.kernels.quant import expert_format
+from taskgraph.output.report import execute_table, warnings_of
 from taskgraph.perf.memory import check_fits, memory_footprint
-from taskgraph.output.report import Shown, execute_queue_table, execute_table, warnings_of
 from taskgraph.sim.metrics import summarize
 from taskgraph.sim.simulate import Simulation
-from taskgraph.kernels.quant import expert_format
-from taskgraph.specs import TENSOR_CLASSES, ModelSpec, Scenario
-from taskgraph.tracing.writer import Traced, TraceRun
+from taskgraph.specs import ModelSpec, Scenario
+from taskgraph.tracing.writer import TraceRun
 
 
 class Executed:
@@ -115,7 +118,7 @@ def _recorded_routing(ref: Any, m: ModelSpec, slots: list | None, lens: Any, P: 
     left out: their one-token prompts stand in for nothing the user asked for."""
     from taskgraph.dag.routing import RoutingTrace
 
-    torch = _torch()
+    torch = need_torch()
     seqs = [i for i in range(ref.tokens.shape[0]) if slots is None or slots[i] is not None]
     pre = ref.prefill_experts                                   # [L, N, P, k]
     step0 = torch.cat([pre[:, i, :P if lens is None else int(lens[i])] for i in seqs], dim=1)
@@ -131,235 +134,10 @@ def _write_outputs(summary: dict[str, Any], path: str) -> None:
     summary["out"] = path
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise TgError("Running graphs for real (tg execute, calibrate, validate) needs PyTorch. "
-                      "Install the CPU build with `pip install torch==2.13.0` (or your CUDA "
-                      "build), then try again.") from None
-    return torch
-
-
-def pick_device(name: str) -> str:
-    torch = _torch()
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TgError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() "
-                      "is False); use --device cpu.")
-    if name not in ("cpu", "cuda"):
-        raise TgError(f"--device must be auto, cpu or cuda, not '{name}'.")
-    return name
-
-
-# Host bytes dispatch keeps per task (a threading.Event, two device events, start and end
-# times, the run's columns): 1.35 KB measured with tracemalloc, rounded up.
-_BYTES_PER_TASK = 1500
-
-
-def _check_host_memory(buffers: float, tasks: int) -> None:
-    """Refuse up front a run this machine's memory cannot hold: its host buffers (on the CPU
-    backend the "GPU" ones too) and the bookkeeping of every task. A 10^6-step run of the tiny
-    model is 116 million tasks, 170 GB, and would otherwise grow until it is killed."""
-    import os
-
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    need = buffers + tasks * _BYTES_PER_TASK
-    if need > 0.9 * have:
-        raise TgError(
-            f"This run needs about {need / 1e9:.1f} GB of this machine's memory "
-            f"({buffers / 1e9:.1f} GB of KV cache and weights, {tasks:,} tasks at "
-            f"{_BYTES_PER_TASK:,} bytes each) and {have / 1e9:.1f} GB is free. Lower "
-            "workload.gen_len (or --steps, or the prompts' max_new_tokens), the number of "
-            "sequences (policy.N) or layers (model.L), or execute a smaller model."
-        )
-
-
-# Fields of a checkpoint's config.json that change what is computed but not its shape: with
-# --weights they come from the checkpoint, whatever the scenario's model says.
-_MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_yarn",
-                "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
-                "sliding_layers",
-                "hidden_act", "architecture", "dtype", "dtype_bytes", "router", "renormalize",
-                "routed_scaling", "expert_groups", "topk_groups", "shared_gate",
-                "attention_sinks")
-_SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V", "dense_layers", "h_dense",
-                 "shared_experts", "h_shared", "attention", "q_lora_rank", "kv_lora_rank",
-                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-#: The families whose layers the executor's kernels compute as transformers does
-#: (tests/test_families.py, tests/test_transformers_parity.py); the others are simulated only.
-EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-            "gpt_oss")
-
-
-def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
-    """The scenario's model made to agree with a checkpoint's config.json: shapes must match,
-    the fields that change the math come from the checkpoint, and running fewer layers than it
-    holds is said, not silent. Returns the model and the warnings to show."""
-    from taskgraph.model_files import model_from_hf_config
-
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return model, [f"'{folder}' has no config.json: RoPE theta, norm epsilon and the other "
-                       "fields that change the math are the scenario's model's, unchecked."]
-    try:
-        ckpt = ModelSpec.model_validate(model_from_hf_config(config))
-    except ValidationError as err:
-        e = err.errors()[0]
-        raise TgError(f"The checkpoint's config '{config}' is not a valid model: "
-                      f"{'.'.join(map(str, e['loc']))}: {e['msg']}.") from None
-    stored = [c for c in TENSOR_CLASSES if getattr(ckpt.precision, c) is not None]
-    if stored:
-        raise TgError(f"The checkpoint '{folder}' stores its {', '.join(stored)} weights as "
-                      f"{getattr(ckpt.precision, stored[0])} (its quantization_config): tg "
-                      "execute runs weights in their dtype, and routed experts at q8_0 or q4_0 "
-                      "it quantizes itself; the checkpoint is simulated, not executed.")
-    for name in _SHAPE_FIELDS:
-        if getattr(model, name) != getattr(ckpt, name):
-            raise TgError(f"model.{name} = {getattr(model, name)} in the scenario, but the "
-                          f"checkpoint '{folder}' has {getattr(ckpt, name)}; start the scenario's "
-                          f"model from it (model: {{hf_config: {config}}}).")
-    if model.L > ckpt.L:
-        raise TgError(f"model.L = {model.L}, but the checkpoint '{folder}' holds {ckpt.L} layers.")
-    warnings = []
-    if model.L < ckpt.L:
-        warnings.append(f"running the first {model.L} of the checkpoint's {ckpt.L} layers "
-                        f"(model.L = {model.L}): the tokens are not the full model's.")
-    changed = [f for f in _MATH_FIELDS if getattr(model, f) != getattr(ckpt, f)]
-    if changed:
-        warnings.append("taken from the checkpoint's config.json instead of the scenario: "
-                        + ", ".join(f"{f} = {getattr(ckpt, f)}" for f in changed) + ".")
-    return model.model_copy(update={f: getattr(ckpt, f) for f in _MATH_FIELDS}), warnings
-
-
-def check_computable(m: ModelSpec, context: int) -> None:
-    """Refuse what the kernels would compute differently from the model."""
-    if m.architecture not in EXECUTED:
-        raise TgError(f"model.architecture = {m.architecture}: tg execute computes "
-                      f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
-                      "executed (docs/models.md).")
-
-    quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
-                 and not (c == "experts" and expert_format(m))]
-    if quantized:
-        raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
-                      "tg execute runs weights in the model's dtype, and routed experts in it "
-                      "or at q8_0 or q4_0; other precisions are simulated, not executed.")
-    if m.attention_sinks != (m.architecture == "gpt_oss"):
-        raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
-                      "as gpt-oss has them, and only there.")
-    if expert_format(m) and (m.h % 32 or m.h_i % 32):
-        raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
-                      f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
-                      f"{m.h_i} long.")
-    if m.hidden_act != "silu":
-        raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
-                      "with SiLU only.")
-    if m.rope_type not in ("default", "linear", "yarn"):
-        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default, linear and "
-                      "YaRN RoPE scalings only.")
-    if m.sliding_window is not None and m.sliding_window < context:
-        raise TgError(f"model.sliding_window = {m.sliding_window} is shorter than the context "
-                      f"this run reaches ({context} tokens); tg's attention sees every token, "
-                      "so it would not compute this model. Use shorter prompts or fewer steps.")
-
-
-def _torch_dtype(torch, m: ModelSpec, dev: str) -> tuple[Any, list[str]]:
-    """Weights run in the checkpoint's dtype. Without one: fp32 for 4-byte weights, bf16 on the
-    CPU and fp16 on CUDA for 2-byte ones. A GPU without bf16 (T4) runs a bf16 checkpoint in
-    fp16, and says so."""
-    if m.dtype is not None:
-        dtype = getattr(torch, m.dtype)
-    elif m.dtype_bytes == 4:
-        dtype = torch.float32
-    elif m.dtype_bytes == 2:
-        dtype = torch.bfloat16 if dev == "cpu" else torch.float16
-    else:
-        raise TgError(f"model.dtype_bytes = {m.dtype_bytes}: the executor runs 4-byte (fp32) or "
-                      "2-byte (fp16/bf16) weights.")
-    if dev == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        return torch.float16, ["this GPU has no bf16: the bf16 weights run in fp16."]
-    return dtype, []
-
-
-def _for_requests(scenario: Scenario, schedule: str | None, requests: list
-                  ) -> tuple[Scenario, list]:
-    """The scenario resized to run these requests in one batch, in order: N the request count
-    rounded up to whole micro-batches, and to as many as the schedule needs. Returns it with
-    each sequence slot's request (None: a filler, whose output is dropped)."""
-    mu = min(scenario.policy.mu, len(requests))
-    return _for_batch(scenario, schedule, [requests[i:i + mu]
-                                           for i in range(0, len(requests), mu)], mu)
-
-
-def _for_batch(scenario: Scenario, schedule: str | None, batch: list[list], mu: int
-               ) -> tuple[Scenario, list]:
-    """The scenario resized to run one batch of micro-batches of requests (at most `mu` each):
-    prompts padded to the longest, as many decode steps as the longest request needs, as many
-    micro-batches as the schedule needs. Returns it with each sequence slot's request (None: a
-    filler sequence, whose output is dropped)."""
-    from taskgraph.dag.schedules import SCHEDULES
-
-    needed = SCHEDULES[schedule or scenario.schedule].min_micro_batches
-    n = max(len(batch), needed)
-    slots = [r for mb in batch for r in list(mb) + [None] * (mu - len(mb))]
-    slots += [None] * (n * mu - len(slots))
-    requests = [r for r in slots if r is not None]
-    lens = [len(r.prompt_ids) for r in requests]
-    workload = scenario.workload.model_copy(update=dict(
-        prompt_len=max(1, round(sum(lens) / len(lens))), max_prompt_len=max(lens), padded=True,
-        gen_len=max(1, max(r.max_new_tokens for r in requests) - 1), refill=False))
-    return scenario.model_copy(update=dict(
-        workload=workload, policy=scenario.policy.model_copy(update=dict(N=n * mu, mu=mu)))
-    ), slots
-
-
-def max_positions(folder: str | Path | None) -> int | None:
-    """A checkpoint's max_position_embeddings, if its config.json gives one."""
-    from taskgraph.model_files import hf_config_json
-
-    config = Path(folder) / "config.json" if folder else None
-    if config is None or not config.is_file():
-        return None
-    return hf_config_json(config).get("max_position_embeddings")
-
-
-def _check_positions(scenario: Scenario, slots: list | None, limit: int) -> None:
-    """Every sequence's prompt and new tokens within the checkpoint's positions."""
-    w = scenario.workload
-    if slots is None and w.context_prompt + w.gen_len + 1 > limit:
-        raise TgError(f"This run's prompts of {w.context_prompt:,} tokens and "
-                      f"{w.gen_len + 1:,} new tokens (workload.gen_len + 1, the first coming "
-                      f"from prefill) need more positions than the checkpoint's "
-                      f"max_position_embeddings ({limit:,}); lower workload.gen_len or "
-                      "workload.prompt_len.")
-    for r in slots or []:
-        if r is not None and len(r.prompt_ids) + r.max_new_tokens > limit:
-            raise TgError(f"Request {str(r.id)[:60]!r}: its prompt of {len(r.prompt_ids):,} "
-                          f"tokens and {r.max_new_tokens:,} new tokens need more positions "
-                          f"than the checkpoint's max_position_embeddings ({limit:,}).")
-
-
-@dataclass
-class _Prompts:
-    """What the batches of a run over many prompts share: the batch's requests, how to read
-    and end them, the weights (loaded once) and the last batch shape's compiled graph."""
-
-    requests: list
-    tokenizer: Any
-    eos: set[int]
-    weights: Any = None
-    programs: dict = field(default_factory=dict)
-
-
 def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
                      weights_path: str | None, seed: int, progress, zero_copy: bool,
                      check: bool, profile: bool, processes: bool, warnings: list[str],
-                     shared: _Prompts, record_routing: bool = False) -> Execution:
+                     shared: SharedBatches, record_routing: bool = False) -> Execution:
     """More prompts than the policy's N sequences: N at a time, in the file's order, each batch
     the schedule's micro-batches, so memory is one batch's whatever the file's length (one
     batch of every prompt grew its graph, and the time to build it, with the square of the
@@ -419,44 +197,6 @@ def _check_processes(plan, zero_copy: bool, profile: bool, last_steps) -> None:
             raise TgError(f"--processes does not combine with {what}.")
 
 
-# The last model's random weights, kept for the next run of the same model (and seed and
-# dtype), in this module on purpose: validate and calibrate execute one model many times, each
-# run a call of execute_scenario of its own, and drawing a model's weights is slow (a Mixtral
-# layer takes seconds; the tiny test model 1.3 s on two cores, so that tests/test_expert_exec.py
-# and test_record_routing.py, which execute it some hundred times, took 77 s without this
-# instead of 27 s). Only the last model stays: they can be tens of GB. Nothing else is kept
-# between runs (a run's weights are read, never written).
-_last_weights: dict[tuple, Any] = {}
-
-
-def _synthetic_weights(m: ModelSpec, seed: int, dtype) -> Any:
-    """Random weights drawn from `seed`, the last model's kept (``_last_weights``)."""
-    from taskgraph.kernels.weights import synthetic_weights
-
-    key = (m.model_dump_json(), seed, dtype)
-    if key not in _last_weights:
-        _last_weights.clear()          # one model at a time: they can be tens of GB
-        _last_weights[key] = synthetic_weights(m, seed=seed, dtype=dtype)
-    return _last_weights[key]
-
-
-@dataclass
-class _Batch:
-    """The sequences one run executes: the scenario sized to them, each sequence slot's request
-    (``slots``; None in a slot: a filler sequence; ``slots`` None: synthetic prompts of the
-    workload's length), the tokenizer that reads and writes their text, what ends a request
-    (``eos()``, read only when outputs are written) and the warnings so far. ``overflow``:
-    every request of a prompts file holding more than the policy's N sequences, which then run
-    N at a time (:func:`_execute_prompts`)."""
-
-    scenario: Scenario
-    slots: list | None
-    tokenizer: Any
-    eos: Callable[[], set[int]]
-    warnings: list[str]
-    overflow: list | None = None
-
-
 @dataclass
 class _Job:
     """What a batch runs as: its plan, the memory it needs, its compiled graph, the device it
@@ -468,16 +208,6 @@ class _Job:
     device: str
     dtype: Any
     warnings: list[str]
-
-
-@dataclass
-class _Inputs:
-    """A batch's prompts as tensors: token ids [N, P] right-padded, each sequence's length
-    (None: all P), and the last step each micro-batch's requests need (None: every step)."""
-
-    prompts: Any
-    lens: Any
-    last_steps: list[int] | None
 
 
 @dataclass
@@ -498,7 +228,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
                      prompts_path: str | None = None, zero_copy: bool = False,
                      check: bool = True, profile: bool = False,
                      batch: list[list] | None = None, processes: bool = False,
-                     shared: _Prompts | None = None, record_routing: bool = False
+                     shared: SharedBatches | None = None, record_routing: bool = False
                      ) -> Execution:
     """Execute a scenario's schedule for real and compare it with the reference forward
     (unless `check` is False: calibration runs only want the timings). `profile` runs it under
@@ -520,7 +250,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     step's work."""
     t0 = time.perf_counter()
     dev = _device(device, zero_copy, check, record_routing)
-    batch_ = _batch_of(scenario, schedule, weights_path, prompts_path, batch, shared)
+    batch_ = batch_of(scenario, schedule, weights_path, prompts_path, batch, shared)
     if record_routing and batch_.scenario.model.dense_count:
         raise TgError("--record-routing records every layer's router: a model with dense layers "
                       "(model.dense_layers) has layers without one, which a routing trace "
@@ -528,11 +258,11 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if batch_.overflow is not None:
         return _execute_prompts(batch_.scenario, schedule, device, weights_path, seed, progress,
                                 zero_copy, check, profile, processes, batch_.warnings,
-                                _Prompts(batch_.overflow, batch_.tokenizer, batch_.eos()),
+                                SharedBatches(batch_.overflow, batch_.tokenizer, batch_.eos()),
                                 record_routing)
     job = _plan(batch_.scenario, schedule, dev, shared)
     w = _load_weights(job, weights_path, seed, shared)
-    inputs = _inputs(job.plan.scenario, batch_.slots, seed, batch is not None)
+    inputs = inputs_of(job.plan.scenario, batch_.slots, seed, batch is not None)
     ran = _run(job, w, inputs, zero_copy, profile, processes, progress)
     summary = _measured(job, ran, zero_copy)
     routing = None
@@ -543,7 +273,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
 
 def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> str:
     """The device to run on ("cpu" or "cuda"), once PyTorch is there and the options agree."""
-    _torch()
+    need_torch()
     if record_routing and not check:
         raise TgError("Recording the routing needs the check against the reference forward: "
                       "the router's decisions are taken from it.")
@@ -554,50 +284,14 @@ def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> 
     return dev
 
 
-def _batch_of(scenario: Scenario, schedule: str | None, weights_path: str | None,
-              prompts_path: str | None, batch: list[list] | None, shared: _Prompts | None
-              ) -> _Batch:
-    """Which sequences run: synthetic prompts of the workload's shape, a prompts file's
-    requests, one batch of a longer file (`shared`), or given micro-batches of requests
-    (`batch`); the scenario's model made the checkpoint's, and the scenario sized to the
-    requests, each within the checkpoint's positions."""
-    from taskgraph.exec.prompts import eos_ids, load_tokenizer, read_prompts
-
-    warnings: list[str] = []
-    if weights_path and shared is None:     # a batch of many prompts has it applied
-        model, warnings = checkpoint_model(scenario.model, weights_path)
-        scenario = scenario.model_copy(update={"model": model})
-    eos = (lambda: shared.eos) if shared is not None else (lambda: eos_ids(weights_path))
-    limit = max_positions(weights_path)
-    slots, tokenizer = None, None
-    if prompts_path:
-        tokenizer = load_tokenizer(weights_path)
-        requests = read_prompts(prompts_path, scenario.model.V, scenario.workload.gen_len,
-                                tokenizer, limit)
-        if len(requests) > scenario.policy.N:
-            return _Batch(scenario, None, tokenizer, eos, warnings, overflow=requests)
-        scenario, slots = _for_requests(scenario, schedule, requests)
-    elif shared is not None:
-        tokenizer = shared.tokenizer
-        scenario, slots = _for_requests(scenario, schedule, shared.requests)
-        # equal shapes, one compiled graph: the mean prompt length only names the workload
-        scenario = scenario.model_copy(update={"workload": scenario.workload.model_copy(
-            update={"prompt_len": scenario.workload.context_prompt})})
-    elif batch is not None:
-        scenario, slots = _for_batch(scenario, schedule, batch, scenario.policy.mu)
-    if limit is not None:
-        _check_positions(scenario, slots, limit)
-    return _Batch(scenario, slots, tokenizer, eos, warnings)
-
-
-def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts | None) -> _Job:
+def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: SharedBatches | None) -> _Job:
     """The batch's plan and compiled graph (the last batch shape's, kept in `shared`), once the
     kernels can compute the model, its memory fits the modelled GPU and this machine's memory
     holds the run."""
-    torch = _torch()
+    torch = need_torch()
     m = scenario.model
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
-    dtype, warnings = _torch_dtype(torch, m, dev)
+    dtype, warnings = torch_dtype(torch, m, dev)
     plan = make_plan(scenario, schedule)
     if expert_format(m) and not plan.schedule.experts_on_host:
         raise TgError(f"model.precision.experts = {m.precision.experts}: tg execute keeps "
@@ -621,12 +315,12 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: _Prompts |
         program = compile_plan(plan)
         if shared is not None:
             shared.programs = {key: program}     # batches come in order: keep the last shape
-    _check_host_memory((memory.gpu_total if dev == "cpu" else 0) + memory.cpu_total,
+    check_host_memory((memory.gpu_total if dev == "cpu" else 0) + memory.cpu_total,
                        program.total)
     return _Job(plan, memory, program, dev, dtype, warnings)
 
 
-def _load_weights(job: _Job, weights_path: str | None, seed: int, shared: _Prompts | None
+def _load_weights(job: _Job, weights_path: str | None, seed: int, shared: SharedBatches | None
                   ) -> Any:
     """The checkpoint's weights, or synthetic ones drawn from `seed`, in the job's dtype; those
     of the batch before when `shared` holds them."""
@@ -636,43 +330,18 @@ def _load_weights(job: _Job, weights_path: str | None, seed: int, shared: _Promp
 
     m = job.plan.scenario.model
     w = (load_safetensors(weights_path, m, job.dtype) if weights_path
-         else _synthetic_weights(m, seed, job.dtype))
+         else kept_synthetic_weights(m, seed, job.dtype))
     if shared is not None:
         shared.weights = w
     return w
 
 
-def _inputs(scenario: Scenario, slots: list | None, seed: int, skip_finished: bool) -> _Inputs:
-    """The prompts as a tensor: synthetic ones drawn from `seed` + 1, or each slot's request
-    right-padded (a filler: one token). With `skip_finished` (a batch of a request list), each
-    micro-batch's last step: its tasks after its last request's last step, and every task of a
-    micro-batch holding no request, do nothing, as the simulator skips them."""
-    torch = _torch()
-    from taskgraph.kernels.reference import synthetic_prompts
-
-    p, P = scenario.policy, scenario.workload.context_prompt
-    if slots is None:
-        prompts, lens = synthetic_prompts(p.N, P, scenario.model.V, seed=seed + 1), None
-    else:
-        prompts = torch.zeros(p.N, P, dtype=torch.long)
-        lens = torch.ones(p.N, dtype=torch.long)      # fillers: one token
-        for i, r in enumerate(slots):
-            if r is not None:
-                prompts[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-                lens[i] = len(r.prompt_ids)
-    last_steps = None
-    if skip_finished:
-        last_steps = [max((r.max_new_tokens - 1 for r in slots[j * p.mu:(j + 1) * p.mu]
-                           if r is not None), default=-1) for j in range(p.N // p.mu)]
-    return _Inputs(prompts, lens, last_steps)
-
-
-def _run(job: _Job, w: Any, inputs: _Inputs, zero_copy: bool, profile: bool, processes: bool,
+def _run(job: _Job, w: Any, inputs: Inputs, zero_copy: bool, profile: bool, processes: bool,
          progress: Callable[[int, int], None] | None) -> _Ran:
     """The job run once, under the profiler with `profile`: its buffers set up first (a
     Runtime; on several GPUs in one process every GPU's shard on this device, or each pipeline
     stage's buffers in the one Runtime), unless each GPU runs in a process of its own."""
-    torch = _torch()
+    torch = need_torch()
     from taskgraph.exec.runtime import Runtime
 
     plan = job.plan
@@ -696,7 +365,7 @@ def _run(job: _Job, w: Any, inputs: _Inputs, zero_copy: bool, profile: bool, pro
     return _Ran(run, outputs, runtime, ops)
 
 
-def _dispatch(job: _Job, w: Any, inputs: _Inputs, runtime: Any,
+def _dispatch(job: _Job, w: Any, inputs: Inputs, runtime: Any,
               progress: Callable[[int, int], None] | None, annotate: bool = False
               ) -> tuple[Any, Any]:
     """Every task of the job's graph on this device's streams (`runtime` None: as a process per
@@ -707,7 +376,7 @@ def _dispatch(job: _Job, w: Any, inputs: _Inputs, runtime: Any,
         ranks = execute_processes(job.plan, w, inputs.prompts, prompt_lens=inputs.lens,
                                   device=job.device)
         return ranks.as_run(job.program), ranks
-    torch = _torch()
+    torch = need_torch()
     from taskgraph.exec.dispatch import CudaDevice, HostDevice, execute
 
     total = len(job.program.seg_template)
@@ -737,8 +406,8 @@ def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
     return summary
 
 
-def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: _Inputs,
-           batch_: _Batch, record_routing: bool) -> Any:
+def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: Inputs,
+           batch_: Batch, record_routing: bool) -> Any:
     """The run against the reference forward, on the host, sequentially: the largest logit
     error where each micro-batch ran to its end, and whether the tokens (each request's, in a
     batch of a request list) are the reference's, into `summary`, with each request's output.
@@ -749,7 +418,7 @@ def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: _Input
     schedule (on the GPU, in the CPU's Route task, per tensor-parallel shard, in other
     processes) and in threads, micro-batches interleaved; the run's tokens are compared with
     the reference's here, and any difference is said in a warning (:func:`_result`)."""
-    torch = _torch()
+    torch = need_torch()
     from taskgraph.kernels.reference import reference_forward
 
     p, G, lens, slots = job.plan.scenario.policy, job.plan.G, inputs.lens, batch_.slots
@@ -778,28 +447,11 @@ def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: _Input
             torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
             for i, r in enumerate(slots) if r is not None)
     if slots is not None:
-        summary["outputs"] = _outputs(tokens, slots, batch_.tokenizer, batch_.eos())
+        summary["outputs"] = request_outputs(tokens, slots, batch_.tokenizer, batch_.eos())
     return routing
 
 
-def _outputs(tokens: Any, slots: list, tokenizer: Any, eos: set[int]) -> list[dict[str, Any]]:
-    """Each request's generated tokens (ended at its first end-of-sequence token), and their
-    text where a tokenizer reads them."""
-    from taskgraph.exec.prompts import trim
-
-    rows = []
-    for i, r in enumerate(slots):
-        if r is None:
-            continue
-        out = trim(tokens[i].tolist(), r.max_new_tokens, eos)
-        row = {"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": out}
-        if tokenizer is not None:
-            row["text"] = tokenizer.decode(out, skip_special_tokens=True)
-        rows.append(row)
-    return rows
-
-
-def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: _Batch,
+def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: Batch,
             routing: Any, profile: bool, t0: float) -> Execution:
     """The run's summary completed (requests, warnings, the profiler's op count, wall time)
     and the executed run."""
@@ -816,113 +468,3 @@ def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: _Batc
     return Execution(job.plan, job.program, job.memory, ran.run, summary, ran.ops, w, routing)
 
 
-@dataclass
-class QueueExecution(Executed, Shown, Traced):
-    """A request list executed batch after batch, as the simulator batches it; `summary` is
-    the JSON of `tg execute` on it."""
-
-    batches: list[Execution]
-    summary: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.summary
-
-    def views(self):
-        yield execute_queue_table(self.summary)
-        yield from self.routing_written()
-        yield from warnings_of(self.summary)
-
-    @property
-    def routing(self) -> Any:
-        """The first batch's router decisions, if recorded."""
-        return self.batches[0].routing if self.batches else None
-
-    @property
-    def failure(self) -> BaseException | None:
-        return next((ex.failure for ex in self.batches if ex.failure is not None), None)
-
-    def trace_runs(self) -> list[TraceRun]:
-        """Each batch on one time line, one after the other as they ran."""
-        runs, offset = [], 0.0
-        for b, ex in enumerate(self.batches):
-            run = ex.trace_run(f"batch {b} measured")
-            run.offset_s = offset
-            offset += ex.summary["makespan_s"]
-            runs.append(run)
-        return runs
-
-    def gantt_runs(self) -> list[TraceRun]:
-        return [self.batches[0].trace_run("batch 0 measured")]
-
-
-def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | None = None,
-                  seed: int = 0, progress: Callable[[int, int], None] | None = None,
-                  zero_copy: bool = False, check: bool = True, record_routing: bool = False
-                  ) -> QueueExecution:
-    """Execute the scenario's request list (``workload.requests`` or ``workload.lengths``) in
-    the batches the simulator packs it into (:func:`taskgraph.serving.requests.pack_scenario`:
-    Algorithm 2, or padded), each request a prompt of random token ids of its own length that
-    generates its own ``gen_len`` tokens (the first from prefill, as ``max_new_tokens`` counts
-    them). With `check`, each request's tokens are compared with the reference forward run on
-    that request alone: batching, padding and neighbours must not change what it generates.
-    `record_routing` records the first batch's router decisions (``result.routing``)."""
-    torch = _torch()
-    from taskgraph.exec.prompts import Request as Prompt
-    from taskgraph.kernels.reference import reference_forward
-    from taskgraph.serving.requests import pack_scenario
-
-    t0 = time.perf_counter()
-    warnings: list[str] = []
-    if scenario.workload.refill:
-        warnings.append("refill is simulated only; the executor runs the list in consecutive "
-                        "batches (Algorithm 2).")
-        scenario = scenario.model_copy(update={
-            "workload": scenario.workload.model_copy(update={"refill": False})})
-    gen = torch.Generator().manual_seed(seed + 1)
-    prompts = {r.id: Prompt(r.id, torch.randint(0, scenario.model.V, (r.prompt_len,),
-                                                generator=gen).tolist(), r.gen_len)
-               for r in scenario.requests}
-    packing = pack_scenario(scenario)
-    runs: list[Execution] = []
-    for b, batch in enumerate(packing.batches):
-        mbs = [[prompts[r.id] for r in mb.requests] for mb in batch]
-        runs.append(execute_scenario(scenario, None, device, weights_path, seed,
-                                     zero_copy=zero_copy, check=check, batch=mbs,
-                                     record_routing=record_routing and b == 0))
-        if progress:
-            progress(b + 1, len(packing.batches))
-        if runs[-1].run.interrupted:
-            break
-    outputs = [row for ex in runs for row in ex.summary.get("outputs") or []]
-    mismatched = []
-    if check:
-        for row in outputs:
-            p = prompts[row["id"]]
-            alone = reference_forward(runs[0].weights.dequantized(),
-                                      torch.tensor([p.prompt_ids]), 1,
-                                      max(1, p.max_new_tokens - 1))
-            if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
-                mismatched.append(row["id"])
-    makespan = sum(ex.summary["makespan_s"] for ex in runs)
-    tokens = sum(len(row["output_ids"]) for row in outputs)
-    first = runs[0].summary
-    summary = {k: first[k] for k in ("scenario", "schedule", "schedule_title", "model",
-                                     "hardware", "device", "dtype")}
-    summary.update({
-        "policy": scenario.policy.model_dump(),
-        "throughput_tok_s": round(tokens / makespan, 6) if makespan else 0.0,
-        "makespan_s": round(makespan, 6),
-        "measured": True,
-        "requests": {"count": len(scenario.requests), "executed": len(outputs),
-                     "batches": len(runs), "generated_tokens": tokens,
-                     "padded": packing.padded,
-                     "aborted": [r.id for r in packing.aborted]},
-        "tokens_match": all(ex.summary["tokens_match"] for ex in runs) if check else None,
-        "requests_match_alone": (not mismatched) if check else None,
-        "mismatched": mismatched,
-        "outputs": outputs,
-        "interrupted": any(ex.run.interrupted for ex in runs),
-        "warnings": warnings + sorted({w for ex in runs for w in ex.summary["warnings"]}),
-        "wall_s": round(time.perf_counter() - t0, 3),
-    })
-    return QueueExecution(runs, summary)

@@ -292,7 +292,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     reference forward.
 
     A scenario with a request list runs in the simulator's batches
-    (:class:`~taskgraph.exec.execute.QueueExecution`); otherwise returns an
+    (:class:`~taskgraph.exec.request_list.QueueExecution`); otherwise returns an
     :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
     ``result.failure`` holds its exception; its trace shows what ran before it. The routing
     recorded is the reference forward's, the one the tokens are checked against:
@@ -319,7 +319,8 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
             (JSON; the first batch's), what workload.routing.trace replays
             (docs/experts.md)
     """
-    from taskgraph.exec.execute import execute_queue, execute_scenario
+    from taskgraph.exec.execute import execute_scenario
+    from taskgraph.exec.request_list import execute_queue
 
     if steps is not None and steps < 1:
         raise TgError(f"--steps must be at least 1, not {steps}.")
@@ -446,7 +447,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
         device: cpu, cuda, or auto: cuda when this machine has one
     """
     from taskgraph.dag.schedules import SCHEDULES
-    from taskgraph.exec.execute import pick_device
+    from taskgraph.exec.loading import pick_device
     from taskgraph.study.validate import validate_scenario
 
     names = _names(schedules)
@@ -477,7 +478,7 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
         device: cpu, cuda, or auto: cuda when this machine has one
     """
     from taskgraph.exec.calibrate import calibrate_to
-    from taskgraph.exec.execute import pick_device
+    from taskgraph.exec.loading import pick_device
 
     dev = pick_device(device)
     s, _ = load(scenario, overrides, auto=False)

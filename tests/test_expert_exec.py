@@ -417,12 +417,12 @@ def test_ep_places_the_routers_most_popular_experts_once(runtimes):
 
 def _runtime(sets, schedule="EC") -> Runtime:
     """A Runtime for the tiny scenario, built and not run."""
-    from taskgraph.exec.execute import _synthetic_weights
+    from taskgraph.exec.loading import kept_synthetic_weights
     from taskgraph.kernels.reference import synthetic_prompts
     from taskgraph.scenario import for_schedule, load_scenario
 
     sc, _ = for_schedule(load_scenario(TINY, list(sets)), schedule)
-    w = _synthetic_weights(sc.model, 0, torch.float32)
+    w = kept_synthetic_weights(sc.model, 0, torch.float32)
     prompts = synthetic_prompts(sc.policy.N, sc.workload.context_prompt, sc.model.V, seed=1)
     return Runtime(make_plan(sc, schedule), w, prompts, torch.device("cpu"))
 

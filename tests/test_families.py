@@ -158,7 +158,7 @@ def test_without_the_familys_own_parts_the_tokens_are_not_transformers(checkpoin
 
 
 def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
-    from taskgraph.exec.execute import check_computable
+    from taskgraph.exec.loading import check_computable
     from taskgraph.presets import MODELS
     from taskgraph.specs import ModelSpec
 
