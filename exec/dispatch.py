@@ -168,115 +168,152 @@ def _task_marks(program: Program) -> Callable[[int], str]:
 
 def _execute(program: Program, runtime: Runtime, device: Device, delay, progress,
              annotate: bool, only: frozenset[str] | None = None) -> SimRun:
-    total = program.total
-    streams = program.streams
-    mine = [sid for sid, s in enumerate(streams) if only is None or s in only]
-    # the GPU a stream's tasks run on (``gpu:1``), -1 for the host's and shared streams
-    gpu_of = [int(s.partition(":")[2]) if ":" in s else -1 for s in streams]
-    local = np.isin(program.column("stream"), mine)
-    on_host = [s.partition(":")[0] in HOST_STREAMS for s in streams]
-    queues = {s: device.stream(s) for s, host in zip(streams, on_host) if not host}
-    recorded = [threading.Event() for _ in range(total)]   # device: enqueued; host: finished
-    begin_ev = [None] * total
-    done_ev = [None] * total
-    host_start = np.full(total, np.nan)
-    host_end = np.full(total, np.nan)
-    stop = threading.Event()
-    failure: list[BaseException] = []
-    kinds, steps = program.column("kind"), program.step
-    layers, index = program.column("layer"), program.column("index")
-    on_device = ~np.array(on_host)[program.column("stream")]
-
-    if annotate:
-        # The profiler's clock is not this one: a mark at the origin ties the two. The first
-        # mark pays the profiler's set-up, so it is not the one that counts.
-        with torch.profiler.record_function("tg warm-up"):
-            pass
-    origin = device.event()
-    first = next(iter(queues.values()), None)
-    device.finish()
-    # The device's origin (on the CPU backend a host clock reading too), the host tasks' t0 and
-    # the profiler's mark, as close together as they can be: the profiler's ops are placed on
-    # the run's clock by the last mark, and a thread preempted between them under load shifted
-    # the ops 0.1-4 ms off their tasks. A mark whose readings lie apart is made again.
-    for _ in range(100):
-        before = time.perf_counter()
-        with torch.profiler.record_function(ORIGIN) if annotate else contextlib.nullcontext():
-            if first is not None:
-                device.record(origin, first)
-            t0 = time.perf_counter()
-        if not annotate or t0 - before < ORIGIN_WITHIN_S:
-            break
-    mark = _task_marks(program) if annotate else None
-
-    def run_stream(sid: int) -> None:
-        name = streams[sid]
-        queue = queues.get(name)
-        try:
-            for d, (t, base) in enumerate(zip(program.seg_template, program.seg_base)):
-                if sid == mine[0] and progress is not None:
-                    progress(d)
-                for pos, rels in program.templates[t].by_stream[sid]:
-                    gid = int(base) + pos
-                    for r in rels:
-                        dep = gid + r
-                        if not local[dep]:
-                            continue
-                        while not recorded[dep].wait(0.05):
-                            if stop.is_set():
-                                return
-                        if on_device[dep]:
-                            if queue is not None:
-                                device.wait(queue, done_ev[dep])
-                            else:
-                                device.synchronize(done_ev[dep])
-                    if stop.is_set():
-                        return
-                    if delay is not None:
-                        time.sleep(delay(gid))
-                    args = (int(steps[gid]), KIND_NAMES[kinds[gid]], int(layers[gid]),
-                            int(index[gid]), gpu_of[sid])
-                    scope = (torch.profiler.record_function(f"{name}: {mark(gid)}") if mark
-                             else contextlib.nullcontext())
-                    if queue is None:
-                        host_start[gid] = time.perf_counter() - t0
-                        with scope:
-                            runtime.run(*args)
-                        host_end[gid] = time.perf_counter() - t0
-                    else:
-                        begin_ev[gid], done_ev[gid] = device.event(), device.event()
-                        device.record(begin_ev[gid], queue)
-                        with scope:
-                            device.launch(queue, functools.partial(runtime.run, *args))
-                        device.record(done_ev[gid], queue)
-                    recorded[gid].set()
-        except BaseException as err:          # noqa: BLE001 - reported after the run
-            failure.append(err)
-            stop.set()
-
-    threads = [threading.Thread(target=run_stream, args=(sid,), daemon=True,
-                                name=f"tg-{streams[sid]}") for sid in mine]
+    """Start a thread per stream of this process (`only`: those streams), wait for them all
+    (or for Ctrl-C, which stops them), and read every task's times."""
+    run = _Run(program, runtime, device, delay, progress, annotate, only)
+    threads = [threading.Thread(target=run.stream, args=(sid,), daemon=True,
+                                name=f"tg-{program.streams[sid]}") for sid in run.mine]
     for th in threads:
         th.start()
     interrupted = False
     try:
-        _wait(threads, stop)
+        _wait(threads, run.stop)
     except KeyboardInterrupt:
         interrupted = True
-        stop.set()
-        _wait(threads, stop)
-    device.finish()
-    start, end = host_start.copy(), host_end.copy()
-    for gid in np.flatnonzero(on_device):
-        if done_ev[gid] is not None and recorded[gid].is_set():
-            start[gid] = device.seconds_between(origin, begin_ev[gid])
-            end[gid] = device.seconds_between(origin, done_ev[gid])
-    unfinished = np.isnan(end)
-    start[unfinished] = np.nan
-    run = SimRun(program, end - start, start, end, interrupted or bool(failure),
-                 time.perf_counter() - t0, failure[0] if failure else None, t0)
-    run.durations[unfinished] = 0.0
-    return run
+        run.stop.set()
+        _wait(threads, run.stop)
+    return run.result(interrupted)
+
+
+class _Run:
+    """One run's shared state: the program's columns, each device stream's queue, and per task
+    whether it is recorded (a device task enqueued, a host task finished), its events or host
+    times; ``stop`` ends every stream, ``failure`` holds what stopped them."""
+
+    def __init__(self, program: Program, runtime: Runtime, device: Device, delay, progress,
+                 annotate: bool, only: frozenset[str] | None):
+        self.program, self.runtime, self.device = program, runtime, device
+        self.delay, self.progress = delay, progress
+        total, streams = program.total, program.streams
+        self.mine = [sid for sid, s in enumerate(streams) if only is None or s in only]
+        # the GPU a stream's tasks run on (``gpu:1``), -1 for the host's and shared streams
+        self.gpu_of = [int(s.partition(":")[2]) if ":" in s else -1 for s in streams]
+        self.local = np.isin(program.column("stream"), self.mine)
+        on_host = [s.partition(":")[0] in HOST_STREAMS for s in streams]
+        self.on_device = ~np.array(on_host)[program.column("stream")]
+        self.queues = {s: device.stream(s) for s, host in zip(streams, on_host) if not host}
+        self.kinds, self.steps = program.column("kind"), program.step
+        self.layers, self.index = program.column("layer"), program.column("index")
+        self.recorded = [threading.Event() for _ in range(total)]
+        self.begin_ev: list[Any] = [None] * total
+        self.done_ev: list[Any] = [None] * total
+        self.host_start = np.full(total, np.nan)
+        self.host_end = np.full(total, np.nan)
+        self.stop = threading.Event()
+        self.failure: list[BaseException] = []
+        self.mark = _task_marks(program) if annotate else None
+        self.origin, self.t0 = self._mark_origin(annotate)
+
+    def _mark_origin(self, annotate: bool) -> tuple[Any, float]:
+        """The device's origin (on the CPU backend a host clock reading too), the host tasks'
+        t0 and the profiler's mark, as close together as they can be: the profiler's ops are
+        placed on the run's clock by the last mark, and a thread preempted between them under
+        load shifted the ops 0.1-4 ms off their tasks. A mark whose readings lie apart is made
+        again."""
+        device = self.device
+        if annotate:
+            # The profiler's clock is not this one: a mark at the origin ties the two. The
+            # first mark pays the profiler's set-up, so it is not the one that counts.
+            with torch.profiler.record_function("tg warm-up"):
+                pass
+        origin = device.event()
+        first = next(iter(self.queues.values()), None)
+        device.finish()
+        for _ in range(100):
+            before = time.perf_counter()
+            with torch.profiler.record_function(ORIGIN) if annotate else contextlib.nullcontext():
+                if first is not None:
+                    device.record(origin, first)
+                t0 = time.perf_counter()
+            if not annotate or t0 - before < ORIGIN_WITHIN_S:
+                break
+        return origin, t0
+
+    def stream(self, sid: int) -> None:
+        """One stream's thread: its tasks in launch order, segment by segment, each once what
+        it depends on is recorded. A failure stops every stream."""
+        program, queue = self.program, self.queues.get(self.program.streams[sid])
+        try:
+            for d, (t, base) in enumerate(zip(program.seg_template, program.seg_base)):
+                if sid == self.mine[0] and self.progress is not None:
+                    self.progress(d)
+                for pos, rels in program.templates[t].by_stream[sid]:
+                    gid = int(base) + pos
+                    if not self._wait_for(gid, rels, queue):
+                        return
+                    self._run(gid, sid, queue)
+        except BaseException as err:          # noqa: BLE001 - reported after the run
+            self.failure.append(err)
+            self.stop.set()
+
+    def _wait_for(self, gid: int, rels: Any, queue: Any) -> bool:
+        """Task `gid`'s predecessors (at the offsets `rels`) of this process: each recorded,
+        then a device one's event waited for (by the queue, or by the host for a host task).
+        False once the run is stopped."""
+        for r in rels:
+            dep = gid + r
+            if not self.local[dep]:
+                continue
+            while not self.recorded[dep].wait(0.05):
+                if self.stop.is_set():
+                    return False
+            if self.on_device[dep]:
+                if queue is not None:
+                    self.device.wait(queue, self.done_ev[dep])
+                else:
+                    self.device.synchronize(self.done_ev[dep])
+        return not self.stop.is_set()
+
+    def _run(self, gid: int, sid: int, queue: Any) -> None:
+        """Task `gid`: run on this thread (a host stream, timed by the clock) or enqueued
+        between two events on its device queue; then recorded."""
+        if self.delay is not None:
+            time.sleep(self.delay(gid))
+        args = (int(self.steps[gid]), KIND_NAMES[self.kinds[gid]], int(self.layers[gid]),
+                int(self.index[gid]), self.gpu_of[sid])
+        scope = (torch.profiler.record_function(f"{self.program.streams[sid]}: "
+                                                f"{self.mark(gid)}")
+                 if self.mark else contextlib.nullcontext())
+        if queue is None:
+            self.host_start[gid] = time.perf_counter() - self.t0
+            with scope:
+                self.runtime.run(*args)
+            self.host_end[gid] = time.perf_counter() - self.t0
+        else:
+            device = self.device
+            self.begin_ev[gid], self.done_ev[gid] = device.event(), device.event()
+            device.record(self.begin_ev[gid], queue)
+            with scope:
+                device.launch(queue, functools.partial(self.runtime.run, *args))
+            device.record(self.done_ev[gid], queue)
+        self.recorded[gid].set()
+
+    def result(self, interrupted: bool) -> SimRun:
+        """Every task's start and end on the run's clock (device tasks from their events),
+        NaN and no duration for a task that did not finish."""
+        self.device.finish()
+        start, end = self.host_start.copy(), self.host_end.copy()
+        for gid in np.flatnonzero(self.on_device):
+            if self.done_ev[gid] is not None and self.recorded[gid].is_set():
+                start[gid] = self.device.seconds_between(self.origin, self.begin_ev[gid])
+                end[gid] = self.device.seconds_between(self.origin, self.done_ev[gid])
+        unfinished = np.isnan(end)
+        start[unfinished] = np.nan
+        run = SimRun(self.program, end - start, start, end, interrupted or bool(self.failure),
+                     time.perf_counter() - self.t0, self.failure[0] if self.failure else None,
+                     self.t0)
+        run.durations[unfinished] = 0.0
+        return run
 
 
 def _wait(threads: list[threading.Thread], stop: threading.Event, grace_s: float = 5.0) -> None:

@@ -248,6 +248,25 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     """Run a multi-GPU plan as one process per GPU: on the CPU backend over gloo, or with
     ``device="cuda"`` each process on its own GPU (``cuda:rank``) over NCCL. `delay_s`: each
     task first sleeps up to that long, at random (to shake out races)."""
+    _check_runnable(plan, device)
+    program = compile_plan(plan)
+    host = [s for s in program.streams if _owner(s) < 0 and s != "peer"]
+    if plan.pp > 1 and np.isin(program.column("stream"),
+                               [program.streams.index(s) for s in host]).any():
+        raise TgError(f"Schedule {plan.schedule.name} runs tasks on the host's streams "
+                      f"({', '.join(host)}), which no stage's process owns.")
+    with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
+        t0 = time.perf_counter()
+        interrupted = _spawn_and_join(plan.gpus, Path(tmp), (
+            plan, weights, prompts, prompt_lens, os.path.join(tmp, "rendezvous"), tmp, delay_s,
+            seed, device, os.getpid()))
+        wall = time.perf_counter() - t0
+        results = [_load(Path(tmp) / f"rank{r}.npz", program.total) for r in range(plan.gpus)]
+    return _merged(plan, program, results, wall, interrupted)
+
+
+def _check_runnable(plan: Plan, device: str) -> None:
+    """Refuse what a run in processes cannot do, before any process starts."""
     if plan.gpus < 2:
         raise TgError(f"hardware.gpu.count is {plan.gpus}: there is no second GPU to run as a "
                       "process of its own.")
@@ -263,76 +282,75 @@ def execute_processes(plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
         from taskgraph.exec.tensor import check_shardable
 
         check_shardable(plan.scenario.model, plan.tp)
-    program = compile_plan(plan)
-    host = [s for s in program.streams if _owner(s) < 0 and s != "peer"]
-    if plan.pp > 1 and np.isin(program.column("stream"),
-                               [program.streams.index(s) for s in host]).any():
-        raise TgError(f"Schedule {plan.schedule.name} runs tasks on the host's streams "
-                      f"({', '.join(host)}), which no stage's process owns.")
+
+
+def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
+    """Start a process per rank (`_worker` with `args`) and wait for them all; True if a
+    Ctrl-C stopped them (each saved what it measured). A failing rank is a TgError naming
+    the first failure; a SIGTERM ends the ranks and then this process."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    with tempfile.TemporaryDirectory(prefix="tg-dist-") as tmp:
-        rendezvous = os.path.join(tmp, "rendezvous")
-        t0 = time.perf_counter()
-        # The ranks start deaf to Ctrl-C: they inherit this thread's signal mask, SIGINT
-        # blocked (a start-up interrupted in an import leaves a traceback); each listens once
-        # it is running (`_worker`). The parent notes a Ctrl-C that comes meanwhile and acts on
-        # it where it can wind the ranks down: ignored, it was lost (delivered to another of
-        # the parent's threads), and the run went on to its end.
-        main = threading.current_thread() is threading.main_thread()
-        held = main and hasattr(signal, "pthread_sigmask")
-        came: list[int] = []
-        interrupted, ranks = False, None
-        # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
-        # parent with its usual status, its temporary folder removed on the way out.
-        previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
+    # The ranks start deaf to Ctrl-C: they inherit this thread's signal mask, SIGINT
+    # blocked (a start-up interrupted in an import leaves a traceback); each listens once
+    # it is running (`_worker`). The parent notes a Ctrl-C that comes meanwhile and acts on
+    # it where it can wind the ranks down: ignored, it was lost (delivered to another of
+    # the parent's threads), and the run went on to its end.
+    main = threading.current_thread() is threading.main_thread()
+    held = main and hasattr(signal, "pthread_sigmask")
+    came: list[int] = []
+    interrupted, ranks = False, None
+    # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
+    # parent with its usual status, its temporary folder removed on the way out.
+    previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
+        # A SIGTERM while a rank is spawned is noted too: raised there, it cut the rank's
+        # start-up data short and the rank died with a traceback (seen under load).
+        previous = signal.signal(signal.SIGINT, lambda sig, _: came.append(sig)) if main \
+            else None
+        if main:
+            signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
         try:
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
-            # A SIGTERM while a rank is spawned is noted too: raised there, it cut the rank's
-            # start-up data short and the rank died with a traceback (seen under load).
-            previous = signal.signal(signal.SIGINT, lambda sig, _: came.append(sig)) if main \
-                else None
-            if main:
-                signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
-            try:
-                ranks = mp.spawn(_worker, args=(plan, weights, prompts, prompt_lens,
-                                                rendezvous, tmp, delay_s, seed, device,
-                                                os.getpid()),
-                                 nprocs=plan.gpus, join=False)
-            finally:
-                if main:
-                    signal.signal(signal.SIGINT, previous)
-                    signal.signal(signal.SIGTERM, _terminated)
-                if held:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if signal.SIGTERM in came:
-                raise _Terminated
-            if came:
-                raise KeyboardInterrupt
-            while not ranks.join():
-                pass
-        except ProcessException:
-            raise TgError(_first_failure(Path(tmp), plan.gpus)) from None
-        except KeyboardInterrupt:
-            interrupted = True
-            if ranks is not None:
-                _wind_down(ranks.processes, Path(tmp))
-        except _Terminated:
-            if ranks is not None:
-                _wind_down(ranks.processes, Path(tmp), grace_s=0.0)
-            raise SystemExit(128 + signal.SIGTERM) from None
+            ranks = mp.spawn(_worker, args=args, nprocs=ranks_n, join=False)
         finally:
             if main:
-                signal.signal(signal.SIGTERM, previous_term)
-        wall = time.perf_counter() - t0
-        results = [_load(Path(tmp) / f"rank{r}.npz", program.total) for r in range(plan.gpus)]
-    # A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host
-    # task, a collective) spans from the last part's start to the last part's end: after
-    # everything any part waited for. A send ran on both ends (pipelines only): it starts when the
-    # sender starts it and ends when the receiver holds the data, or the sender's call returns
-    # if that is sooner (either end may finish first), so it neither ends after what reads it
-    # starts nor overlaps the sender's next send.
+                signal.signal(signal.SIGINT, previous)
+                signal.signal(signal.SIGTERM, _terminated)
+            if held:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if signal.SIGTERM in came:
+            raise _Terminated
+        if came:
+            raise KeyboardInterrupt
+        while not ranks.join():
+            pass
+    except ProcessException:
+        raise TgError(_first_failure(tmp, ranks_n)) from None
+    except KeyboardInterrupt:
+        interrupted = True
+        if ranks is not None:
+            _wind_down(ranks.processes, tmp)
+    except _Terminated:
+        if ranks is not None:
+            _wind_down(ranks.processes, tmp, grace_s=0.0)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous_term)
+    return interrupted
+
+
+def _merged(plan: Plan, program: Any, results: list[dict[str, Any]], wall: float,
+            interrupted: bool) -> DistributedRun:
+    """Every rank's times as one run's, and the last rank's outputs.
+
+    A GPU's stream is its rank's (the suffix). A task every rank runs its part of (a host task,
+    a collective) spans from the last part's start to the last part's end: after everything any
+    part waited for. A send ran on both ends (pipelines only): it starts when the sender starts
+    it and ends when the receiver holds the data, or the sender's call returns if that is
+    sooner (either end may finish first), so it neither ends after what reads it starts nor
+    overlaps the sender's next send."""
     owner = np.array([max(_owner(s), 0) for s in program.streams])
     rank, ids = owner[program.column("stream")], np.arange(program.total)
     starts = np.stack([r["start"] for r in results])
