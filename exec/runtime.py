@@ -11,14 +11,12 @@ Expert-level schedules keep experts on the device besides (EP placed, EC a cache
 and a prefetch area): :mod:`taskgraph.exec.expert_cache` holds which expert lies in which slot;
 the tasks here say when they cross.
 
-Page boundaries are the cost model's byte ranges (:class:`taskgraph.dag.work.WeightLayout`) mapped to
-elements: an element belongs to the page holding its first byte, so a task never reads a page the
-graph did not make it wait for (checked at start-up).
+Where the plan's pages fall in a layer's elements, and the start-up check that a task never
+reads a page the graph did not make it wait for: :mod:`taskgraph.exec.pages`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -32,8 +30,9 @@ from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decod
                                    rotate_qkv, route, shared_experts, split_qkv)
 from taskgraph.exec.expert_cache import CachedExperts, ExpertBlocks, PlacedExperts
 from taskgraph.kernels.quant import QuantizedExperts, expert_format
-from taskgraph.kernels.weights import ModelWeights, attention_shapes, layer_sections
-from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS, WEIGHT_SECTIONS
+from taskgraph.exec.pages import check_pages, layer_pages
+from taskgraph.kernels.weights import ModelWeights
+from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS
 
 
 def runs(kind: str) -> Callable[[Callable], Callable]:
@@ -123,16 +122,11 @@ class Runtime:
         (an MoE layer, False; a dense one, True: ``self.dense[l]``), as is what this returns:
         how many elements of a layer of the class that is."""
         self.dense = [self.m.is_dense(l) for l in range(self.L)]
-        numel, self.cut, self.pages = {}, {}, {}
-        for dense in sorted(set(self.dense)):
-            layout = self.plan.layouts[dense]
-            numel[dense] = math.ceil(layout.extent_bytes / self.m.dtype_bytes)
-            self.cut[dense], self.pages[dense] = page_elements(layout, numel[dense],
-                                                               self.m.dtype_bytes)
+        numel, self.cut, self.pages = layer_pages(self.plan, self.m, set(self.dense))
         if shard is not None:          # tensor parallelism: Mixtral's layers, all alike
             numel, self.cut, self.pages = ({False: self.w.layer_numel}, {False: shard.cut},
                                            {False: shard.pages})
-        self._check_pages()
+        check_pages(self.plan, self.m, self.pages)
         if self.zero_copy:
             self.cut, self.pages = dict(numel), {dense: [] for dense in numel}
         return numel
@@ -591,49 +585,12 @@ class Runtime:
     def _pin_slot(self, s: int, l: int, page: int) -> int:
         return ((s * self.L + l) * self.plan.layout.n_pages + page) % len(self.pinned)
 
-    # --- start-up checks ---------------------------------------------------------------------
-
-    def _check_pages(self) -> None:
-        """Every element a task reads lies in a page the graph makes that task wait for."""
-        sched = self.plan.schedule
-        launched = {op.kind for op in sched.ops}
-        for dense, pages in self.pages.items():
-            layout = self.plan.layouts[dense]
-            sections = {s.name: (s.offset, s.offset + s.size)
-                        for s in layer_sections(self.m, dense)}
-            qkv, o = (tuple(name for name, _ in part) for part in attention_shapes(self.m))
-            ffn = tuple(n for n in sections if n not in (*qkv, *o))
-            groups = {"qkv": qkv, "post": (*o, *ffn), "o": o, "all": tuple(sections),
-                      # a dense layer's router task runs its MLP
-                      "route": (*o, *ffn) if dense else (*o, "router"),
-                      "shared": tuple(n for n in ffn if n.startswith("shared.")), "moe": ffn}
-            for section in {WEIGHT_SECTIONS[k] for k in launched if k in WEIGHT_SECTIONS}:
-                allowed = set(layout.pages_for(section))
-                for name in groups[section]:
-                    a, b = sections[name]
-                    for p, (lo, hi) in enumerate(pages):
-                        if lo < b and a < hi and p not in allowed:
-                            raise AssertionError(f"{name} reads page {p}, outside {allowed}")
-
-
 def _marked(cls: type) -> dict[str, str]:
     """The kinds a class's own methods marked ``@runs`` run, and those methods' names."""
     return {fn.runs: name for name, fn in vars(cls).items() if hasattr(fn, "runs")}
 
 
 Runtime.kernels = _marked(Runtime)
-
-
-def page_elements(layout: Any, numel: int, b: int) -> tuple[int, list[tuple[int, int]]]:
-    """(first streamed element, [element range of each page]) for a layer's byte layout
-    (:class:`taskgraph.dag.work.WeightLayout`) over `numel` elements of `b` bytes."""
-    cut = min(numel, math.ceil(layout.resident_bytes / b))
-    if not layout.n_pages:
-        return numel, []
-    bounds = [min(numel, math.ceil((layout.resident_bytes + p * layout.page_bytes) / b))
-              for p in range(layout.n_pages)] + [numel]
-    bounds[0] = cut
-    return cut, [(bounds[p], bounds[p + 1]) for p in range(layout.n_pages)]
 
 
 def _nothing(step: int, layer: int, index: int) -> None:

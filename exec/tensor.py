@@ -25,7 +25,8 @@ import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
-from taskgraph.exec.runtime import Runtime, page_elements, runs
+from taskgraph.exec.pages import page_elements
+from taskgraph.exec.runtime import Runtime, runs
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
