@@ -65,9 +65,6 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
     them). With `check`, each request's tokens are compared with the reference forward run on
     that request alone: batching, padding and neighbours must not change what it generates.
     `record_routing` records the first batch's router decisions (``result.routing``)."""
-    torch = need_torch()
-    from taskgraph.exec.prompts import Request as Prompt
-    from taskgraph.kernels.reference import reference_forward
     from taskgraph.serving.requests import pack_scenario
 
     t0 = time.perf_counter()
@@ -77,10 +74,7 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
                         "batches (Algorithm 2).")
         scenario = scenario.model_copy(update={
             "workload": scenario.workload.model_copy(update={"refill": False})})
-    gen = torch.Generator().manual_seed(seed + 1)
-    prompts = {r.id: Prompt(r.id, torch.randint(0, scenario.model.V, (r.prompt_len,),
-                                                generator=gen).tolist(), r.gen_len)
-               for r in scenario.requests}
+    prompts = _random_prompts(scenario, seed)
     packing = pack_scenario(scenario)
     runs: list[Execution] = []
     for b, batch in enumerate(packing.batches):
@@ -93,15 +87,44 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
         if runs[-1].run.interrupted:
             break
     outputs = [row for ex in runs for row in ex.summary.get("outputs") or []]
+    mismatched = _mismatched_alone(outputs, prompts, runs[0].weights) if check else []
+    summary = _summary(scenario, packing, runs, outputs, check, mismatched, warnings)
+    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    return QueueExecution(runs, summary)
+
+
+def _random_prompts(scenario: Scenario, seed: int) -> dict[Any, Any]:
+    """Each request's prompt: random token ids of its own length, drawn from `seed` + 1."""
+    torch = need_torch()
+    from taskgraph.exec.prompts import Request as Prompt
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {r.id: Prompt(r.id, torch.randint(0, scenario.model.V, (r.prompt_len,),
+                                             generator=gen).tolist(), r.gen_len)
+            for r in scenario.requests}
+
+
+def _mismatched_alone(outputs: list[dict[str, Any]], prompts: dict[Any, Any], weights: Any
+                      ) -> list[Any]:
+    """The requests whose tokens differ from the reference forward's on that request alone."""
+    torch = need_torch()
+    from taskgraph.kernels.reference import reference_forward
+
     mismatched = []
-    if check:
-        for row in outputs:
-            p = prompts[row["id"]]
-            alone = reference_forward(runs[0].weights.dequantized(),
-                                      torch.tensor([p.prompt_ids]), 1,
-                                      max(1, p.max_new_tokens - 1))
-            if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
-                mismatched.append(row["id"])
+    for row in outputs:
+        p = prompts[row["id"]]
+        alone = reference_forward(weights.dequantized(), torch.tensor([p.prompt_ids]), 1,
+                                  max(1, p.max_new_tokens - 1))
+        if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
+            mismatched.append(row["id"])
+    return mismatched
+
+
+def _summary(scenario: Scenario, packing: Any, runs: list[Execution],
+             outputs: list[dict[str, Any]], check: bool, mismatched: list[Any],
+             warnings: list[str]) -> dict[str, Any]:
+    """The JSON of `tg execute` on a request list: the first batch's names, the list's
+    throughput over every batch, what ran and whether each request's tokens are its own."""
     makespan = sum(ex.summary["makespan_s"] for ex in runs)
     tokens = sum(len(row["output_ids"]) for row in outputs)
     first = runs[0].summary
@@ -122,6 +145,5 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
         "outputs": outputs,
         "interrupted": any(ex.run.interrupted for ex in runs),
         "warnings": warnings + sorted({w for ex in runs for w in ex.summary["warnings"]}),
-        "wall_s": round(time.perf_counter() - t0, 3),
     })
-    return QueueExecution(runs, summary)
+    return summary
