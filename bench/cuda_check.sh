@@ -10,13 +10,17 @@
 #      and simulated (`tg validate`) with PROFILE (default: the profile step `mixtral` wrote,
 #      else the H100's of 2026-11-26);
 #   6. (`mixtral`) `tg calibrate` on Mixtral-8x7B's layers (with the batch-1 EP and EC runs
-#      that fit the expert kinds), then the held-out S1, S2, S4 validated with it, twice each.
+#      that fit the expert kinds), then the held-out S1, S2, S4 validated with it, twice each;
+#   7. (`models`) the families after Mixtral on the GPU against transformers (Qwen2/3-MoE,
+#      OLMoE, DeepSeek-V2/V3, gpt-oss) and 8- and 4-bit experts, then Qwen3-30B-A3B's layers
+#      (128 fine-grained experts, top-8) at batch 1 under EP, EC and ECP, measured and simulated
+#      with PROFILE.
 # On a lent machine, first `. bench/device_setup.sh`.
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
 #
 #     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate,mixtral,
-#                                                 experts (mixtral before experts: they run in
-#                                                 this order)
+#                                                 experts,models (mixtral before experts: they
+#                                                 run in this order)
 #     SCHEDULES="S1 S4" bash bench/cuda_check.sh ...  (the schedules `execute` runs)
 set -uo pipefail
 OUT=${1:-cuda-check}
@@ -91,6 +95,26 @@ if [[ $STEPS == *experts* ]]; then
         --repeats 1 --set policy.N=1 --set policy.mu=1 --set policy.experts_gpu=2 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-experts.json" \
         && python3 - "$OUT/validate-experts.json" <<'EOF'
+import json, sys
+for p in json.load(open(sys.argv[1]))["pairs"]:
+    print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],
+          "simulated", p["simulated"]["decode_layer_ms"], "error", p["error"]["decode_layer"])
+    print("   per kind (simulated, measured) ms:", p["per_kind_median_ms"])
+EOF
+fi
+
+if [[ $STEPS == *models* ]]; then
+    echo "== the families after Mixtral, and quantized experts, on the GPU against transformers"
+    python3 -c 'import transformers; print("transformers", transformers.__version__)'
+    python3 -m pytest -q -p no:cacheprovider -rs -k "cuda or quantized" tests/test_families.py \
+        tests/test_quantized_experts.py
+    echo "== Qwen3-30B-A3B's layers at batch 1 (128 experts, 8 a token): measured and simulated"
+    PROFILE=${PROFILE:-bench/results/h100-2026-11-26/profile-from-mixtral-2layer.yaml}
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC,ECP --mu 1 \
+        --repeats 1 --set model.preset=qwen3-30b-a3b --set model.L=2 --set policy.N=1 \
+        --set policy.mu=1 --set policy.experts_gpu=32 --set policy.prefetch=0.5 \
+        --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-qwen3.json" \
+        && python3 - "$OUT/validate-qwen3.json" <<'EOF'
 import json, sys
 for p in json.load(open(sys.argv[1]))["pairs"]:
     print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],

@@ -19,7 +19,7 @@ pytest.importorskip("safetensors")
 from taskgraph.dag.builder import make_plan  # noqa: E402
 from taskgraph.dag.compiled import compile_plan  # noqa: E402
 from taskgraph.errors import TgError  # noqa: E402
-from taskgraph.exec.dispatch import execute  # noqa: E402
+from taskgraph.exec.dispatch import CudaDevice, execute  # noqa: E402
 from taskgraph.exec.runtime import Runtime  # noqa: E402
 from taskgraph.kernels.reference import reference_forward  # noqa: E402
 from taskgraph.kernels.weights import load_safetensors  # noqa: E402
@@ -71,6 +71,8 @@ FAMILIES = {
                             num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
                             mlp_only_layers=[0], num_hidden_layers=3),
 }
+# The executor on every device this machine has; transformers always runs on the CPU, in fp32.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPT_LENS = [7, 3, 5, 6]
 STEPS = 3
 SCHEDULES = {"S1": {"r_w": 0.3}, "S3": {}, "S4": {}, "DS": {}, "S5": {},
@@ -105,7 +107,7 @@ def checkpoint(request, tmp_path_factory):
     return folder, prompts, torch.tensor(PROMPT_LENS), expected
 
 
-def _run(folder, schedule, prompts, lens, mu=2):
+def _run(folder, schedule, prompts, lens, mu=2, device="cpu"):
     n = len(lens)
     gpu_attention = schedule not in ("S1", "S2", "S3")
     policy = {"N": n, "mu": n if schedule == "DS" else mu, "A_g": int(gpu_attention),
@@ -119,16 +121,18 @@ def _run(folder, schedule, prompts, lens, mu=2):
         "policy": policy, "schedule": schedule})
     plan = make_plan(sc)
     w = load_safetensors(folder, sc.model, torch.float32)
-    rt = Runtime(plan, w, prompts, torch.device("cpu"), prompt_lens=lens, record_logits=True)
-    run = execute(compile_plan(plan), rt)
+    rt = Runtime(plan, w, prompts, torch.device(device), prompt_lens=lens, record_logits=True,
+                 pin_memory=device == "cuda")
+    run = execute(compile_plan(plan), rt, CudaDevice(torch) if device == "cuda" else None)
     assert not run.interrupted and run.failure is None, run.failure
     return rt.outputs()[0], rt.step_logits.cpu(), w
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_each_family_computes_transformers_tokens(checkpoint, schedule):
+def test_each_family_computes_transformers_tokens(checkpoint, schedule, device):
     folder, prompts, lens, expected = checkpoint
-    tokens, step_logits, w = _run(folder, schedule, prompts, lens)
+    tokens, step_logits, w = _run(folder, schedule, prompts, lens, device=device)
     for i, (hf_tokens, hf_logits) in enumerate(expected):
         assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
         torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
