@@ -584,6 +584,10 @@ class ImplementationSpec(BaseModel):
     name: str
     title: str = ""
     kinds: dict[str, KindEffect] = Field(default_factory=dict)
+    # Where it runs a process per GPU on one host they share, what its kinds reach there, in
+    # place of `kinds`' entry for the same kind: a mechanism of the shared host (ZeRO-3
+    # gathering every GPU's parameters through host memory) must not price a one-GPU run.
+    several_gpus_kinds: dict[str, KindEffect] = Field(default_factory=dict)
     # Weights cross CPU->GPU from pageable memory (the driver stages them) at
     # hardware.link.pageable_h2d_gbps instead of the pinned rate.
     pageable_weights: bool = False
@@ -597,7 +601,7 @@ class ImplementationSpec(BaseModel):
     # Where the figures come from: `tg fit` writes the data, date and error here.
     fitted: str | None = None
 
-    @field_validator("kinds")
+    @field_validator("kinds", "several_gpus_kinds")
     @classmethod
     def _known_kinds(cls, value: dict[str, KindEffect]) -> dict[str, KindEffect]:
         for kind in value:

@@ -210,3 +210,111 @@ def test_a_fit_that_does_not_converge_says_so_and_writes_nothing(tmp_path, capsy
     assert main(["fit", str(path), "--out", str(tmp_path / "out")]) == 2
     assert "did not converge" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+SMALL_BATCH = "scenarios/measurements/small-batch-fiddler-artifact.yaml"
+
+
+def test_a_published_table_reads_as_it_is_printed(tmp_path):
+    """The small-batch artifact's form: the model and precision once for the file, each cell
+    flat (batch, lengths, experts resident per layer, the CSV row it quotes), machines as the
+    artifact's folders name them, the system's own implementation profile."""
+    path = tmp_path / "m.yaml"
+    cell = {"id": "ec", "system": "Mixtral-offloading", "schedule": "EC", "machine": "Ada6000",
+            "experts_resident_per_layer": 1, "batch": 4, "prompt_len": 64, "gen_len": 8,
+            "quote": "64, 8, 4, 1.0, 32.0", "measured_tok_s": 1.29}
+    path.write_text(yaml.safe_dump({"model": "mixtral-8x7b", "precision": "bf16",
+                                    "cells": [cell, {**{k: v for k, v in cell.items()
+                                                        if k != "experts_resident_per_layer"},
+                                                     "id": "l4", "machine": "L4",
+                                                     "schedule": "DS", "system": "DeepSpeed"}]}))
+    _, (ec, ds) = load_measurements(path)
+    assert (ec.machine, ec.model, ec.implementation_name) == ("ada6000", "mixtral-8x7b",
+                                                              "mixtral-offloading")
+    assert ds.machine == "l4" and ds.implementation_name == "deepspeed"
+    sc = ec.scenario()
+    assert (sc.policy.N, sc.policy.mu, sc.policy.experts_gpu) == (4, 4, 1)
+    assert (sc.workload.prompt_len, sc.workload.gen_len) == (64, 8)
+    assert sc.implementation.name == "mixtral-offloading"
+    # a precision tg's presets do not hold is refused, naming the field
+    path.write_text(yaml.safe_dump({"model": "mixtral-8x7b", "precision": "int4",
+                                    "cells": [cell]}))
+    with pytest.raises(TgError, match="cell 'ec': precision"):
+        load_measurements(path)
+
+
+def test_the_small_batch_artifact_loads_whole():
+    source, cells = load_measurements(SMALL_BATCH)
+    assert "efeslab/fiddler" in source and len(cells) == 16
+    assert {c.machine for c in cells} == {"l4", "ada6000", "rtx-a6000"}
+    assert {c.implementation_name for c in cells} == {"deepspeed", "mixtral-offloading"}
+    assert {c.scenario().policy.experts_gpu for c in cells if c.schedule == "EC"} == {1, 3}
+
+
+def test_deepspeeds_shared_host_gather_does_not_price_one_gpu():
+    """ZeRO-3's gather through the 2xT4/4xT4 host (fitted there at 20% of each link) is that
+    host's mechanism: one GPU's gather streams at its own link's rate (issue 36)."""
+    from taskgraph.kinds import KIND_INDEX
+    from taskgraph.perf.cost import CostModel
+    from taskgraph.specs import HardwareSpec, ImplementationSpec
+
+    ds = ImplementationSpec.model_validate(presets.IMPLEMENTATIONS["deepspeed"])
+    d3 = KIND_INDEX["D3"]
+    one = CostModel(HardwareSpec.model_validate(presets.HARDWARE["t4"]), ds)
+    two = CostModel(HardwareSpec.model_validate(presets.HARDWARE["2xt4"]), ds)
+    assert one.kind_bytes_eff[d3] == 1.0
+    assert two.kind_bytes_eff[d3] == pytest.approx(0.2024)
+
+
+def test_each_mechanism_is_fitted_by_the_runs_that_inform_it():
+    """A one-GPU file fits no shared-host figure; a machine's link is fitted where DeepSpeed
+    streams every weight across it on one GPU (and only there); each system its own."""
+    _, cells = load_measurements(SMALL_BATCH)
+    names = {p.name for p in free_parameters(cells)}
+    assert {"l4 link.h2d_eff", "ada6000 link.h2d_eff", "rtx-a6000 link.h2d_eff",
+            "mixtral-offloading kinds.ExpertIn.bytes_eff"} <= names
+    assert not any("several_gpus_kinds" in n or "shared" in n for n in names)
+    ec_only = [c for c in cells if c.schedule == "EC"]
+    assert not any("link" in p.name for p in free_parameters(ec_only))
+    _, multi = load_measurements(MULTI)
+    assert "deepspeed several_gpus_kinds.D3.bytes_eff" in {p.name for p in
+                                                          free_parameters(multi)}
+
+
+def test_leave_one_out_forgets_what_only_the_left_out_cell_informed():
+    """Two machines, a cell each: leaving the T4's out, nothing else informs the T4's GEMM
+    rate, so its prediction is the model's before any fit (the datasheet figure), not the full
+    fit's, which that cell made."""
+    from taskgraph.study.fit import _LeaveOneOut
+
+    cells = [Cell.model_validate(_cell(id=m, machine=m)) for m in ("t4", "l4")]
+    params = free_parameters(cells)
+    values = [0.05 if p.name.startswith("t4") else 0.3 for p in params]
+    loo, _ = _LeaveOneOut(tuple(cells), 0, tuple(params), tuple(values), (1.0, 1.0)).run()
+    by_name = dict(zip((p.name for p in params), loo))
+    assert by_name["t4 gpu.flops_eff"] == next(p.datasheet for p in params
+                                               if p.name == "t4 gpu.flops_eff")
+
+
+def test_the_presets_predict_the_small_batch_cells():
+    """The fitted presets (one GPU: DeepSpeed's gather at the link's rate, each machine's link,
+    Mixtral-offloading's copies) against cells of the artifact, within 15%. The artifact's L4 is
+    the exception the docs name: DeepSpeed moved 10 GB/s there, where the paper's L4 machine's
+    measured link (the l4 preset) says 17."""
+    _, cells = load_measurements(SMALL_BATCH)
+    for c in cells:
+        if c.id in ("ada-ds-b1", "ada-ec-b4", "ada-ec-b16", "a6000-ds-b1"):
+            sim = simulated_tok_s(c, presets.HARDWARE, presets.IMPLEMENTATIONS)
+            assert sim == pytest.approx(c.measured_tok_s, rel=0.15), c.id
+        if c.id == "l4-ds-b1":
+            assert simulated_tok_s(c, presets.HARDWARE, presets.IMPLEMENTATIONS) > \
+                1.3 * c.measured_tok_s
+
+
+@pytest.mark.heavy
+def test_the_small_batch_fit(tmp_path, capsys):
+    """Issue 36's target for the small-batch file: leave-one-out median within 15%."""
+    assert main(["fit", SMALL_BATCH, "--out", str(tmp_path / "fit"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["summary"]
+    assert s["loo_median_abs_error"] <= 0.15
+    assert s["median_abs_error"] <= 0.10

@@ -84,7 +84,8 @@ class CostModel:
         self.handoff = hw.handoff_us * 1e-6
         # The implementation's share of those rates, and its own fixed cost, per kind.
         self.implementation = impl
-        effects = [impl.kinds.get(kind) for kind in KINDS]
+        several = impl.several_gpus_kinds if g.count > 1 else {}
+        effects = [several.get(kind) or impl.kinds.get(kind) for kind in KINDS]
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])

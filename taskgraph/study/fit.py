@@ -51,8 +51,16 @@ class Mechanism:
     start: float
     datasheet: float | None
     why: str
-    # Only where several GPUs run at once (the mechanism does nothing on one).
-    several_gpus: bool = False
+    # Which cells inform it: "any", "several" (where several GPUs run at once: the mechanism
+    # does nothing on one) or "one" (a one-GPU run's, kept apart from a shared host's).
+    gpus: str = "any"
+    # Only cells of these schedules inform it (empty: any): a machine part that one kind of
+    # run measures alone.
+    schedules: tuple[str, ...] = ()
+
+    def informed_by(self, cell: Cell) -> bool:
+        return ({"any": True, "one": cell.gpus == 1, "several": cell.gpus > 1}[self.gpus]
+                and (not self.schedules or cell.schedule in self.schedules))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +84,14 @@ MACHINE_PARAMS = {
     "host": [Mechanism(("shared", "memory_gbps"), 15.0, 140.0, 60.0, None,
                    "host memory bandwidth the GPUs' DMA, the processes' copies into pinned "
                    "memory and CPU attention share (GB/s, read plus written)",
-                   several_gpus=True)],
+                   gpus="several")],
+    # A machine's own link, measured by the runs that stream every weight across it each step
+    # and do nothing else of note: DeepSpeed's ZeRO-3 on one GPU (every layer's parameters
+    # gathered from pinned host memory, batch 1-16: the step's time barely moves with batch).
+    # The expert caches' copies on the same machine are then priced against it.
+    "link": [Mechanism(("link", "h2d_eff"), 0.1, 0.95, 0.6, 0.8,
+                       "CPU->GPU copies from pinned memory, as a share of the link's datasheet "
+                       "rate, on this machine", gpus="one", schedules=("DS",))],
 }
 IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
     "flexgen": [
@@ -87,12 +102,17 @@ IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
     "moe-lightning": [
         Mechanism(("rank_threads",), 0.5, 16.0, 4.0, None,
               "threads each of its processes (one per GPU) runs its host work with: its share "
-              "of the host's copy and CPU-attention rates", several_gpus=True),
+              "of the host's copy and CPU-attention rates", gpus="several"),
     ],
     "deepspeed": [
-        Mechanism(("kinds", "D3", "bytes_eff"), 0.02, 1.0, 0.3, 1.0,
-              "its layer-by-layer parameter gather's share of each GPU's link (ZeRO-3: fetched "
-              "module by module, gathered through host memory)"),
+        Mechanism(("several_gpus_kinds", "D3", "bytes_eff"), 0.02, 1.0, 0.3, 1.0,
+              "its layer-by-layer parameter gather's share of each GPU's link where several "
+              "GPUs gather through one host (ZeRO-3: fetched module by module, through host "
+              "memory)", gpus="several"),
+    ],
+    "mixtral-offloading": [
+        Mechanism(("kinds", "ExpertIn", "bytes_eff"), 0.02, 1.0, 0.5, 1.0,
+              "its expert copies' share of the link (each expert's tensors copied on a miss)"),
     ],
 }
 
@@ -100,17 +120,34 @@ IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
 def free_parameters(cells: list[Cell]) -> list[Param]:
     """The parameters `cells` can inform: each machine part (a GPU type, a host) once for the
     machines that share it, each system's once; a mechanism of several GPUs only where some
-    cell runs on several."""
+    cell runs on several; and only a mechanism that moves some cell's prediction (a GPU's GEMM
+    rate where every run streams weights is left as it is, not fitted to noise)."""
+    return [p for p in _candidates(cells) if _moves(p, cells)]
+
+
+def _moves(param: Param, cells: list[Cell]) -> bool:
+    """Whether the parameter at one end of its bounds rather than the other changes some
+    cell's predicted throughput by more than 1% (the ends: a rate may bind in part of its
+    range only)."""
+    mine = [c for c in cells if param.informed_by(c) and
+            (c.machine if param.section == "hardware" else c.implementation_name)
+            in param.targets]
+    low, high = (profiles([param], [v]) for v in (param.lo, param.hi))
+    return any(abs(predicted_tok_s(c, *high) / predicted_tok_s(c, *low) - 1) > 0.01
+               for c in mine)
+
+
+def _candidates(cells: list[Cell]) -> list[Param]:
     def part(machine: str, scope: str) -> str:
         hw = presets.HARDWARE[machine]
-        return hw["gpu"]["name"] if scope == "gpu" else hw["cpu"]["name"]
+        return {"gpu": hw["gpu"]["name"], "host": hw["cpu"]["name"], "link": machine}[scope]
 
     out = []
     for scope, specs in MACHINE_PARAMS.items():
         for spec in specs:
             groups: dict[str, list[str]] = {}
             for c in cells:
-                if c.gpus > 1 or not spec.several_gpus:
+                if spec.informed_by(c):
                     groups.setdefault(part(c.machine, scope), []).append(c.machine)
             out += [Param(section="hardware", targets=tuple(sorted(set(ms))), **asdict(spec))
                     for _, ms in sorted(groups.items())]
@@ -118,7 +155,7 @@ def free_parameters(cells: list[Cell]) -> list[Param]:
         mine = [c for c in cells if c.implementation_name == impl]
         out += [Param(section="implementation", targets=(impl,), **asdict(spec))
                 for spec in IMPLEMENTATION_PARAMS.get(impl, [])
-                if not spec.several_gpus or any(c.gpus > 1 for c in mine)]
+                if any(spec.informed_by(c) for c in mine)]
     return out
 
 
@@ -284,7 +321,8 @@ class FitReport(Shown):
     params: list[Param]
     values: np.ndarray
     cells: list[CellReport]
-    loo_values: list[np.ndarray] = field(default_factory=list)
+    # Each leave-one-out refit's values (None: a field left out, as before any fit).
+    loo_values: list[list[float | None]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
 
     def to_dict(self) -> dict[str, Any]:
@@ -403,7 +441,7 @@ class _LeaveOneOut:
     values: tuple[float, ...]           # the full fit's
     corrections: tuple[float, ...]      # the full fit's, per cell
 
-    def run(self) -> tuple[np.ndarray, float]:
+    def run(self) -> tuple[list[float | None], float]:
         rest = list(self.cells[:self.i] + self.cells[self.i + 1:])
         rest_params = free_parameters(rest)
         found = {}
@@ -411,8 +449,9 @@ class _LeaveOneOut:
             sub = fit(rest, rest_params, rounds=0,
                       corrections=np.delete(np.array(self.corrections), self.i))
             found = dict(zip((p.name for p in rest_params), sub.values))
-        # a parameter the other cells do not touch keeps the full fit's value
-        values = np.array([found.get(p.name, v) for p, v in zip(self.params, self.values)])
+        # A parameter no other cell informs is the model's before any fit (its datasheet
+        # value; None leaves the field out): the full fit's value would be the left-out cell's.
+        values = [found.get(p.name, p.datasheet) for p in self.params]
         machines, impls = profiles(list(self.params), values)
         return values, simulated_tok_s(self.cells[self.i], machines, impls)
 

@@ -16,7 +16,7 @@ all the same (the run happened); the fit report says which memory and by how muc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -40,6 +40,8 @@ class CellPolicy(BaseModel):
     # None: as the schedule places them (0 unless it decides otherwise).
     r_w: float | None = Field(default=None, ge=0.0, le=1.0)
     r_c: float | None = Field(default=None, ge=0.0, le=1.0)
+    # An expert-level schedule's experts kept on the GPU, per layer.
+    experts_gpu: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _batch(self) -> "CellPolicy":
@@ -76,10 +78,37 @@ class Cell(BaseModel):
     schedule: str
     machine: str
     model: str
-    implementation: str | None = None      # default: the schedule's
-    workload: dict[str, Any]
+    # The weights' precision where the source states it: 16-bit (fp16 or bf16, the bytes
+    # tg's presets count) is all a measurements file may name today.
+    precision: Literal["fp16", "bf16"] | None = None
+    implementation: str | None = None      # default: the system's, else the schedule's
+    workload: dict[str, Any] = Field(default_factory=dict)
     policy: CellPolicy
     measured_tok_s: float = Field(gt=0, allow_inf_nan=False)
+    # The source's own words for the figure (a CSV row, a sentence), kept for the reader.
+    quote: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_published(cls, raw: Any) -> Any:
+        """A cell as a published table gives it, flat: `batch`, `prompt_len`, `gen_len` and
+        `experts_resident_per_layer` beside the id are the policy's and workload's fields."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        policy = raw.get("policy", {})
+        workload = raw.get("workload", {})
+        for flat, inner in (("batch", "batch"), ("experts_resident_per_layer", "experts_gpu")):
+            if flat in raw and isinstance(policy, dict):
+                policy = {**policy, inner: raw.pop(flat)}
+        for flat in ("prompt_len", "gen_len"):
+            if flat in raw and isinstance(workload, dict):
+                workload = {**workload, flat: raw.pop(flat)}
+        if policy != {} or "policy" in raw:
+            raw["policy"] = policy
+        if workload != {} or "workload" in raw:
+            raw["workload"] = workload
+        return raw
 
     @field_validator("schedule")
     @classmethod
@@ -92,11 +121,15 @@ class Cell(BaseModel):
     @field_validator("machine", "model", "implementation")
     @classmethod
     def _preset(cls, name: str | None, info) -> str | None:
+        """A preset's name, in any case (a source's "L4" is the preset l4)."""
         table = {"machine": presets.HARDWARE, "model": presets.MODELS,
                  "implementation": presets.IMPLEMENTATIONS}[info.field_name]
-        if name is not None and name not in table:
+        if name is None or name in table:
+            return name
+        same = [known for known in table if known.lower() == name.lower()]
+        if not same:
             raise ValueError(f"{_quote(name)} is not a preset ({', '.join(table)})")
-        return name
+        return same[0]
 
     @field_validator("workload")
     @classmethod
@@ -130,7 +163,8 @@ class Cell(BaseModel):
 
     @property
     def implementation_name(self) -> str:
-        return self.implementation or SCHEDULES[self.schedule].implementation
+        return (self.implementation or presets.SYSTEMS.get(self.system)
+                or SCHEDULES[self.schedule].implementation)
 
     def scenario_doc(self, hardware: dict[str, Any], implementation: dict[str, Any]
                      ) -> dict[str, Any]:
@@ -141,10 +175,15 @@ class Cell(BaseModel):
             workload = {**presets.WORKLOADS[name], **workload}
         N, mu = self.policy.sequences(presets.HARDWARE[self.machine]["gpu"]["count"])
         policy = dict(N=N, mu=mu, A_g=int(SCHEDULES[self.schedule].attention == "gpu"),
-                      **{k: v for k, v in (("r_w", self.policy.r_w), ("r_c", self.policy.r_c))
+                      **{k: v for k, v in (("r_w", self.policy.r_w), ("r_c", self.policy.r_c),
+                                           ("experts_gpu", self.policy.experts_gpu))
                          if v is not None})
         return dict(name=self.id, model=self.model, hardware=hardware, workload=workload,
                     policy=policy, schedule=self.schedule, implementation=implementation)
+
+
+#: The cell fields a measurements file may give once, for all its cells.
+FILE_DEFAULTS = ("model", "precision")
 
 
 def _quote(value: Any, limit: int = 60) -> str:
@@ -163,12 +202,14 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
         raise TgError(f"The measurements file '{path}' must be a mapping with a non-empty list "
                       "'cells' (see shared/measurements/ for the format).")
     plain_text(doc, f"The measurements file '{path}'")
+    # What every cell shares, given once at the top of the file (a cell's own value wins).
+    shared = {k: doc[k] for k in FILE_DEFAULTS if k in doc}
     cells, seen = [], set()
     for number, raw in enumerate(doc["cells"], 1):
         label = (f"cell {_quote(raw['id'])}" if isinstance(raw, dict)
                  and isinstance(raw.get("id"), str) else f"cell #{number}")
         try:
-            cell = Cell.model_validate(raw)
+            cell = Cell.model_validate({**shared, **raw} if isinstance(raw, dict) else raw)
         except ValidationError as err:
             e = err.errors()[0]
             field = ".".join(str(p) for p in e["loc"]) or "the cell"
