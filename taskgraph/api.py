@@ -35,7 +35,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from taskgraph.errors import TgError
 from taskgraph.specs import Scenario
@@ -358,26 +358,32 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
 
 
 @verb(out=Folder(("report.json", "cells.csv", "parity.png")))
-def fit(measurements: str | Path, *, out: str | Path | None = None, loo: bool = True,
-        backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
+def fit(measurements: str | Path | Sequence[str | Path], *, out: str | Path | None = None,
+        loo: bool = True, leave_out: str = "cell", backend: str = "pool",
+        ray_address: str | None = None, progress: Progress = None):
     """`tg fit`: fit machine and implementation profiles to measured throughputs. By
-    simulation, from end-to-end measurements (the format of shared/measurements/); each cell's
-    error and leave-one-out error.
+    simulation, from end-to-end measurements (the format of shared/measurements/): one file, or
+    several fitted as one parameter set where their machines and systems share parts; each
+    cell's error and leave-one-out error, and each file's.
 
     Returns a :class:`~taskgraph.study.fit.FitReport`.
 
     Args:
         out: folder for the fitted profiles, report.json, cells.csv and parity.png
         loo: refit without each cell in turn, for its leave-one-out error (default: True)
+        leave_out: what each leave-one-out refit leaves out: a cell, a measurements file or a
+            machine (default: cell)
     """
     import datetime
 
     from taskgraph.study.fit import run_fit, write_fit
-    from taskgraph.study.measurements import load_measurements
+    from taskgraph.study.measurements import load_many
 
     jobs = _backend(backend, ray_address)
-    source, cells = load_measurements(measurements)
-    report = run_fit(source, cells, loo=loo, progress=progress, backend=jobs)
+    paths = [measurements] if isinstance(measurements, (str, os.PathLike)) else list(measurements)
+    source, cells = load_many(paths)
+    report = run_fit(source, cells, loo=loo, leave_out=leave_out, progress=progress,
+                     backend=jobs)
     if out is not None:
         write_fit(report, out, datetime.date.today().isoformat())
     return report

@@ -14,7 +14,7 @@ from taskgraph import presets
 from taskgraph.cli import main
 from taskgraph.errors import TgError
 from taskgraph.study.fit import free_parameters, profiles, run_fit, simulated_tok_s
-from taskgraph.study.measurements import Cell, load_measurements
+from taskgraph.study.measurements import Cell, load_many, load_measurements
 
 TABLE4 = "scenarios/measurements/moe-lightning-table4.yaml"
 
@@ -284,13 +284,12 @@ def test_each_mechanism_is_fitted_by_the_runs_that_inform_it():
 def test_leave_one_out_forgets_what_only_the_left_out_cell_informed():
     """Two machines, a cell each: leaving the T4's out, nothing else informs the T4's GEMM
     rate, so its prediction is the model's before any fit (the datasheet figure), not the full
-    fit's, which that cell made."""
-    from taskgraph.study.fit import _LeaveOneOut
+    fit's (as it was before 2026-11-27), which that cell made."""
+    from taskgraph.study.fit import _LeaveOut
 
     cells = [Cell.model_validate(_cell(id=m, machine=m)) for m in ("t4", "l4")]
     params = free_parameters(cells)
-    values = [0.05 if p.name.startswith("t4") else 0.3 for p in params]
-    loo, _ = _LeaveOneOut(tuple(cells), 0, tuple(params), tuple(values), (1.0, 1.0)).run()
+    loo, _ = _LeaveOut(tuple(cells), (0,), tuple(params), (1.0, 1.0)).run()
     by_name = dict(zip((p.name for p in params), loo))
     assert by_name["t4 gpu.flops_eff"] == next(p.datasheet for p in params
                                                if p.name == "t4 gpu.flops_eff")
@@ -318,3 +317,45 @@ def test_the_small_batch_fit(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)["summary"]
     assert s["loo_median_abs_error"] <= 0.15
     assert s["median_abs_error"] <= 0.10
+
+
+def test_several_files_fit_as_one_and_each_is_left_out_whole(tmp_path, capsys):
+    """Two files, a machine each: one parameter set, each file's errors apart, and leaving a
+    file out leaves its machine's GEMM rate to the datasheet (nothing else informs it)."""
+    files = []
+    for m in ("t4", "l4"):
+        path = tmp_path / f"{m}.yaml"
+        path.write_text(yaml.safe_dump({"source": f"{m} runs", "cells": [
+            _cell(id=f"{m}-{n}", machine=m, policy={"mu": 8, "n_ub": n},
+                  measured_tok_s=8.0 + n) for n in (2, 4)]}))
+        files.append(str(path))
+    assert main(["fit", *files, "--leave-out", "file", "--out", str(tmp_path / "out"),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["summary"]
+    assert s["leave_out"] == "file" and sorted(s["by_file"]) == sorted(files)
+    assert all(e["cells"] == 2 and e["loo_median_abs_error"] is not None
+               for e in s["by_file"].values())
+    assert out["source"] == "t4 runs + l4 runs"
+    report = run_fit(*load_many(files), leave_out="file")
+    names = [p.name for p in report.params]
+    t4 = names.index("t4 gpu.flops_eff")
+    assert report.loo_values[files[0]][t4] == report.params[t4].datasheet
+    # a machine left out is the same here: each file is one machine
+    by_machine = run_fit(*load_many(files), leave_out="machine")
+    assert sorted(by_machine.loo_values) == ["l4", "t4"]
+    assert [r.loo for r in by_machine.cells] == [r.loo for r in report.cells]
+    # the table a person reads says what was left out, and each file's errors
+    assert main(["fit", *files, "--leave-out", "file", "--out", str(tmp_path / "o2")]) == 0
+    err = capsys.readouterr().err
+    assert "leaving each file out" in err and f"{files[0]}: median |error|" in err
+
+
+def test_a_cell_id_names_one_cell_across_files(tmp_path, capsys):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for path in (a, b):
+        path.write_text(yaml.safe_dump({"cells": [_cell(), _cell(id="d")]}))
+    assert main(["fit", str(a), str(b), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"'{b}' and '{a}' both have a cell called 'c'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

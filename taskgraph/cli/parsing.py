@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
 
     def command(name: str, json: bool = True, schedule: bool = False,
                 scenario: str = "scenario", default: str | None = None,
-                device: str | None = None) -> argparse.ArgumentParser:
+                device: str | None = None, several: bool = False) -> argparse.ArgumentParser:
         """`tg name`, run by verbs.name; its help and its options' from api.name's docstring."""
         help, description = _summary(name, getattr(api, name))
         c = sub.add_parser(name, help=help, description=description,
@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
         if default:
             c.add_argument(scenario, nargs="?", default=default, help="a scenario whose model "
                            "shapes the executor runs (default: %(default)s)")
+        elif several:
+            c.add_argument(scenario, nargs="+", help=f"{scenario} YAML file(s)")
         else:
             c.add_argument(scenario, help=f"{scenario} YAML file")
         if scenario == "scenario":
@@ -117,10 +119,12 @@ def parser() -> argparse.ArgumentParser:
     c = command("calibrate", default="scenarios/tiny.yaml", device="cpu")
     c.add_argument("--out", required=True)
 
-    c = command("fit", scenario="measurements")
+    c = command("fit", scenario="measurements", several=True)
     c.add_argument("--out", required=True, metavar="DIR")
     c.add_argument("--no-loo", dest="loo", action="store_false",
                    help="skip leave-one-out refits")
+    c.add_argument("--leave-out", choices=["cell", "file", "machine"], default="cell",
+                   help="what each leave-one-out refit leaves out (default: %(default)s)")
     _backend_args(c)
 
     c = command("validate", device="cpu")
@@ -217,7 +221,9 @@ def check_outputs(args: argparse.Namespace) -> None:
     the perfetto package."""
     outputs = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()
                if isinstance(v, files.Output)}
-    inputs = [getattr(args, a, None) for a in ("scenario", "measurements", "prompts")]
-    files.check_outputs(outputs, [p for p in inputs if p])
+    given = [getattr(args, a, None) for a in ("scenario", "measurements", "prompts")]
+    inputs = [p for p in given if isinstance(p, str)] + [
+        p for many in given if isinstance(many, list) for p in many]   # tg fit's several files
+    files.check_outputs(outputs, inputs)
     if (getattr(args, "trace", None) or "").endswith(".pftrace"):
         require_perfetto()

@@ -348,13 +348,18 @@ def fit_table(report) -> tuple[Table, Table, Table]:
     wrong = [k for k, v in s["rankings"].items() if not v["right"]]
     ranks = (f"right in all {len(s['rankings'])} settings" if not wrong else
              f"WRONG in {len(wrong)} of {len(s['rankings'])}: " + "; ".join(wrong))
-    loo = (f", leave-one-out {s['loo_median_abs_error']:.1%} (max {s['loo_max_abs_error']:.1%})"
-           if s["loo_median_abs_error"] is not None else ", no leave-one-out")
-    cells = Table(title=f"tg fit {report.source}: median |error| {s['median_abs_error']:.1%} "
-                        f"(max {s['max_abs_error']:.1%}){loo}",
+    def errors(e: dict) -> str:
+        loo = (f", {left} {e['loo_median_abs_error']:.1%} (max {e['loo_max_abs_error']:.1%})"
+               if e["loo_median_abs_error"] is not None else ", no leave-one-out")
+        return f"median |error| {e['median_abs_error']:.1%} (max {e['max_abs_error']:.1%}){loo}"
+
+    left = ("leave-one-out" if s["leave_out"] == "cell" else
+            f"leaving each {s['leave_out']} out")
+    by_file = "".join(f"\n{f}: {errors(e)}" for f, e in s.get("by_file", {}).items())
+    cells = Table(title=f"tg fit {report.source}: {errors(s)}",
                   title_justify="left", caption=f"ranking of systems within each setting: "
-                                                f"{ranks}", caption_justify="left")
-    for col in ("cell", "sched", "measured tok/s", "simulated", "error", "leave-one-out",
+                                                f"{ranks}{by_file}", caption_justify="left")
+    for col in ("cell", "sched", "measured tok/s", "simulated", "error", left,
                 "error", "datasheet only", "error"):
         cells.add_column(col, justify="left" if col == "cell" else "right")
     for r in report.cells:
@@ -386,8 +391,9 @@ def _label(r) -> str:
     w, c = r.cell.workload, r.cell
     if not c.system:
         return c.id
+    batch = f"batch {c.policy.batch}" if c.policy.batch is not None else ""
     return " ".join(str(x) for x in (c.machine, w.get("preset", ""), w.get("gen_len", ""),
-                                     c.system) if x != "")
+                                     batch, c.system) if x != "")
 
 
 def batch_table(scenario: Any, packing: Any) -> Table:

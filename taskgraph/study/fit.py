@@ -290,7 +290,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
 class CellReport:
     cell: Cell
     simulated: float = math.nan
-    loo: float = math.nan           # simulated after a refit without this cell
+    loo: float = math.nan           # simulated after a refit without this cell's group
     datasheet: float = math.nan     # simulated on the presets before any fitting
     # At the fitted values: what binds prefill and decode, and what share of each phase the
     # host's shared pools were in use.
@@ -321,8 +321,10 @@ class FitReport(Shown):
     params: list[Param]
     values: np.ndarray
     cells: list[CellReport]
-    # Each leave-one-out refit's values (None: a field left out, as before any fit).
-    loo_values: list[list[float | None]] = field(default_factory=list)
+    # What each leave-one-out refit leaves out: a cell, a measurements file or a machine.
+    leave_out: str = "cell"
+    # Each leave-one-out refit's values (None: a field left out, as before any fit), by group.
+    loo_values: dict[str, list[float | None]] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
 
     def to_dict(self) -> dict[str, Any]:
@@ -346,15 +348,15 @@ class FitReport(Shown):
                 if v <= p.lo * 1.001 or v >= p.hi * 0.999]
 
     def summary(self) -> dict[str, Any]:
-        """Median and worst |error|, in-sample and left out (None without leave-one-out)."""
-        err = np.abs([r.error for r in self.cells])
-        loo = np.abs([r.loo_error for r in self.cells])
-        done = bool(np.isfinite(loo).all())
-        return {"cells": len(self.cells), "median_abs_error": float(np.median(err)),
-                "max_abs_error": float(err.max()),
-                "loo_median_abs_error": float(np.median(loo)) if done else None,
-                "loo_max_abs_error": float(loo.max()) if done else None,
-                "rankings": rankings(self.cells)}
+        """Median and worst |error|, in-sample and left out (None without leave-one-out), over
+        every cell and, in a fit of several files, over each file's."""
+        out = {**_errors(self.cells), "leave_out": self.leave_out,
+               "rankings": rankings(self.cells)}
+        files = sorted({r.cell.file for r in self.cells})
+        if len(files) > 1:
+            out["by_file"] = {f: _errors([r for r in self.cells if r.cell.file == f])
+                              for f in files}
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -372,6 +374,21 @@ class FitReport(Shown):
                       for r in self.cells],
             "summary": self.summary(),
         }
+
+
+def _errors(cells: list[CellReport]) -> dict[str, Any]:
+    err = np.abs([r.error for r in cells])
+    loo = np.abs([r.loo_error for r in cells])
+    done = bool(np.isfinite(loo).all())
+    return {"cells": len(cells), "median_abs_error": float(np.median(err)),
+            "max_abs_error": float(err.max()),
+            "loo_median_abs_error": float(np.median(loo)) if done else None,
+            "loo_max_abs_error": float(loo.max()) if done else None}
+
+
+#: What a leave-one-out refit may leave out, and each cell's group under it.
+LEAVE_OUT: dict[str, Callable[[Cell], str]] = {
+    "cell": lambda c: c.id, "file": lambda c: c.file, "machine": lambda c: c.machine}
 
 
 def _finite(x: float) -> float | None:
@@ -396,14 +413,20 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
 
 
 def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None] | None = None,
-            loo: bool = True, backend: Backend = LOCAL) -> FitReport:
+            loo: bool = True, backend: Backend = LOCAL, leave_out: str = "cell") -> FitReport:
     """Fit on every cell, report each cell's simulation, its leave-one-out prediction and what
-    the unfitted presets simulated. `progress(done, total)`: the datasheet simulations, the
-    fit, then each leave-one-out refit as it finishes."""
-    if loo and len(cells) < 2:
-        raise TgError("Leave-one-out refits without each cell in turn: it needs at least two "
-                      "cells (or give --no-loo).")
-    total = 2 + (len(cells) if loo else 0)
+    the unfitted presets simulated. Leave-one-out refits without each `leave_out` in turn (a
+    cell, a measurements file, a machine) and predicts its cells. `progress(done, total)`: the
+    datasheet simulations, the fit, then each leave-one-out refit as it finishes."""
+    if leave_out not in LEAVE_OUT:
+        raise TgError(f"leave_out = {leave_out!r}: it is one of {', '.join(LEAVE_OUT)}.")
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(cells):
+        groups.setdefault(LEAVE_OUT[leave_out](c), []).append(i)
+    if loo and len(groups) < 2:
+        raise TgError(f"Leave-one-out refits without each {leave_out} in turn: it needs at "
+                      f"least two (or give --no-loo).")
+    total = 2 + (len(groups) if loo else 0)
     tick = progress or (lambda done, total: None)
     params = free_parameters(cells)
     reports = [CellReport(c, memory=c.memory_note()) for c in cells]
@@ -419,41 +442,41 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
         r.simulated = float(sim["throughput_tok_s"])
         r.bound_by, r.shared = sim["bound_by"], sim["shared"]
     tick(2, total)
-    report = FitReport(source, params, result.values, reports)
+    report = FitReport(source, params, result.values, reports, leave_out=leave_out)
     if loo:
-        jobs = [_LeaveOneOut(tuple(cells), i, tuple(params), tuple(result.values),
-                             tuple(result.corrections)) for i in range(len(cells))]
+        jobs = [_LeaveOut(tuple(cells), tuple(left), tuple(params), tuple(result.corrections))
+                for left in groups.values()]
         done = run_jobs(jobs, backend, lambda k, n: tick(2 + k, total))
-        for r, (values, tok_s) in zip(reports, done):
-            report.loo_values.append(values)
-            r.loo = tok_s
+        for group, left, (values, tok_s) in zip(groups, groups.values(), done):
+            report.loo_values[group] = values
+            for i, x in zip(left, tok_s):
+                reports[i].loo = x
     return report
 
 
 @dataclass(frozen=True)
-class _LeaveOneOut:
-    """Refit without cell `i` (the predictor with the full fit's corrections), then simulate
-    it at the values found."""
+class _LeaveOut:
+    """Refit without the cells `left` (the predictor with the full fit's corrections), then
+    simulate them at the values found."""
 
     cells: tuple[Cell, ...]
-    i: int
+    left: tuple[int, ...]
     params: tuple[Param, ...]
-    values: tuple[float, ...]           # the full fit's
     corrections: tuple[float, ...]      # the full fit's, per cell
 
-    def run(self) -> tuple[list[float | None], float]:
-        rest = list(self.cells[:self.i] + self.cells[self.i + 1:])
+    def run(self) -> tuple[list[float | None], list[float]]:
+        rest = [c for i, c in enumerate(self.cells) if i not in self.left]
         rest_params = free_parameters(rest)
         found = {}
         if rest_params:
             sub = fit(rest, rest_params, rounds=0,
-                      corrections=np.delete(np.array(self.corrections), self.i))
+                      corrections=np.delete(np.array(self.corrections), list(self.left)))
             found = dict(zip((p.name for p in rest_params), sub.values))
         # A parameter no other cell informs is the model's before any fit (its datasheet
-        # value; None leaves the field out): the full fit's value would be the left-out cell's.
+        # value; None leaves the field out): the full fit's value would be the left-out cells'.
         values = [found.get(p.name, p.datasheet) for p in self.params]
         machines, impls = profiles(list(self.params), values)
-        return values, simulated_tok_s(self.cells[self.i], machines, impls)
+        return values, [simulated_tok_s(self.cells[i], machines, impls) for i in self.left]
 
 
 def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:

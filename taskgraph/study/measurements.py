@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from taskgraph import presets
 from taskgraph.dag.builder import make_plan
@@ -87,6 +88,12 @@ class Cell(BaseModel):
     measured_tok_s: float = Field(gt=0, allow_inf_nan=False)
     # The source's own words for the figure (a CSV row, a sentence), kept for the reader.
     quote: str | None = Field(default=None, max_length=2000)
+    # The measurements file the cell came from (set by the loader, not by the file).
+    _file: str = PrivateAttr(default="")
+
+    @property
+    def file(self) -> str:
+        return self._file
 
     @model_validator(mode="before")
     @classmethod
@@ -224,5 +231,23 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
         except TgError as err:
             raise TgError(f"Measurements '{path}', {label} is not a scenario tg can run: "
                           f"{err}") from None
+        cell._file = str(path)
         cells.append(cell)
     return str(doc.get("source", path)), cells
+
+
+def load_many(paths: list[str | Path]) -> tuple[str, list[Cell]]:
+    """(sources joined, cells) from several measurements files, fitted as one: a cell's id
+    must name it across them all."""
+    sources, cells, seen = [], [], {}
+    for path in paths:
+        source, mine = load_measurements(path)
+        for cell in mine:
+            if cell.id in seen:
+                raise TgError(f"Measurements '{path}' and '{seen[cell.id]}' both have a cell "
+                              f"called {_quote(cell.id)}: a cell's id must name it in a fit of "
+                              "several files.")
+            seen[cell.id] = path
+        sources.append(source)
+        cells += mine
+    return " + ".join(sources), cells
