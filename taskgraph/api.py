@@ -357,7 +357,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     return result
 
 
-@verb(out=Folder(("report.json", "cells.csv", "parity.png")))
+@verb(out=Folder(("report.json", "cells.csv", "parity.png", "steps.png")))
 def fit(measurements: str | Path | Sequence[str | Path], *, out: str | Path | None = None,
         loo: bool = True, leave_out: str = "cell", backend: str = "pool",
         ray_address: str | None = None, progress: Progress = None):
@@ -369,7 +369,8 @@ def fit(measurements: str | Path | Sequence[str | Path], *, out: str | Path | No
     Returns a :class:`~taskgraph.study.fit.FitReport`.
 
     Args:
-        out: folder for the fitted profiles, report.json, cells.csv and parity.png
+        out: folder for the fitted profiles, report.json, cells.csv, parity.png and (where
+            runs differ only in generation length) steps.png
         loo: refit without each cell in turn, for its leave-one-out error (default: True)
         leave_out: what each leave-one-out refit leaves out: a cell, a measurements file or a
             machine (default: cell)

@@ -359,3 +359,31 @@ def test_a_cell_id_names_one_cell_across_files(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"'{b}' and '{a}' both have a cell called 'c'" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_runs_that_differ_in_generation_length_give_prefill_and_step_times(tmp_path, capsys):
+    """Three runs of one policy at 8, 16 and 32 tokens, made to measure 100 s of prefill and
+    2 s a step then 3 s a step: the report recovers those from their throughputs, sets the
+    simulated differences beside them, and draws them (steps.png)."""
+    cells = []
+    for gen, run_s in ((8, 100 + 8 * 2), (16, 100 + 16 * 2), (32, 100 + 16 * 2 + 16 * 3)):
+        cells.append(_cell(id=f"g{gen}", workload={"preset": "helm-reasoning", "gen_len": gen,
+                                                   "padded": True},
+                           measured_tok_s=32 * gen / run_s))
+    cells.append(_cell(id="other", policy={"mu": 8, "n_ub": 2}))    # another policy: alone
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"cells": cells}))
+    assert main(["fit", str(path), "--no-loo", "--out", str(tmp_path / "out"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (group,) = out["phases"]
+    assert group["cells"] == ["g8", "g16", "g32"]
+    assert group["prefill_s"]["measured"] == pytest.approx(100)
+    assert [s["measured_s"] for s in group["steps"]] == pytest.approx([2, 3])
+    assert [(s["from_gen"], s["to_gen"]) for s in group["steps"]] == [(8, 16), (16, 32)]
+    assert all(s["simulated_s"] > 0 for s in group["steps"])
+    from tests.helpers import assert_drawn
+    assert_drawn(tmp_path / "out" / "steps.png")
+    # what a person reads: the same figures in a table
+    assert main(["fit", str(path), "--no-loo", "--out", str(tmp_path / "o2")]) == 0
+    err = capsys.readouterr().err
+    assert "prefill (extrapolated)" in err and "a step, 16-32 generated" in err

@@ -363,7 +363,7 @@ def fit_table(report) -> tuple[Table, Table, Table]:
                 "error", "datasheet only", "error"):
         cells.add_column(col, justify="left" if col == "cell" else "right")
     for r in report.cells:
-        cells.add_row(_label(r), r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
+        cells.add_row(cell_label(r.cell), r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
                       f"{r.simulated:.2f}", f"{r.error:+.1%}", f"{r.loo:.2f}",
                       f"{r.loo_error:+.1%}", f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
     pools = sorted({p for r in report.cells for p in r.shared})
@@ -373,7 +373,7 @@ def fit_table(report) -> tuple[Table, Table, Table]:
                 "memory"):
         binds.add_column(col, justify="left" if col in ("cell", "memory") else "right")
     for r in report.cells:
-        binds.add_row(_label(r), r.bound_by.get("prefill", ""), r.bound_by.get("decode", ""),
+        binds.add_row(cell_label(r.cell), r.bound_by.get("prefill", ""), r.bound_by.get("decode", ""),
                       *(f"{r.shared[p]['decode']:.0%}" if p in r.shared else "" for p in pools),
                       "over: " + r.memory.split(":")[0] if r.memory else "fits")
     values = Table(title="fitted parameters", title_justify="left")
@@ -386,14 +386,35 @@ def fit_table(report) -> tuple[Table, Table, Table]:
     return cells, binds, values
 
 
-def _label(r) -> str:
-    """A fit cell as a reader names it: machine, workload, generated tokens, system."""
-    w, c = r.cell.workload, r.cell
+def phases_table(phases: list[dict]) -> Table:
+    """Prefill and the time per decode step between generation lengths, measured (from runs
+    that differ only in how many tokens they generate) and simulated."""
+    t = Table(title="prefill and decode as measured: runs that differ only in generation "
+                    "length, their times' differences", title_justify="left")
+    for col in ("cells", "phase", "context", "measured s", "simulated s", "error"):
+        t.add_column(col, justify="left" if col in ("cells", "phase") else "right")
+    for group in phases:
+        p = group["prefill_s"]
+        rows = [("prefill (extrapolated)", "", p["measured"], p["simulated"])] + [
+            (f"a step, {s['from_gen']}-{s['to_gen']} generated", f"{s['context']:.0f}",
+             s["measured_s"], s["simulated_s"]) for s in group["steps"]]
+        for i, (phase, context, measured, simulated) in enumerate(rows):
+            error = f"{simulated / measured - 1:+.0%}" if measured > 0 else "(measured < 0)"
+            t.add_row(group["label"] if i == 0 else "", phase, context, f"{measured:.3g}",
+                      f"{simulated:.3g}", error)
+    return t
+
+
+def cell_label(c, gen: bool = True) -> str:
+    """A measured cell as a reader names it: machine, workload, generated tokens (unless not
+    `gen`), batch, system."""
+    w = c.workload
     if not c.system:
         return c.id
     batch = f"batch {c.policy.batch}" if c.policy.batch is not None else ""
-    return " ".join(str(x) for x in (c.machine, w.get("preset", ""), w.get("gen_len", ""),
-                                     batch, c.system) if x != "")
+    return " ".join(str(x) for x in (c.machine, w.get("preset", ""),
+                                     w.get("gen_len", "") if gen else "", batch, c.system)
+                    if x != "")
 
 
 def batch_table(scenario: Any, packing: Any) -> Table:

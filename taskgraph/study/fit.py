@@ -33,7 +33,7 @@ import numpy as np
 from taskgraph import presets
 from taskgraph.errors import TgError
 from taskgraph.files import Output, atomic_path, check_outputs
-from taskgraph.output.report import Shown, fit_table
+from taskgraph.output.report import Shown, cell_label, fit_table, phases_table
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.study.measurements import Cell
 
@@ -334,6 +334,8 @@ class FitReport(Shown):
         from rich.text import Text
 
         yield from fit_table(self)
+        if steps := phases(self.cells):
+            yield phases_table(steps)
         for r in self.cells:
             if r.memory:
                 yield Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory model "
@@ -373,6 +375,7 @@ class FitReport(Shown):
                        "bound_by": r.bound_by, "shared": r.shared, "memory": r.memory}
                       for r in self.cells],
             "summary": self.summary(),
+            "phases": phases(self.cells),
         }
 
 
@@ -409,6 +412,49 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
         measured = [r.cell.id for r in sorted(rs, key=lambda r: -r.cell.measured_tok_s)]
         simulated = [r.cell.id for r in sorted(rs, key=lambda r: -r.simulated)]
         out[key] = {"right": measured == simulated, "measured": measured}
+    return out
+
+
+def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
+    """Prefill and decode as the measurements show them: where cells differ only in how many
+    tokens they generate (one machine, system, policy and prompts), their run times' differences
+    are the time of the decode steps between, and the first run less its steps at that rate
+    its prefill. The same differences of the simulated runs beside them."""
+    groups: dict[str, list[CellReport]] = {}
+    for r in cells:
+        c = r.cell
+        workload = {k: v for k, v in c.workload.items() if k != "gen_len"}
+        key = repr((c.machine, c.system, c.schedule, c.implementation_name,
+                    c.policy.model_dump(), sorted(workload.items())))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        rs = sorted(rs, key=lambda r: r.cell.workload["gen_len"])
+        gens = [r.cell.workload["gen_len"] for r in rs]
+        if len(set(gens)) != len(gens) or len(gens) < 2:
+            continue
+        sc = rs[0].cell.scenario()
+        tokens = sc.policy.N          # sequences, each generating gen_len tokens
+
+        def run_s(r: CellReport, tok_s: float) -> float:
+            return tokens * r.cell.workload["gen_len"] / tok_s
+
+        steps = []
+        for a, b in zip(rs, rs[1:]):
+            ga, gb = a.cell.workload["gen_len"], b.cell.workload["gen_len"]
+            steps.append({
+                "from_gen": ga, "to_gen": gb, "context": sc.workload.prompt_len + (ga + gb) / 2,
+                "measured_s": (run_s(b, b.cell.measured_tok_s)
+                               - run_s(a, a.cell.measured_tok_s)) / (gb - ga),
+                "simulated_s": (run_s(b, b.simulated) - run_s(a, a.simulated)) / (gb - ga)})
+        first = rs[0]
+        g0 = gens[0]
+        out.append({
+            "label": cell_label(first.cell, gen=False), "cells": [r.cell.id for r in rs],
+            "prefill_s": {
+                "measured": run_s(first, first.cell.measured_tok_s) - g0 * steps[0]["measured_s"],
+                "simulated": run_s(first, first.simulated) - g0 * steps[0]["simulated_s"]},
+            "steps": steps})
     return out
 
 
@@ -519,14 +565,18 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     out = Path(out)
     # every file checked before the first is written: a folder in the way of the last must not
     # leave the first ones, a set that does not belong together
+    steps = phases(report.cells)
+    pngs = ["parity.png"] + (["steps.png"] if steps else [])
     check_outputs({f"--out ({name})": Output(str(out / name))
-                   for name in [*texts, "parity.png"]}, [])
+                   for name in [*texts, *pngs]}, [])
     written = []
     for name, text in texts.items():
         with atomic_path(out / name) as tmp:
             tmp.write_text(text)
         written.append(out / name)
     written.append(parity_plot(report, out / "parity.png"))
+    if steps:
+        written.append(steps_plot(steps, out / "steps.png"))
     report.files = written
     return written
 
@@ -566,5 +616,29 @@ def parity_plot(report: FitReport, path: Path) -> Path:
     ax.set_title(f"tg fit: {len(report.cells)} cells, median |error| {s['median_abs_error']:.1%}"
                  + loo, fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
+    return save(fig, path)
+
+
+def steps_plot(steps: list[dict[str, Any]], path: Path) -> Path:
+    """The time per decode step against the context it runs at, measured (from runs that differ
+    only in generation length) and simulated, one colour per group of runs."""
+    from taskgraph.output.plots import _pyplot, save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for i, group in enumerate(steps):
+        colour = f"C{i % 10}"
+        x = [s["context"] for s in group["steps"]]
+        ax.plot(x, [s["measured_s"] for s in group["steps"]], "o-", color=colour,
+                label=f"{group['label']}: measured")
+        ax.plot(x, [s["simulated_s"] for s in group["steps"]], "s--", color=colour, mfc="none",
+                label="simulated")
+    ax.set_xlabel("context (prompt + tokens generated so far)")
+    ax.set_ylabel("seconds a decode step (all sequences)")
+    ax.set_yscale("log")
+    ax.set_title("time per decode step: measured (differences of runs) and simulated",
+                 fontsize=10)
+    ax.legend(fontsize=6, loc="best")
     ax.grid(alpha=0.3, which="both")
     return save(fig, path)
