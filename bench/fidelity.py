@@ -78,7 +78,7 @@ def failures(files: dict[str, dict], rows: list[dict], baseline: dict) -> list[s
             out.append(f"{name}: leave-one-out median {f['loo_median_abs_error']:.1%}, was "
                        f"{before:.1%}")
     for r in rows:
-        if r["tolerance"] is not None and abs(r["error"]) > r["tolerance"]:
+        if r["tolerance"] is not None and "error" in r and abs(r["error"]) > r["tolerance"]:
             out.append(f"{r['system'][:50]}: {r['error']:+.0%} against a tolerance of "
                        f"{r['tolerance']:.0%}")
         if "published_at_least_tok_s" in r and r["tg_tok_s"] < r["published_at_least_tok_s"]:

@@ -387,3 +387,66 @@ def test_runs_that_differ_in_generation_length_give_prefill_and_step_times(tmp_p
     assert main(["fit", str(path), "--no-loo", "--out", str(tmp_path / "o2")]) == 0
     err = capsys.readouterr().err
     assert "prefill (extrapolated)" in err and "a step, 16-32 generated" in err
+
+
+def test_leaving_a_machine_out_keeps_what_the_others_measured_of_a_shared_part():
+    """The T4 of t4 and 2xt4 is one GPU part: leaving the one-GPU cell out, the 2xT4 cell still
+    measures the T4's GEMM rate, so the refit's value prices the left-out cell, not the
+    datasheet's (a part named by fewer machines after the refit is the same part)."""
+    from taskgraph.study.fit import _LeaveOut
+
+    cells = [Cell.model_validate(_cell(id=m, machine=m)) for m in ("t4", "2xt4")]
+    params = free_parameters(cells)
+    names = [p.name for p in params]
+    assert "2xt4+t4 gpu.flops_eff" in names
+    loo, _ = _LeaveOut(tuple(cells), (0,), tuple(params), (1.0, 1.0)).run()
+    shared = dict(zip(names, loo))["2xt4+t4 gpu.flops_eff"]
+    rest = free_parameters(cells[1:])
+    from taskgraph.study.fit import fit as refit
+    alone = refit(cells[1:], rest, rounds=0, corrections=np.ones(1)).values
+    assert shared == pytest.approx(dict(zip((p.name for p in rest), alone))[
+        "2xt4 gpu.flops_eff"])
+    assert shared != params[names.index("2xt4+t4 gpu.flops_eff")].datasheet
+
+
+def test_phases_group_by_model_and_read_lengths_from_presets_and_say_when_runs_do_not_grow(
+        tmp_path):
+    from taskgraph.study.fit import CellReport, phases
+
+    def report(cell, simulated):
+        r = CellReport(Cell.model_validate(cell))
+        r.simulated = simulated
+        return r
+
+    mtbench = {"preset": "mtbench", "padded": True}       # gen_len from the preset: 128
+    rows = [report(_cell(id="a", workload=mtbench, measured_tok_s=10.0), 10.0),
+            report(_cell(id="b", workload={**mtbench, "gen_len": 64}, measured_tok_s=8.0), 8.0),
+            # another model, the same policy and prompts: its own runs
+            report(_cell(id="c", model="mixtral-8x22b", workload={**mtbench, "gen_len": 64},
+                         measured_tok_s=3.0), 3.0)]
+    (group,) = phases(rows)
+    assert group["cells"] == ["b", "a"] and group["note"] is None
+    # the context is what the KV cache holds: the padded prompt (418) and the tokens so far
+    assert group["steps"][0]["context"] == pytest.approx(418 + 96)
+    # a longer run that took less time: no phases of one run, and no prefill made up
+    rows[0] = report(_cell(id="a", workload=mtbench, measured_tok_s=100.0), 10.0)
+    (group,) = phases(rows)
+    assert group["note"] and group["prefill_s"]["measured"] is None
+
+
+def test_a_field_given_flat_and_nested_and_a_file_given_twice_are_refused(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    cell = _cell(policy={"mu": 8, "n_ub": 4, "batch": None})
+    cell["policy"].pop("batch")
+    path.write_text(yaml.safe_dump({"cells": [{**cell, "gen_len": 8}]}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "gen_len is given twice" in err and "Traceback" not in err
+    path.write_text(yaml.safe_dump({"cells": [_cell(), _cell(id="d")]}))
+    assert main(["fit", str(path), str(tmp_path / "." / "m.yaml"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "is given twice" in capsys.readouterr().err
+    # a misspelt field at the top is not a silent default
+    path.write_text(yaml.safe_dump({"precison": "bf16", "cells": [_cell(), _cell(id="d")]}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "'precison' at its top" in capsys.readouterr().err

@@ -399,9 +399,12 @@ def phases_table(phases: list[dict]) -> Table:
             (f"a step, {s['from_gen']}-{s['to_gen']} generated", f"{s['context']:.0f}",
              s["measured_s"], s["simulated_s"]) for s in group["steps"]]
         for i, (phase, context, measured, simulated) in enumerate(rows):
-            error = f"{simulated / measured - 1:+.0%}" if measured > 0 else "(measured < 0)"
-            t.add_row(group["label"] if i == 0 else "", phase, context, f"{measured:.3g}",
-                      f"{simulated:.3g}", error)
+            known = measured is not None and measured > 0
+            t.add_row(group["label"] if i == 0 else "", phase, context,
+                      "-" if measured is None else f"{measured:.3g}", f"{simulated:.3g}",
+                      f"{simulated / measured - 1:+.0%}" if known else "")
+        if group["note"]:
+            t.add_row("", Text(group["note"], style="yellow"), "", "", "", "")
     return t
 
 

@@ -417,44 +417,48 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
 
 def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
     """Prefill and decode as the measurements show them: where cells differ only in how many
-    tokens they generate (one machine, system, policy and prompts), their run times' differences
-    are the time of the decode steps between, and the first run less its steps at that rate
-    its prefill. The same differences of the simulated runs beside them."""
-    groups: dict[str, list[CellReport]] = {}
+    tokens they generate (one model, machine, system, policy and prompts), their run times'
+    differences are the time of the decode steps between, and the first run less its steps at
+    that rate its prefill. The same differences of the simulated runs beside them. A group whose
+    measured times do not grow with the length says so (`note`) and gives no prefill."""
+    groups: dict[str, list[tuple[CellReport, Any]]] = {}
     for r in cells:
-        c = r.cell
-        workload = {k: v for k, v in c.workload.items() if k != "gen_len"}
-        key = repr((c.machine, c.system, c.schedule, c.implementation_name,
-                    c.policy.model_dump(), sorted(workload.items())))
-        groups.setdefault(key, []).append(r)
+        c, sc = r.cell, r.cell.scenario()
+        key = repr((c.model, c.precision, c.machine, c.system, c.schedule,
+                    c.implementation_name, sc.policy.model_dump(),
+                    sc.workload.model_copy(update={"gen_len": 0}).model_dump()))
+        groups.setdefault(key, []).append((r, sc))
     out = []
-    for rs in groups.values():
-        rs = sorted(rs, key=lambda r: r.cell.workload["gen_len"])
-        gens = [r.cell.workload["gen_len"] for r in rs]
-        if len(set(gens)) != len(gens) or len(gens) < 2:
-            continue
-        sc = rs[0].cell.scenario()
-        tokens = sc.policy.N          # sequences, each generating gen_len tokens
+    for members in groups.values():
+        members.sort(key=lambda m: m[1].workload.gen_len)
+        gens = [sc.workload.gen_len for _, sc in members]
+        if len(gens) < 2 or len(set(gens)) != len(gens):
+            continue      # one length, or two runs of one length: no differences to take
 
-        def run_s(r: CellReport, tok_s: float) -> float:
-            return tokens * r.cell.workload["gen_len"] / tok_s
+        def run_s(r: CellReport, sc, tok_s: float) -> float:
+            return sc.policy.N * sc.workload.gen_len / tok_s
 
         steps = []
-        for a, b in zip(rs, rs[1:]):
-            ga, gb = a.cell.workload["gen_len"], b.cell.workload["gen_len"]
+        for (a, sa), (b, sb) in zip(members, members[1:]):
+            ga, gb = sa.workload.gen_len, sb.workload.gen_len
             steps.append({
-                "from_gen": ga, "to_gen": gb, "context": sc.workload.prompt_len + (ga + gb) / 2,
-                "measured_s": (run_s(b, b.cell.measured_tok_s)
-                               - run_s(a, a.cell.measured_tok_s)) / (gb - ga),
-                "simulated_s": (run_s(b, b.simulated) - run_s(a, a.simulated)) / (gb - ga)})
-        first = rs[0]
-        g0 = gens[0]
+                "from_gen": ga, "to_gen": gb,
+                "context": sa.workload.context_prompt + (ga + gb) / 2,
+                "measured_s": (run_s(b, sb, b.cell.measured_tok_s)
+                               - run_s(a, sa, a.cell.measured_tok_s)) / (gb - ga),
+                "simulated_s": (run_s(b, sb, b.simulated) - run_s(a, sa, a.simulated))
+                               / (gb - ga)})
+        (first, s0), g0 = members[0], gens[0]
+        grows = all(s["measured_s"] > 0 for s in steps)
         out.append({
-            "label": cell_label(first.cell, gen=False), "cells": [r.cell.id for r in rs],
+            "label": cell_label(first.cell, gen=False), "cells": [r.cell.id for r, _ in members],
             "prefill_s": {
-                "measured": run_s(first, first.cell.measured_tok_s) - g0 * steps[0]["measured_s"],
-                "simulated": run_s(first, first.simulated) - g0 * steps[0]["simulated_s"]},
-            "steps": steps})
+                "measured": (run_s(first, s0, first.cell.measured_tok_s)
+                             - g0 * steps[0]["measured_s"]) if grows else None,
+                "simulated": run_s(first, s0, first.simulated) - g0 * steps[0]["simulated_s"]},
+            "steps": steps,
+            "note": None if grows else "the measured runs take no longer for more tokens: "
+                                       "not the phases of one run, no prefill estimated"})
     return out
 
 
@@ -500,6 +504,12 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     return report
 
 
+def _same_part(refit: Param, full: Param) -> bool:
+    """Whether a refit's parameter is the full fit's, on fewer of its targets."""
+    return (refit.section, refit.path) == (full.section, full.path) and \
+        set(refit.targets) <= set(full.targets)
+
+
 @dataclass(frozen=True)
 class _LeaveOut:
     """Refit without the cells `left` (the predictor with the full fit's corrections), then
@@ -513,14 +523,17 @@ class _LeaveOut:
     def run(self) -> tuple[list[float | None], list[float]]:
         rest = [c for i, c in enumerate(self.cells) if i not in self.left]
         rest_params = free_parameters(rest)
-        found = {}
+        found: dict[str, float] = {}
         if rest_params:
             sub = fit(rest, rest_params, rounds=0,
                       corrections=np.delete(np.array(self.corrections), list(self.left)))
             found = dict(zip((p.name for p in rest_params), sub.values))
-        # A parameter no other cell informs is the model's before any fit (its datasheet
-        # value; None leaves the field out): the full fit's value would be the left-out cells'.
-        values = [found.get(p.name, p.datasheet) for p in self.params]
+        # A part shared with the cells left out (a GPU type two machines have) takes what the
+        # remaining cells measured of it; a parameter no other cell informs is the model's
+        # before any fit (its datasheet value; None leaves the field out): the full fit's value
+        # would be the left-out cells'.
+        values = [next((v for q, v in zip(rest_params, found.values()) if _same_part(q, p)),
+                       p.datasheet) for p in self.params]
         machines, impls = profiles(list(self.params), values)
         return values, [simulated_tok_s(self.cells[i], machines, impls) for i in self.left]
 
@@ -565,18 +578,15 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     out = Path(out)
     # every file checked before the first is written: a folder in the way of the last must not
     # leave the first ones, a set that does not belong together
-    steps = phases(report.cells)
-    pngs = ["parity.png"] + (["steps.png"] if steps else [])
     check_outputs({f"--out ({name})": Output(str(out / name))
-                   for name in [*texts, *pngs]}, [])
+                   for name in [*texts, "parity.png", "steps.png"]}, [])
     written = []
     for name, text in texts.items():
         with atomic_path(out / name) as tmp:
             tmp.write_text(text)
         written.append(out / name)
     written.append(parity_plot(report, out / "parity.png"))
-    if steps:
-        written.append(steps_plot(steps, out / "steps.png"))
+    written.append(steps_plot(phases(report.cells), out / "steps.png"))
     report.files = written
     return written
 
@@ -622,19 +632,27 @@ def parity_plot(report: FitReport, path: Path) -> Path:
 
 def steps_plot(steps: list[dict[str, Any]], path: Path) -> Path:
     """The time per decode step against the context it runs at, measured (from runs that differ
-    only in generation length) and simulated, one colour per group of runs."""
+    only in generation length) and simulated, one colour per group of runs; a measured step
+    that is not positive is left out (the group's note says why), and a file without such runs
+    gets a picture that says so."""
     from taskgraph.output.plots import _pyplot, save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    if not steps:
+        ax.text(0.5, 0.5, "no runs that differ only in generation length", ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return save(fig, path)
     for i, group in enumerate(steps):
         colour = f"C{i % 10}"
+        shown = [s for s in group["steps"] if s["measured_s"] > 0]
+        ax.plot([s["context"] for s in shown], [s["measured_s"] for s in shown], "o-",
+                color=colour, label=f"{group['label']}: measured")
         x = [s["context"] for s in group["steps"]]
-        ax.plot(x, [s["measured_s"] for s in group["steps"]], "o-", color=colour,
-                label=f"{group['label']}: measured")
         ax.plot(x, [s["simulated_s"] for s in group["steps"]], "s--", color=colour, mfc="none",
                 label="simulated")
-    ax.set_xlabel("context (prompt + tokens generated so far)")
+    ax.set_xlabel("context (prompt as cached + tokens generated so far)")
     ax.set_ylabel("seconds a decode step (all sequences)")
     ax.set_yscale("log")
     ax.set_title("time per decode step: measured (differences of runs) and simulated",

@@ -105,12 +105,22 @@ class Cell(BaseModel):
         raw = dict(raw)
         policy = raw.get("policy", {})
         workload = raw.get("workload", {})
-        for flat, inner in (("batch", "batch"), ("experts_resident_per_layer", "experts_gpu")):
-            if flat in raw and isinstance(policy, dict):
-                policy = {**policy, inner: raw.pop(flat)}
-        for flat in ("prompt_len", "gen_len"):
-            if flat in raw and isinstance(workload, dict):
-                workload = {**workload, flat: raw.pop(flat)}
+        for section, fields in (("policy", (("batch", "batch"),
+                                            ("experts_resident_per_layer", "experts_gpu"))),
+                                ("workload", (("prompt_len", "prompt_len"),
+                                              ("gen_len", "gen_len")))):
+            inner_doc = policy if section == "policy" else workload
+            for flat, inner in fields:
+                if flat not in raw or not isinstance(inner_doc, dict):
+                    continue
+                if inner in inner_doc:
+                    raise ValueError(f"{flat} is given twice, beside the id and as "
+                                     f"{section}.{inner}: give it once")
+                inner_doc = {**inner_doc, inner: raw.pop(flat)}
+            if section == "policy":
+                policy = inner_doc
+            else:
+                workload = inner_doc
         if policy != {} or "policy" in raw:
             raw["policy"] = policy
         if workload != {} or "workload" in raw:
@@ -170,7 +180,8 @@ class Cell(BaseModel):
 
     @property
     def implementation_name(self) -> str:
-        return (self.implementation or presets.SYSTEMS.get(self.system)
+        systems = {name.lower(): impl for name, impl in presets.SYSTEMS.items()}
+        return (self.implementation or systems.get(self.system.lower())
                 or SCHEDULES[self.schedule].implementation)
 
     def scenario_doc(self, hardware: dict[str, Any], implementation: dict[str, Any]
@@ -209,6 +220,11 @@ def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
         raise TgError(f"The measurements file '{path}' must be a mapping with a non-empty list "
                       "'cells' (see shared/measurements/ for the format).")
     plain_text(doc, f"The measurements file '{path}'")
+    unknown = sorted(set(doc) - {"source", "cells", *FILE_DEFAULTS}, key=str)
+    if unknown:
+        raise TgError(f"The measurements file '{path}' has {_quote(unknown[0])} at its top, "
+                      f"which tg does not read (it reads source, cells, "
+                      f"{', '.join(FILE_DEFAULTS)}).")
     # What every cell shares, given once at the top of the file (a cell's own value wins).
     shared = {k: doc[k] for k in FILE_DEFAULTS if k in doc}
     cells, seen = [], set()
@@ -240,6 +256,11 @@ def load_many(paths: list[str | Path]) -> tuple[str, list[Cell]]:
     """(sources joined, cells) from several measurements files, fitted as one: a cell's id
     must name it across them all."""
     sources, cells, seen = [], [], {}
+    resolved = [Path(p).resolve() for p in paths]
+    for i, path in enumerate(resolved):
+        if path in resolved[:i]:
+            raise TgError(f"Measurements '{paths[i]}' is given twice (as "
+                          f"'{paths[resolved.index(path)]}'): a cell is fitted once.")
     for path in paths:
         source, mine = load_measurements(path)
         for cell in mine:
