@@ -68,6 +68,13 @@ class CellPolicy(BaseModel):
         return (self.N if self.N is not None else self.mu * self.n_ub), self.mu
 
 
+#: The fields a published table gives beside a cell's id, and where they belong.
+PUBLISHED_FIELDS = {"batch": ("policy", "batch"),
+                    "experts_resident_per_layer": ("policy", "experts_gpu"),
+                    "prompt_len": ("workload", "prompt_len"),
+                    "gen_len": ("workload", "gen_len")}
+
+
 class Cell(BaseModel):
     """One measured run."""
 
@@ -103,28 +110,18 @@ class Cell(BaseModel):
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
-        policy = raw.get("policy", {})
-        workload = raw.get("workload", {})
-        for section, fields in (("policy", (("batch", "batch"),
-                                            ("experts_resident_per_layer", "experts_gpu"))),
-                                ("workload", (("prompt_len", "prompt_len"),
-                                              ("gen_len", "gen_len")))):
-            inner_doc = policy if section == "policy" else workload
-            for flat, inner in fields:
-                if flat not in raw or not isinstance(inner_doc, dict):
-                    continue
-                if inner in inner_doc:
-                    raise ValueError(f"{flat} is given twice, beside the id and as "
-                                     f"{section}.{inner}: give it once")
-                inner_doc = {**inner_doc, inner: raw.pop(flat)}
-            if section == "policy":
-                policy = inner_doc
-            else:
-                workload = inner_doc
-        if policy != {} or "policy" in raw:
-            raw["policy"] = policy
-        if workload != {} or "workload" in raw:
-            raw["workload"] = workload
+        sections = {"policy": raw.get("policy", {}), "workload": raw.get("workload", {})}
+        for flat, (section, inner) in PUBLISHED_FIELDS.items():
+            nested = sections[section]
+            if flat not in raw or not isinstance(nested, dict):
+                continue
+            if inner in nested:
+                raise ValueError(f"{flat} is given twice, beside the id and as "
+                                 f"{section}.{inner}: give it once")
+            sections[section] = {**nested, inner: raw.pop(flat)}
+        for section, nested in sections.items():
+            if nested != {} or section in raw:
+                raw[section] = nested
         return raw
 
     @field_validator("schedule")
