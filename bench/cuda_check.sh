@@ -29,6 +29,17 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
+# Each schedule's decode layer, measured and simulated, and per kind, from `tg validate --json`.
+print_pairs() {
+    python3 - "$1" <<'EOF'
+import json, sys
+for p in json.load(open(sys.argv[1]))["pairs"]:
+    print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],
+          "simulated", p["simulated"]["decode_layer_ms"], "error", p["error"]["decode_layer"])
+    print("   per kind (simulated, measured) ms:", p["per_kind_median_ms"])
+EOF
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
@@ -94,13 +105,7 @@ if [[ $STEPS == *experts* ]]; then
     tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC,ECP --mu 1 \
         --repeats 1 --set policy.N=1 --set policy.mu=1 --set policy.experts_gpu=2 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-experts.json" \
-        && python3 - "$OUT/validate-experts.json" <<'EOF'
-import json, sys
-for p in json.load(open(sys.argv[1]))["pairs"]:
-    print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],
-          "simulated", p["simulated"]["decode_layer_ms"], "error", p["error"]["decode_layer"])
-    print("   per kind (simulated, measured) ms:", p["per_kind_median_ms"])
-EOF
+        && print_pairs "$OUT/validate-experts.json"
 fi
 
 if [[ $STEPS == *models* ]]; then
@@ -114,11 +119,5 @@ if [[ $STEPS == *models* ]]; then
         --repeats 1 --set model.preset=qwen3-30b-a3b --set model.L=2 --set policy.N=1 \
         --set policy.mu=1 --set policy.experts_gpu=32 --set policy.prefetch=0.5 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-qwen3.json" \
-        && python3 - "$OUT/validate-qwen3.json" <<'EOF'
-import json, sys
-for p in json.load(open(sys.argv[1]))["pairs"]:
-    print(p["schedule"], "decode layer ms: measured", p["measured"]["decode_layer_ms"],
-          "simulated", p["simulated"]["decode_layer_ms"], "error", p["error"]["decode_layer"])
-    print("   per kind (simulated, measured) ms:", p["per_kind_median_ms"])
-EOF
+        && print_pairs "$OUT/validate-qwen3.json"
 fi
