@@ -326,16 +326,25 @@ class FitReport(Shown):
     # Each leave-one-out refit's values (None: a field left out, as before any fit), by group.
     loo_values: dict[str, list[float | None]] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
+    _phases: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.to_json(), "files": [str(f) for f in self.files]}
+
+    @property
+    def phases(self) -> list[dict[str, Any]]:
+        """Prefill and decode as measured (:func:`phases`), worked out once: the table, the JSON
+        and steps.png show the same figures."""
+        if self._phases is None:
+            self._phases = phases(self.cells)
+        return self._phases
 
     def views(self):
         from rich.text import Text
 
         yield from fit_table(self)
-        if steps := phases(self.cells):
-            yield phases_table(steps)
+        if self.phases:
+            yield phases_table(self.phases)
         for r in self.cells:
             if r.memory:
                 yield Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory model "
@@ -375,7 +384,7 @@ class FitReport(Shown):
                        "bound_by": r.bound_by, "shared": r.shared, "memory": r.memory}
                       for r in self.cells],
             "summary": self.summary(),
-            "phases": phases(self.cells),
+            "phases": self.phases,
         }
 
 
@@ -435,7 +444,7 @@ def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
         if len(gens) < 2 or len(set(gens)) != len(gens):
             continue      # one length, or two runs of one length: no differences to take
 
-        def run_s(r: CellReport, sc, tok_s: float) -> float:
+        def run_s(sc, tok_s: float) -> float:
             return sc.policy.N * sc.workload.gen_len / tok_s
 
         steps = []
@@ -444,18 +453,18 @@ def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
             steps.append({
                 "from_gen": ga, "to_gen": gb,
                 "context": sa.workload.context_prompt + (ga + gb) / 2,
-                "measured_s": (run_s(b, sb, b.cell.measured_tok_s)
-                               - run_s(a, sa, a.cell.measured_tok_s)) / (gb - ga),
-                "simulated_s": (run_s(b, sb, b.simulated) - run_s(a, sa, a.simulated))
+                "measured_s": (run_s(sb, b.cell.measured_tok_s)
+                               - run_s(sa, a.cell.measured_tok_s)) / (gb - ga),
+                "simulated_s": (run_s(sb, b.simulated) - run_s(sa, a.simulated))
                                / (gb - ga)})
         (first, s0), g0 = members[0], gens[0]
         grows = all(s["measured_s"] > 0 for s in steps)
         out.append({
             "label": cell_label(first.cell, gen=False), "cells": [r.cell.id for r, _ in members],
             "prefill_s": {
-                "measured": (run_s(first, s0, first.cell.measured_tok_s)
+                "measured": (run_s(s0, first.cell.measured_tok_s)
                              - g0 * steps[0]["measured_s"]) if grows else None,
-                "simulated": run_s(first, s0, first.simulated) - g0 * steps[0]["simulated_s"]},
+                "simulated": run_s(s0, first.simulated) - g0 * steps[0]["simulated_s"]},
             "steps": steps,
             "note": None if grows else "the measured runs take no longer for more tokens: "
                                        "not the phases of one run, no prefill estimated"})
@@ -586,7 +595,7 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
             tmp.write_text(text)
         written.append(out / name)
     written.append(parity_plot(report, out / "parity.png"))
-    written.append(steps_plot(phases(report.cells), out / "steps.png"))
+    written.append(steps_plot(report.phases, out / "steps.png"))
     report.files = written
     return written
 
