@@ -13,7 +13,8 @@ stderr together), line by line and in order:
 - a command must exit 0, unless the output shown says ``error:``.
 
 Comments steer a block: ``<!-- check: text -->`` before a block compares its text but none of
-its figures (measured runs: this machine's speed is not the README's); ``<!-- skip: next
+its figures nor the resource a run is bound by (``gpu-bound``: measured runs; this machine's
+speed is not the README's); ``<!-- skip: next
 "why" -->`` skips it (Sybil's skip); ``<!-- skip: next if(not SLOW, reason="why") -->`` runs it
 only with ``TG_DOCS_SLOW=1`` (what `.ci/run` sets for its second pass). ```` ```python ````
 blocks run as Python, in order, sharing one namespace per document.
@@ -41,6 +42,7 @@ _SPACE = re.compile(f"[\\s{_BORDERS}]+")
 _NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d])|(?<![\w.])-?\d+(?:\.\d+)?"
                      r"(?:e[-+]?\d+)?(?![\d])")
 _ANY_NUMBER = r"(-?[\d,]*\d(?:\.\d+)?(?:e[-+]?\d+)?)"
+_BOUND_BY = re.compile(r"\b\w+-bound\b")
 # What a figure follows when it is a wall-clock time, which no two runs share.
 _WALL_TIME = re.compile(r'(?:(?:simulated|executed|policies|finished) in|"wall_s":|HRM,|takes|'
                         r'took) $')
@@ -145,6 +147,8 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
         want = _SPACE.sub(" ", line).strip()
         if not want or want in ("...", "…"):
             continue
+        if not figures:     # which resource binds a measured run is as much this machine's as its speed
+            want = _BOUND_BY.sub("…-bound", want)
         pattern, numbers = _pattern(want)
         best = None
         for m in re.finditer(pattern, text[at:]):
