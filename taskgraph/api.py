@@ -261,25 +261,45 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = No
     return result
 
 
-@verb()
+@verb(plot=(".png",))
 def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10,
-           verify: bool = False, brute_force: bool = False, backend: str = "pool",
-           ray_address: str | None = None, progress: Progress = None):
-    """`tg search`: find the policy with the best predicted throughput.
+           optimize: str | None = None, max_token_ms: float | None = None,
+           max_ttft_s: float | None = None, batch: int | None = None,
+           plot: str | Path | None = None, verify: bool = False, brute_force: bool = False,
+           backend: str = "pool", ray_address: str | None = None, progress: Progress = None):
+    """`tg search`: find the policy with the most tokens per second, or the lowest per-token
+    latency, within limits on per-token latency and time to first token, over every schedule.
 
-    Returns a :class:`~taskgraph.study.search.SearchResult`.
+    The schedules that stream whole layers are priced by HRM prediction, the expert-level ones
+    (EP, EC, ECP) by simulation at batch sizes 1 to 64. The objective is the scenario's
+    `objective` section; the options below replace its fields. Returns a
+    :class:`~taskgraph.study.search.SearchResult`, whose `front` is the Pareto front of
+    throughput against per-token latency.
 
     Args:
         top: how many policies to list (default 10)
-        verify: simulate the top policies and re-rank them by simulated throughput
+        optimize: throughput (the most tok/s) or latency (the lowest ms per token)
+        max_token_ms: keep each sequence's time per token within this many ms
+        max_ttft_s: keep the time to the first token within this many seconds
+        batch: hold the batch size N fixed (e.g. 1 for one user)
+        plot: draw every policy priced, throughput against per-token latency, with the Pareto
+            front, to this PNG
+        verify: simulate the top policies and re-rank them by simulated figures
         brute_force: also simulate a coarse grid: what trusting the predicted pick costs
             against the best simulated policy
     """
     from taskgraph.study.search import search_scenario
 
     jobs = _backend(backend, ray_address)
+    given = {"optimize": optimize, "max_token_ms": max_token_ms, "max_ttft_s": max_ttft_s,
+             "batch": batch}
+    overrides = _override_items(overrides) + [f"objective.{k}={v}" for k, v in given.items()
+                                              if v is not None]
     s, _ = load(scenario, overrides, auto=False)      # the search is what `auto` would run
-    return search_scenario(s, top, verify, brute_force, jobs, progress)
+    result = search_scenario(s, top, verify, brute_force, jobs, progress)
+    if plot:
+        result.plot(plot)
+    return result
 
 
 @verb(out=(), record_routing=(".json",))

@@ -30,7 +30,7 @@ from taskgraph.serving.requests import generate_requests, read_requests, summary
 from taskgraph.specs import LengthsSpec, Scenario
 
 _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementation", "expect",
-             "name")
+             "objective", "name")
 
 
 def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:

@@ -814,6 +814,30 @@ class Expect(BaseModel):
         return list(dict.fromkeys(names))
 
 
+class ObjectiveSpec(BaseModel):
+    """What `tg search` and `policy: auto` look for: the most tokens per second (the paper's
+    question) or the lowest per-token latency (a chat's), among the policies whose every
+    sequence gets a token within `max_token_ms` and its first within `max_ttft_s`, at the batch
+    size `batch` where one is given (None: any)."""
+
+    model_config = _STRICT
+
+    optimize: Literal["throughput", "latency"] = "throughput"
+    max_token_ms: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+    max_ttft_s: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+    batch: int | None = Field(default=None, gt=0, le=1_000_000)
+
+    def met_by(self, token_latency_ms: float, ttft_s: float) -> bool:
+        return ((self.max_token_ms is None or token_latency_ms <= self.max_token_ms)
+                and (self.max_ttft_s is None or ttft_s <= self.max_ttft_s))
+
+    def limits(self) -> str:
+        """The limits in words ("" where there are none)."""
+        parts = ([f"per-token latency <= {self.max_token_ms:g} ms"] if self.max_token_ms else []) \
+            + ([f"first token <= {self.max_ttft_s:g} s"] if self.max_ttft_s else [])
+        return " and ".join(parts)
+
+
 class Scenario(BaseModel):
     model_config = _STRICT
 
@@ -826,6 +850,7 @@ class Scenario(BaseModel):
     # None: each schedule's own (Schedule.implementation).
     implementation: ImplementationSpec | None = None
     expect: Expect | None = None
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     # `policy: auto` in the file: the policy is a placeholder until a search replaces it.
     _policy_auto: bool = PrivateAttr(default=False)
     # Policy fields the user gave explicitly: field -> (where, e.g. "--set policy.A_g=0", and

@@ -50,12 +50,12 @@ def test_simulate_is_tg_simulate(capsys):
     assert result.summary["schedule"] == "S2" and result.summary["policy"]["mu"] == 4
     # the default output is the result's tables
     assert main(["simulate", SCENARIO, "--set", "policy.mu=4", "--schedule", "S2"]) == 0
-    err = capsys.readouterr().err
+    printed = capsys.readouterr().out
     shown = _shown(result)
     assert "tg simulate tiny: S2" in shown
     for line in shown.splitlines():
         if "simulated in" not in line:          # wall time
-            assert line.rstrip() in err
+            assert line.rstrip() in printed
 
 
 def test_a_scenario_may_be_a_mapping_or_an_object(capsys):
@@ -225,7 +225,7 @@ def test_roofline_is_a_typed_result(tmp_path, capsys):
     assert out.stat().st_size > 0
     assert set(result.to_dict()) >= {"turning_points", "intensities", "verdicts"}
     assert main(["roofline", "scenarios/tiny.yaml", "--out", str(tmp_path / "c.png")]) == 0
-    assert "belongs on the" in capsys.readouterr().err
+    assert "belongs on the" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("verb,kwargs,words", [

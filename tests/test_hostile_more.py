@@ -173,9 +173,6 @@ _PROC = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /pr
     # the search at each point replaced them: every row was the same
     (["sweep", TINY, "--vary", "policy.experts_gpu=1,2", "--out", "OUT/sweep"],
      "--vary policy.experts_gpu: tg sweep searches the best policy"),
-    # the search has no expert-level schedule: it ran S1 instead of the EC asked for
-    (["simulate", TINY, "--set", "policy=auto", "--schedule", "EC"],
-     "the expert-level schedule EC has none"),
 ])
 def test_sizes_beyond_any_run_are_refused_up_front(tmp_path, argv, words):
     """Each of these hung, grew to GBs or was a traceback (a ZeroDivisionError for --mu 0); now

@@ -48,8 +48,8 @@ CASES = {
                                     "best (bound by)", "n/a"], False),
     "compare a request list": (["compare", TINY, *QUEUE, "--schedules", "S1,S4:padded"],
                                ["S1 Alg. 2", "S4 padded"], False),
-    "search": (["search", TINY, "--top", "3"], ["tg search tiny", "feasible of", "pred. tok/s",
-                                                "best:", "hardware limit"], False),
+    "search": (["search", TINY, "--top", "3"], ["tg search tiny", "feasible of", "ms/token",
+                                                "best:", "hardware limit", "the trade-off"], False),
     "search --verify": (["search", TINY, "--top", "2", "--verify"], ["sim tok/s"], False),
     "batch": (["batch", TINY, *QUEUE], ["tg batch tiny: 12 requests", "micro-batches",
                                         "cache limit", "aborted"], False),
@@ -74,11 +74,12 @@ def test_default_output_shows_what_a_reader_needs(case, capsys):
         _needs_torch()
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert out == ""                                  # tables go to stderr, stdout stays clean
+    # results on stdout (`> out.txt` and `| less` hold them), only diagnostics on stderr
+    assert not any(border in err for border in "┏┌│"), err
     assert "Traceback" not in err and "error:" not in err
-    text = " ".join(err.split())                      # a title may wrap at the table's width
+    text = " ".join(out.split())                      # a title may wrap at the table's width
     missing = [w for w in words if w not in text]
-    assert not missing, f"{missing} not in:\n{err}"
+    assert not missing, f"{missing} not in:\n{out}"
 
 
 def test_outputs_and_profiles_are_named(tmp_path, capsys):
@@ -90,31 +91,31 @@ def test_outputs_and_profiles_are_named(tmp_path, capsys):
     assert f"wrote {trace}" in err and "ui.perfetto.dev" in err and f"wrote {png}" in err
     assert main(["execute", TINY, "--device", "cpu", "--steps", "2", "--profile", "--trace",
                  str(trace)]) == 0
-    err = capsys.readouterr().err
-    assert f"wrote {trace}" in err and "tokens identical" in err
+    out, err = capsys.readouterr()
+    assert f"wrote {trace}" in err and "tokens identical" in out
     csv = tmp_path / "q.csv"
     assert main(["simulate", TINY, *QUEUE, "--csv", str(csv)]) == 0
-    assert "requests" in capsys.readouterr().err and csv.exists()
+    assert "requests" in capsys.readouterr().out and csv.exists()
 
 
 def test_a_failed_check_shows_the_table_then_the_error(tmp_path, capsys):
     scenario = tmp_path / "s.yaml"
     scenario.write_text(open(TINY).read() + "expect: {min_throughput_tok_s: {S1: 1.0e9}}\n")
     assert main(["compare", str(scenario), "--schedules", "S1", "--check"]) == 1
-    err = capsys.readouterr().err
-    assert "expect: 0 of 1 checks hold" in err and "FAILED" in err
+    out, err = capsys.readouterr()
+    assert "expect: 0 of 1 checks hold" in out and "FAILED" in out
     assert "1 of 1 expectations" in err and "Traceback" not in err
 
 
 def test_sweep_graph_and_roofline_say_what_they_wrote(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert main(["sweep", TINY, "--vary", "hardware.link.h2d_gbps=8,16", "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "tg sweep: 2 points" in err and "sweep.csv" in err and "tok/s" in err
+    shown = "".join(capsys.readouterr())
+    assert "tg sweep: 2 points" in shown and "sweep.csv" in shown and "tok/s" in shown
     assert main(["graph", TINY, "--out", str(tmp_path / "g.dot")]) == 0
-    assert "segment 2 of S1" in capsys.readouterr().err
+    assert "segment 2 of S1" in "".join(capsys.readouterr())
     assert main(["roofline", TINY, "--out", str(tmp_path / "r.png")]) == 0
-    assert "belongs on the" in capsys.readouterr().err
+    assert "belongs on the" in "".join(capsys.readouterr())
 
 
 def test_a_path_is_printed_as_given_not_as_markup(tmp_path, capsys):

@@ -248,3 +248,138 @@ def test_the_roofline_and_the_search_agree_on_where_the_experts_run():
     assert roofline_points(weak)["verdicts"]["MoE FFN"] == "CPU (S5)"
     best = search(weak, top=1).best
     assert (best.schedule, best.policy["F_g"], best.policy["A_g"]) == ("S5", 0, 1)
+
+
+# --- objectives, the expert-level schedules and the trade-off (issue 38) ---------------------
+
+def _t4(*overrides: str):
+    return load_scenario("scenarios/t4.yaml", ["workload.gen_len=16", *overrides])
+
+
+def _dominated(a, b) -> bool:
+    """Whether `b` is at least as good as `a` on both throughput and latency, better on one."""
+    return (b.tok_s >= a.tok_s and b.token_latency_ms <= a.token_latency_ms
+            and (b.tok_s > a.tok_s or b.token_latency_ms < a.token_latency_ms))
+
+
+def test_at_batch_one_the_search_prices_the_expert_level_schedules_by_simulation():
+    """At N = 1 CGOPipe cannot run (two micro-batches); the expert-level schedules, which no HRM
+    bound prices, are simulated, and their figures are the simulator's for the same policy."""
+    result = search(_t4("objective.batch=1"), top=20, workers=1)
+    assert {c.policy["N"] for c in result.top} == {1}
+    assert {"EP", "EC", "ECP"} <= {c.schedule for c in result.top}
+    assert "S1" not in {c.schedule for c in result.top}
+    best = result.best
+    assert best.priced_by == "simulation"
+    again = simulate_scenario(best.scenario(_t4())).summary
+    assert again["throughput_tok_s"] == pytest.approx(best.tok_s, rel=1e-6)
+    assert again["token_latency_ms"] == pytest.approx(best.token_latency_ms, rel=1e-6)
+
+
+def test_experts_first_is_a_dimension_of_the_search():
+    """Where the GPU cannot hold the other weights, the KV cache and an expert a layer, filling
+    it with experts first is the other corner; on t4 at N = 64 it is the faster one, and the
+    search finds it."""
+    from taskgraph.study.crossover import policy_for
+
+    sc = _t4()
+    weights_first, experts_first = (policy_for(sc, "EP", 64, first).policy for first in (False, True))
+    assert weights_first.experts_gpu < experts_first.experts_gpu
+    tok_s = {first: simulate_scenario(policy_for(sc, "EP", 64, first), "EP")
+             .summary["throughput_tok_s"] for first in (False, True)}
+    assert tok_s[True] > tok_s[False]
+    found = search(_t4("objective.batch=64"), top=50, workers=1).top
+    ep = max((c for c in found if c.schedule == "EP"), key=lambda c: c.tok_s)
+    assert ep.policy["experts_gpu"] == experts_first.experts_gpu
+    assert ep.tok_s == pytest.approx(tok_s[True], rel=1e-6)
+
+
+def test_a_latency_limit_keeps_only_what_meets_it_and_the_best_of_those_wins():
+    result = search(_t4("objective.max_token_ms=900"), top=10, workers=1)
+    assert result.limits_met and result.top
+    assert all(c.token_latency_ms <= 900 for c in result.top)
+    unlimited = search(_t4(), top=1, workers=1).best
+    assert unlimited.token_latency_ms > 900 > result.best.token_latency_ms
+    meeting = [c for c in result.priced if c.token_latency_ms <= 900]
+    assert result.best.tok_s >= max(c.tok_s for c in meeting) * (1 - 1e-3)
+
+
+def test_lowest_latency_at_a_given_batch():
+    result = search(_t4("objective.optimize=latency", "objective.batch=4"), top=5, workers=1)
+    assert all(c.policy["N"] == 4 for c in result.priced)
+    lowest = min(c.token_latency_ms for c in result.priced)
+    assert result.best.token_latency_ms <= lowest * (1 + 1e-3)
+
+
+def test_an_unreachable_limit_answers_with_the_closest_and_what_binds(capsys):
+    result = search(_t4("objective.max_token_ms=20"), top=3, workers=1)
+    assert not result.limits_met
+    lowest = min(result.priced, key=lambda c: c.token_latency_ms)
+    assert result.best.token_latency_ms == lowest.token_latency_ms > 20
+    assert any("No policy meets per-token latency <= 20 ms" in n and lowest.resource in n
+               for n in result.notes)
+    assert main(["search", "scenarios/t4.yaml", "--max-token-ms", "20", "--top", "2"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "no policy meets per-token latency <= 20 ms" in shown
+    assert "the closest first" in shown
+
+
+@settings(max_examples=10, deadline=None)
+@given(gpu_gb=st.floats(0.05, 4), cpu_gb=st.floats(0.05, 4))
+def test_the_front_holds_every_policy_no_other_beats(gpu_gb, cpu_gb):
+    sc = _machine(gpu_gb, cpu_gb)
+    try:
+        result = search(sc, top=1, grid=SMALL, workers=1)
+    except TgError:
+        return                                  # nothing fits (tested above)
+    front = result.front
+    lat = [c.token_latency_ms for c in front]
+    assert lat == sorted(lat) and [c.tok_s for c in front] == sorted(c.tok_s for c in front)
+    on_front = {id(c) for c in front}
+    for c in result.priced:
+        beaten = any(_dominated(c, f) for f in front)
+        if id(c) in on_front:
+            assert not any(_dominated(c, o) for o in result.priced)
+        else:       # off the front: beaten by a point on it, or the same figures as one
+            assert beaten or any(f.tok_s == c.tok_s and f.token_latency_ms == c.token_latency_ms
+                                 for f in front)
+
+
+def test_search_cli_objective_and_plot(tmp_path, capsys):
+    png = tmp_path / "front.png"
+    assert main(["search", "scenarios/tiny.yaml", "--optimize", "latency", "--max-ttft-s", "5",
+                 "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["objective"] == {"optimize": "latency", "max_token_ms": None, "max_ttft_s": 5.0,
+                                "batch": None}
+    assert out["limits_met"] and out["best"]["ttft_s"] <= 5
+    assert out["pareto"] and out["pareto"][0]["token_latency_ms"] == min(
+        p["token_latency_ms"] for p in out["pareto"])
+    assert_drawn(png)
+    assert main(["search", "scenarios/tiny.yaml", "--top", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert "the trade-off" in shown and "within 0.1% are equal" in " ".join(shown.split())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-token-ms", "0"], "objective.max_token_ms: Input should be greater than 0"),
+    (["--max-ttft-s", "-1"], "objective.max_ttft_s: Input should be greater than 0"),
+    (["--batch", "0"], "objective.batch: Input should be greater than 0"),
+    (["--set", "objective.optimize=tokens"], "objective.optimize: Input should be 'throughput'"),
+    (["--optimize", "tokens"], "argument --optimize: invalid choice"),
+])
+def test_bad_objectives_are_refused_naming_the_field(argv, words, capsys):
+    assert main(["search", "scenarios/tiny.yaml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_policy_auto_on_an_expert_level_schedule_searches_its_policies(tmp_path, capsys):
+    path = tmp_path / "auto.yaml"
+    path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 4}\n"
+                    "policy: auto\nschedule: EC\nobjective: {optimize: latency, batch: 2}\n")
+    scenario, found = resolve_auto_policy(load_scenario(path))
+    assert scenario.schedule == "EC" and found.best.schedule == "EC"
+    assert scenario.policy.N == 2
+    lowest = min(c.token_latency_ms for c in found.priced)
+    assert found.best.token_latency_ms == lowest

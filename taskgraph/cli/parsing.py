@@ -137,6 +137,11 @@ def parser() -> argparse.ArgumentParser:
 
     c = command("search")
     c.add_argument("--top", type=int, default=10)
+    c.add_argument("--optimize", choices=["throughput", "latency"])
+    c.add_argument("--max-token-ms", type=float, metavar="MS")
+    c.add_argument("--max-ttft-s", type=float, metavar="S")
+    c.add_argument("--batch", type=int, metavar="N")
+    c.add_argument("--plot", metavar="PNG")
     c.add_argument("--verify", action="store_true")
     c.add_argument("--brute-force", action="store_true")
     _backend_args(c, "the simulations of --verify and --brute-force")

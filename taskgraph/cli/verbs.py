@@ -1,7 +1,7 @@
 """Each `tg` verb: the API function of the same name called with the command line's options
 (each option is the parameter of the same name: `tests/test_human_output.py` checks that none is
-dropped), its result printed (JSON on stdout with ``--json``, tables on stderr otherwise), the
-files asked of it written, and its exit status."""
+dropped), its result printed (JSON with ``--json``, tables otherwise, both on stdout; progress
+and diagnostics on stderr), the files asked of it written, and its exit status."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rich.text import Text
 from taskgraph import api
 from taskgraph.errors import TgError
 from taskgraph.files import Output, refuse_input
-from taskgraph.output.report import progress_bar, stderr_console
+from taskgraph.output.report import progress_bar, stderr_console, stdout_console
 from taskgraph.specs import Scenario
 
 
@@ -145,10 +145,10 @@ def _keep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace, result, summary: dict | None = None) -> int:
-    """A result as JSON on stdout or as its tables on stderr, then the trace and Gantt chart
-    asked of it; 130 if `summary` says Ctrl-C ended the run early."""
+    """A result as JSON or as its tables on stdout, then the trace and Gantt chart asked of
+    it; 130 if `summary` says Ctrl-C ended the run early."""
     if _human(args):
-        stderr_console().print(result)
+        stdout_console().print(result)
     else:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -1,6 +1,6 @@
 """Pictures of the model: the Hierarchical Roofline of a scenario, and sweeps.
 
-matplotlib is an optional dependency (``pip install 'moe-taskgraph[plots]'``); everything else in
+matplotlib is an optional dependency (``pip install 'moe-taskgraph[plots]'``); front else in
 tg works without it.
 """
 
@@ -211,4 +211,31 @@ def crossover_plot(c, out: str | Path) -> Path:
                  + (f" (streaming whole layers wins from N = {x['N']})" if x and x.get("N")
                     else ""),
                  fontsize=10)
+    return save(fig, out)
+
+
+def pareto_plot(result, out: str | Path) -> Path:
+    """Every policy the search priced, throughput against per-token latency (log-log), its
+    Pareto front drawn through them and the objective's limit marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    front = result.front
+    ax.scatter([c.token_latency_ms for c in result.priced], [c.tok_s for c in result.priced],
+               s=4, color="0.8", label="every policy priced", rasterized=True)
+    for name in dict.fromkeys(c.schedule for c in front):
+        points = [c for c in front if c.schedule == name]
+        ax.scatter([c.token_latency_ms for c in points], [c.tok_s for c in points], s=14,
+                   label=f"front: {name}", zorder=3)
+    ax.plot([c.token_latency_ms for c in front], [c.tok_s for c in front], "-",
+            color="0.3", lw=0.8, zorder=2)
+    if result.objective.max_token_ms:
+        ax.axvline(result.objective.max_token_ms, color="red", ls=":", lw=1.2,
+                   label=f"limit {result.objective.max_token_ms:g} ms/token")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ms per token (one sequence)")
+    ax.set_ylabel("tokens/s (all sequences)")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{result.scenario}: throughput against per-token latency", fontsize=10)
     return save(fig, out)

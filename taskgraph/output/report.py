@@ -228,22 +228,64 @@ def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table
 
 
 def search_table(result, scenario_name: str, limit: float) -> Table:
-    verified = result.verified
-    t = Table(title=f"tg search {scenario_name}: {result.evaluated:,} feasible of "
-                    f"{result.considered:,} policies in {result.wall_s:.2f} s", title_justify="left",
-              caption=f"best: {result.best.schedule} "
-                      f"{_policy(result.best.policy)}, bound by {result.binding}; hardware "
-                      f"limit {limit:.0f} tok/s. " + " ".join(result.notes),
+    verified, objective = result.verified, result.objective
+    wanted = "lowest per-token latency" if objective.optimize == "latency" else "most tok/s"
+    within = f" within {objective.limits()}" if objective.limits() else ""
+    at = f" at N = {objective.batch:,}" if objective.batch else ""
+    simulated = f" and {result.simulated:,} simulated" if result.simulated else ""
+    if not result.limits_met:
+        wanted, within = f"no policy meets {objective.limits()}", ""
+        at += ", the closest first"
+    t = Table(title=f"tg search {scenario_name}: {wanted}{within}{at}; {result.evaluated:,} "
+                    f"feasible of {result.considered:,} policies{simulated}, in "
+                    f"{result.wall_s:.2f} s", title_justify="left",
+              caption=f"best: {result.best.schedule} {_policy(result.best.policy)}, bound by "
+                      f"{result.binding}; hardware limit {limit:.0f} tok/s. Figures are HRM "
+                      "predictions but those marked *, simulated (the expert-level schedules "
+                      "have no HRM bound); policies within 0.1% are equal and the one that "
+                      "keeps less on the GPU wins. " + " ".join(result.notes),
               caption_justify="left")
-    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "pred. tok/s",
-                *(("sim tok/s",) if verified else ()), "pred. layer ms", "bound by"):
-        t.add_column(col, justify="left" if col in ("sched", "bound by") else "right")
+    experts = any("experts_gpu" in c.policy for c in result.top)
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", *(("experts",) if experts else ()),
+                "tok/s", *(("sim tok/s",) if verified else ()), "ms/token", "TTFT s",
+                "layer ms", "bound by"):
+        t.add_column(col, justify="left" if col in ("sched", "bound by", "experts") else "right")
     for i, c in enumerate(result.top, 1):
         p = c.policy
+        mark = "*" if c.priced_by == "simulation" else ""
         t.add_row(str(i), c.schedule, str(p["N"]), str(p["mu"]), str(p["A_g"]), f"{p['r_w']:g}",
-                  f"{p['r_c']:g}", f"{c.predicted_tok_s:.2f}",
+                  f"{p['r_c']:g}", *((_experts_placed(p),) if experts else ()),
+                  f"{c.predicted_tok_s:.2f}{mark}",
                   *((f"{c.simulated_tok_s:.2f}",) if verified else ()),
-                  f"{c.predicted_layer_ms:.1f}", c.resource)
+                  f"{_num(c.token_latency_ms)}{mark}", f"{_num(c.ttft_s)}{mark}",
+                  f"{_num(c.predicted_layer_ms)}{mark}", c.resource)
+    return t
+
+
+def _experts_placed(p: dict[str, Any]) -> str:
+    """An expert-level policy's experts on the GPU per layer, and its cache's eviction."""
+    if "experts_gpu" not in p:
+        return ""
+    return f"{p['experts_gpu']} a layer" + (f", {p['eviction']}" if "eviction" in p else "")
+
+
+def pareto_table(result) -> Table:
+    shown, front = result.shown_front(), result.front
+    t = Table(title=f"the trade-off: {len(front)} polic{'y' if len(front) == 1 else 'ies'} no "
+                    "other beats on both tok/s and "
+                    f"ms/token" + (f" ({len(shown)} shown)" if len(shown) < len(front) else ""),
+              title_justify="left",
+              caption="Lower latency costs throughput along the front; * simulated, the others "
+                      "HRM predictions. --plot draws it.", caption_justify="left")
+    for col in ("sched", "N", "mu", "r_w", "experts", "tok/s", "ms/token", "TTFT s",
+                "bound by", "meets limits"):
+        t.add_column(col, justify="left" if col in ("sched", "experts", "bound by") else "right")
+    for c in shown:
+        p, mark = c.policy, "*" if c.priced_by == "simulation" else ""
+        t.add_row(c.schedule, str(p["N"]), str(p["mu"]), f"{p['r_w']:g}", _experts_placed(p),
+                  f"{c.tok_s:.2f}{mark}", f"{_num(c.token_latency_ms)}{mark}",
+                  f"{_num(c.ttft_s)}{mark}", c.resource,
+                  "yes" if result.objective.met_by(c.token_latency_ms, c.ttft_s) else "no")
     return t
 
 
@@ -334,11 +376,21 @@ def check_table(checks: list[Check]) -> Table:
 
 
 def stderr_console() -> Console:
+    """Where progress and diagnostics go."""
+    return _console(sys.stderr)
+
+
+def stdout_console() -> Console:
+    """Where results go, so that `tg simulate x.yaml > out.txt` and `| less` hold them."""
+    return _console(sys.stdout)
+
+
+def _console(stream) -> Console:
     # CI logs are not terminals; give tables room rather than rich's 80-column default. No
     # string is markup: names, paths and ids are the user's text ("x[/b]" is a fine name);
     # styles come from Text objects.
-    return Console(stderr=True, highlight=False, markup=False,
-                   width=None if sys.stderr.isatty() else 110)
+    return Console(file=stream, highlight=False, markup=False,
+                   width=None if stream.isatty() else 110)
 
 
 def fit_table(report) -> tuple[Table, Table, Table]:

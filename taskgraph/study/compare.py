@@ -12,7 +12,7 @@ from typing import Callable
 
 from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import SCHEDULES
-from taskgraph.errors import CheckFailed, MemoryFitError, TgError
+from taskgraph.errors import CheckFailed, MemoryFitError, ScheduleError, TgError
 from taskgraph.expect import Check, evaluate
 from taskgraph.output.report import Shown, check_table, compare_table, warnings_of
 from taskgraph.perf.memory import check_fits, memory_footprint
@@ -34,7 +34,7 @@ class Comparison(Shown, Traced):
     scenario: str = ""
     sims: dict = field(default_factory=dict)          # name -> Simulation (or a queue's run)
     notes: dict[str, str] = field(default_factory=dict)     # how a schedule's policy was adapted
-    left_out: dict[str, str] = field(default_factory=dict)  # name -> why its memory does not fit
+    left_out: dict[str, str] = field(default_factory=dict)  # name -> why it cannot run this
     checks: list[Check] | None = None                 # the `expect` section, when checked
 
     @property
@@ -105,14 +105,21 @@ def parse_entry(entry: str) -> tuple[str, str | None]:
     return name, batching or None
 
 
+#: The batches the expert-level schedules are made for (the Fiddler artifact's 1-16): at these
+#: `tg compare` compares them by default.
+SMALL_BATCH = 16
+
+
 def default_schedules(scenario: Scenario) -> list[str]:
     """The schedules worth comparing on this machine: S5 runs its experts on one host for one
-    GPU, and PP on one GPU is S4. The expert-level schedules (EP, EC), made for small batches,
-    are compared where named (docs/experts.md)."""
+    GPU, and PP on one GPU is S4. The expert-level schedules (EP, EC, ECP) are compared by
+    default at batches of up to SMALL_BATCH sequences, what they are made for, and elsewhere
+    where named (docs/experts.md)."""
     one = scenario.hardware.gpu.count == 1
+    small = scenario.policy.N <= SMALL_BATCH
     return [n for n, s in SCHEDULES.items()
             if (s.parallel != "pipeline" or not one) and (one or s.ffn == "gpu")
-            and s.ffn not in ("split", "cache")]
+            and (small or s.ffn not in ("split", "cache"))]
 
 
 def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool = False,
@@ -158,14 +165,15 @@ def compare(scenario: Scenario, schedules: list[str] | None = None, check: bool 
 def compare_scenario(scenario: Scenario, names: list[str], required: set[str],
                      progress: Progress = None, keep_steps: int | None = 2) -> Comparison:
     """Simulate `names` on a mean-length scenario. Every schedule's memory is checked before
-    any is simulated; one that does not fit fails the comparison if it is `required`, and is
-    left out, with the reason, if not. Ctrl-C ends the comparison after the schedule it hit."""
+    any is simulated; one that does not fit, or cannot run the policy (CGOPipe at N = 1: it
+    needs two micro-batches), fails the comparison if it is `required`, and is left out, with
+    the reason, if not. Ctrl-C ends the comparison after the schedule it hit."""
     out, adapted = Comparison(scenario.name), {}
     for name in names:
         adapted[name], note = for_schedule(scenario, name)
         try:
             check_fits(memory_footprint(make_plan(adapted[name], name)), name)
-        except MemoryFitError as e:
+        except (MemoryFitError, ScheduleError) as e:
             if name in required:
                 raise
             out.left_out[name] = str(e)

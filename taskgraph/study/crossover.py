@@ -53,22 +53,29 @@ class PointJob:
     scenario: Scenario
     schedule: str
     N: int
+    experts_first: bool = False
+    eviction: str | None = None
 
     def run(self) -> dict[str, Any]:
         row = {"schedule": self.schedule, "N": self.N}
         try:
-            sc = policy_for(self.scenario, self.schedule, self.N)
+            sc = policy_for(self.scenario, self.schedule, self.N, self.experts_first,
+                            self.eviction)
             s = simulate_scenario(sc, self.schedule).summary
         except (MemoryFitError, ScheduleError) as err:
             return {**row, "error": str(err)}
         return {**row, "policy": s["policy"], "throughput_tok_s": s["throughput_tok_s"],
                 "token_latency_ms": s["token_latency_ms"], "ttft_s": s["ttft_s"],
+                "decode_layer_ms": s["decode_layer_ms"],
                 "bound_by": s["bound_by"]["decode"], "experts": s.get("experts")}
 
 
-def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
+def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = False,
+               eviction: str | None = None) -> Scenario:
     """`scenario` running `schedule` with N sequences at the greedy policy (module docstring);
-    MemoryFitError if not even the least of it fits."""
+    MemoryFitError if not even the least of it fits. `experts_first` fills the GPU with experts
+    before the other weights and the KV cache (the other corner of what the GPU's memory is
+    spent on); `eviction` replaces the scenario's cache policy."""
     s = SCHEDULES[schedule]
     fixed = s.placement
     n_min = max(s.min_micro_batches, 1)
@@ -90,6 +97,8 @@ def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
         # the user's eviction and prefetch accuracy, where the schedule has a cache
         own = {k: getattr(scenario.policy, k) for k in ("eviction", "prefetch")
                if s.reads(k)}
+        if eviction is not None and s.reads("eviction"):
+            own["eviction"] = eviction
         base = base.model_copy(update={"policy": base.policy.model_copy(update=own)})
         fits = _fits(base, schedule)
         if fits({}):
@@ -98,8 +107,9 @@ def policy_for(scenario: Scenario, schedule: str, N: int) -> Scenario:
             check_fits(memory_footprint(make_plan(base, schedule)), schedule)  # raises, naming it
         mu //= 2
     chosen: dict[str, Any] = {}
-    for knob, values in (("r_w", _FRACTIONS), ("r_c", _FRACTIONS),
-                         ("experts_gpu", range(scenario.model.E, -1, -1))):
+    knobs = [("r_w", _FRACTIONS), ("r_c", _FRACTIONS),
+             ("experts_gpu", range(scenario.model.E, -1, -1))]
+    for knob, values in knobs[-1:] + knobs[:-1] if experts_first else knobs:
         if knob in fixed or (knob == "r_c" and s.attention == "cpu") or \
                 (knob == "experts_gpu" and not s.reads("experts_gpu")):
             continue

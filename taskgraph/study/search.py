@@ -1,11 +1,16 @@
-"""Policy search: the best (N, mu, A_g, F_g, r_w, r_c) for a machine, by HRM prediction, checked
-by simulation.
+"""Policy search: the best policy for a machine, by HRM prediction or simulation, for the
+scenario's objective (the most tokens per second, or the lowest per-token latency, within
+limits on per-token latency and time to first token).
 
-The grid is enumerated per (schedule, mu, r_w, r_c), vectorised over the number of micro-batches
-(N = n * mu), filtered by the one memory model and ranked by the HRM prediction of end-to-end
-throughput (:mod:`taskgraph.perf.predict`). Attention placement picks the schedule: CPU attention runs
-the scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4, and GPU
-attention with the routed experts on the CPU (F_g = 0) runs S5.
+The grid of the schedules that stream whole layers is enumerated per (schedule, mu, r_w, r_c),
+vectorised over the number of micro-batches (N = n * mu), filtered by the one memory model and
+priced by the HRM prediction of end-to-end throughput and latency
+(:mod:`taskgraph.perf.predict`). Attention placement picks the schedule: CPU attention runs the
+scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4, and GPU
+attention with the routed experts on the CPU (F_g = 0) runs S5. The expert-level schedules (EP,
+EC, ECP) have no HRM bound: each is simulated at the batch sizes they are made for, at the
+policies that fill the GPU (:func:`expert_level`). Every priced policy also enters the Pareto
+front of throughput against per-token latency (:func:`pareto_front`).
 
 Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`SimJob`) for
 :func:`taskgraph.study.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
@@ -17,28 +22,36 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from taskgraph.dag.builder import build_segment, make_plan
-from taskgraph.dag.schedules import SCHEDULES, Schedule
-from taskgraph.errors import ScheduleError, TgError
-from taskgraph.output.report import Shown, brute_force_table, search_table
+from taskgraph.dag.schedules import EXPERT_FIELDS, SCHEDULES, Schedule
+from taskgraph.errors import MemoryFitError, ScheduleError, TgError
+from taskgraph.output.plots import pareto_plot
+from taskgraph.output.report import Shown, brute_force_table, pareto_table, search_table
 from taskgraph.perf.cost import CostModel, cost_model
 from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.perf.memory import GB, memory_items
 from taskgraph.perf.predict import ROWS, predict_micro_batches
 from taskgraph.serving.queue import simulate_queue
 from taskgraph.sim.simulate import simulate_scenario
-from taskgraph.specs import PolicySpec, Scenario
+from taskgraph.specs import ObjectiveSpec, PolicySpec, Scenario
+from taskgraph.study.crossover import PointJob, policy_for
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
 R_W = tuple(round(float(x), 2) for x in np.linspace(0.0, 1.0, 21))
 R_C = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_MICRO_BATCHES = 64
+#: Batch sizes at which the expert-level schedules are simulated: those they are made for (the
+#: Fiddler artifact measures 1-16) and on to 64, past which their throughput stops growing on
+#: the presets (EP on t4: 21.7 tok/s at 64 and at 256) while their latency still does.
+EXPERT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+#: Points of the Pareto front a table shows (spread evenly over log latency; --json has all).
+FRONT_SHOWN = 12
 # Policies `tg search` lists: each costs a build (~0.1 s) and, with --verify, a simulation.
 MAX_TOP = 100
 _RESOURCE_NAMES = {"gpu": "GPU", "cpu": "CPU", "h2d": "link (CPU->GPU)",
@@ -58,6 +71,14 @@ class Grid:
     max_micro_batches: int = MAX_MICRO_BATCHES
     attention: tuple[str, ...] = ("cpu", "gpu")
     ffn: tuple[str, ...] = ("gpu", "cpu")        # where the routed experts run (F_g = 1, 0)
+    batch: int | None = None                     # N held fixed (None: any)
+
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        """`mu`, or where the batch is fixed every size that divides it."""
+        if self.batch is None:
+            return self.mu
+        return tuple(m for m in range(1, self.batch + 1) if self.batch % m == 0
+                     and self.batch // m <= self.max_micro_batches)
 
 
 @dataclass
@@ -68,9 +89,17 @@ class Candidate:
     policy: dict[str, Any]
     predicted_tok_s: float
     predicted_layer_ms: float
-    resource: str                       # what bounds its decode layers, by HRM
+    resource: str                       # what bounds its decode layers
+    token_latency_ms: float             # a sequence's time per token in decode
+    ttft_s: float                       # the batch's time to its first tokens
+    priced_by: str = "HRM"              # or "simulation" (the expert-level schedules)
     simulated_tok_s: float | None = None
     simulated_layer_ms: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        """Simulated throughput where simulated, else predicted."""
+        return self.simulated_tok_s if self.simulated_tok_s is not None else self.predicted_tok_s
 
     def scenario(self, base: Scenario) -> Scenario:
         return base.model_copy(update={"policy": PolicySpec(**self.policy),
@@ -87,6 +116,11 @@ class SearchResult(Shown):
     evaluated: int                      # feasible policies scored
     considered: int                     # policies enumerated
     binding: str                        # what stops the winner from going faster
+    objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
+    limits_met: bool = True             # False: no policy meets them; `top` is the closest
+    front: list[Candidate] = field(default_factory=list)    # Pareto, lowest latency first
+    priced: list[Candidate] = field(default_factory=list, repr=False)   # all, for the plot
+    simulated: int = 0                  # expert-level policies simulated to price them
     wall_s: float = 0.0
     verified: bool = False
     notes: list[str] = field(default_factory=list)
@@ -97,8 +131,10 @@ class SearchResult(Shown):
     def to_json(self) -> dict[str, Any]:
         return {"best": asdict(self.best), "top": [asdict(c) for c in self.top],
                 "binding": self.binding, "evaluated": self.evaluated,
-                "considered": self.considered, "verified": self.verified,
-                "notes": self.notes, "wall_s": round(self.wall_s, 3)}
+                "considered": self.considered, "simulated": self.simulated,
+                "objective": self.objective.model_dump(), "limits_met": self.limits_met,
+                "pareto": [asdict(c) for c in self.front],
+                "verified": self.verified, "notes": self.notes, "wall_s": round(self.wall_s, 3)}
 
     def to_dict(self) -> dict[str, Any]:
         out = self.to_json()
@@ -115,12 +151,28 @@ class SearchResult(Shown):
     def picked(self) -> str:
         """What `policy: auto` became, in one line."""
         p = self.best.policy
+        experts = "".join(f" {k}={p[k]}" for k in EXPERT_FIELDS if k in p)
         return (f"policy: auto -> {self.best.schedule} N={p['N']} mu={p['mu']} A_g={p['A_g']} "
-                f"r_w={p['r_w']:g} r_c={p['r_c']:g} (best of {self.evaluated:,} by HRM, "
+                f"r_w={p['r_w']:g} r_c={p['r_c']:g}{experts} (best of {self.evaluated:,}, "
                 f"{self.wall_s:.1f} s)")
+
+    def shown_front(self) -> list[Candidate]:
+        """At most FRONT_SHOWN points of the front, spread evenly over log latency, both ends
+        kept."""
+        front = self.front
+        if len(front) <= FRONT_SHOWN:
+            return front
+        logs = np.log([c.token_latency_ms for c in front])
+        targets = np.linspace(logs[0], logs[-1], FRONT_SHOWN)
+        return [front[i] for i in sorted({int(np.abs(logs - x).argmin()) for x in targets})]
+
+    def plot(self, out) -> Any:
+        return pareto_plot(self, out)
 
     def views(self):
         yield search_table(self, self.scenario, self.hardware_limit_tok_s)
+        if self.front:
+            yield pareto_table(self)
         if self.grid:
             yield brute_force_table(self.grid[:len(self.top)],
                                     brute_force_summary(self, self.grid))
@@ -133,6 +185,7 @@ class GridJob:
     scenario: Scenario
     combos: tuple[tuple[str, int, float, float], ...]
     max_micro_batches: int
+    batch: int | None = None
 
     def run(self) -> tuple[list[Candidate], int]:
         costs: dict[str, CostModel] = {}
@@ -145,34 +198,54 @@ class GridJob:
             groups = self.scenario.hardware.gpu.count if schedule.grouped else 1
             n = np.arange(_min_micro(self.scenario, schedule),
                           (schedule.max_micro_batches * groups or self.max_micro_batches) + 1)
-            n = n[n % groups == 0]
+            n = n[(n % groups == 0) & ((n * mu == self.batch) if self.batch else True)]
             considered += len(n)
             fits = _fits(self.scenario, schedule, n, mu, r_w, r_c)
             if not fits.any():
                 continue
             n = n[fits]
             pred = predict_micro_batches(self.scenario, schedule, mu, r_w, r_c, n, cost)
+            steps = self.scenario.decode_steps
             for i in range(len(n)):
                 found.append(Candidate(
                     schedule=name,
                     policy=_policy(int(n[i]) * mu, mu, schedule, r_w, r_c),
                     predicted_tok_s=float(pred.throughput_tok_s[i]),
                     predicted_layer_ms=float(pred.decode_layer_ms[i]),
-                    resource=_RESOURCE_NAMES[ROWS[pred.binding[i]]]))
+                    resource=_RESOURCE_NAMES[ROWS[pred.binding[i]]],
+                    token_latency_ms=float(pred.decode_s[i]) / steps * 1e3,
+                    ttft_s=float(pred.prefill_s[i])))
         return found, considered
 
 
-def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(),
-           workers: int | None = None) -> SearchResult:
-    """The best policies for `scenario`'s model, machine and workload, by HRM prediction."""
+def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(), workers: int | None = None,
+           schedules: tuple[str, ...] | None = None) -> SearchResult:
+    """The best policies for `scenario`'s model, machine, workload and objective: the schedules
+    that stream whole layers by HRM prediction, the expert-level ones simulated (`schedules`:
+    only these)."""
     t0 = time.perf_counter()
-    found, considered = evaluate(scenario, grid, workers)
+    objective = scenario.objective
+    grid = replace(grid, batch=objective.batch)
+    found, considered = [], 0
+    if schedules is None or any(not SCHEDULES[n].expert_level for n in schedules):
+        found, considered = evaluate(scenario, grid, workers)
+        if schedules is not None:
+            found = [c for c in found if c.schedule in schedules]
+    experts = expert_level(scenario, objective.batch, Backend(workers=workers), schedules)
+    found += experts
+    considered += len(experts)
     if not found:
         raise TgError(_nothing_fits(scenario, grid))
-    ranked = _runnable(scenario, found, top)
+    meeting = [c for c in found if objective.met_by(c.token_latency_ms, c.ttft_s)]
+    ranked = _runnable(scenario, sorted(meeting, key=_order(objective)) if meeting else
+                       sorted(found, key=lambda c: _overshoot(objective, c)), top)
     best = ranked[0]
     result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
-                          binding=_binding(scenario, best, grid.max_micro_batches))
+                          binding=_binding(scenario, best, grid.max_micro_batches),
+                          objective=objective, limits_met=bool(meeting),
+                          front=pareto_front(found), priced=found, simulated=len(experts))
+    if not meeting:
+        result.notes.append(_unreachable(objective, best))
     result.wall_s = time.perf_counter() - t0
     return result
 
@@ -195,6 +268,80 @@ def search_scenario(scenario: Scenario, top: int = 10, verify_top: bool = False,
     return result
 
 
+def expert_level(scenario: Scenario, batch: int | None = None, backend: Backend = LOCAL,
+                 schedules: tuple[str, ...] | None = None) -> list[Candidate]:
+    """The expert-level schedules (EP, EC, ECP), which no HRM bound prices, simulated at each
+    batch of EXPERT_BATCHES (or at `batch`). Each runs the policy that fills its GPU
+    (:func:`~taskgraph.study.crossover.policy_for`) twice over: the other weights and the KV
+    cache first, then experts; and experts first. The two differ where the GPU cannot hold
+    both (EP at 64 on t4: 21.7 tok/s the first way, 24.7 the second). A cache (EC, ECP) runs
+    under each eviction rule (where it holds an expert). Policies that come out the same are
+    simulated once."""
+    names = [n for n, s in SCHEDULES.items() if s.expert_level
+             and (schedules is None or n in schedules)]
+    jobs: dict[tuple, PointJob] = {}
+    for name in names:
+        evictions = ("lru", "popular") if SCHEDULES[name].reads("eviction") else (None,)
+        for N in (batch,) if batch else EXPERT_BATCHES:
+            for experts_first in (False, True):
+                for eviction in evictions:
+                    try:
+                        policy = policy_for(scenario, name, N, experts_first, eviction).policy
+                    except (MemoryFitError, ScheduleError):
+                        continue
+                    if policy.experts_gpu == 0:     # no cache: nothing to evict
+                        policy = policy.model_copy(update={"eviction": "lru"})
+                    jobs.setdefault((name, policy), PointJob(scenario, name, N, experts_first,
+                                                             eviction))
+    found = []
+    for (name, policy), row in zip(jobs, run_jobs(list(jobs.values()), backend)):
+        if "error" in row:
+            continue
+        found.append(Candidate(
+            schedule=name, policy=_expert_policy(name, policy),
+            predicted_tok_s=row["throughput_tok_s"], predicted_layer_ms=row["decode_layer_ms"],
+            resource=_RESOURCE_NAMES.get(row["bound_by"], row["bound_by"]),
+            token_latency_ms=row["token_latency_ms"], ttft_s=row["ttft_s"],
+            priced_by="simulation", simulated_tok_s=row["throughput_tok_s"],
+            simulated_layer_ms=row["decode_layer_ms"]))
+    return found
+
+
+def _expert_policy(name: str, policy: PolicySpec) -> dict[str, Any]:
+    """The policy's fields, the expert ones only where the schedule reads them."""
+    return {k: v for k, v in policy.model_dump().items()
+            if k not in EXPERT_FIELDS or SCHEDULES[name].reads(k)}
+
+
+def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates no other beats on both throughput and per-token latency, lowest latency
+    first (so throughput rises along it)."""
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.token_latency_ms, -c.tok_s)):
+        if not front or c.tok_s > front[-1].tok_s:
+            front.append(c)
+    return front
+
+
+def _order(objective: ObjectiveSpec) -> Callable[[Candidate], tuple]:
+    if objective.optimize == "latency":
+        return lambda c: (round(math.log(c.token_latency_ms) * 1000), *_rank(c))
+    return _rank
+
+
+def _overshoot(objective: ObjectiveSpec, c: Candidate) -> float:
+    """How far past its limits a policy is: its worse ratio of figure to limit."""
+    return max(c.token_latency_ms / (objective.max_token_ms or math.inf),
+               c.ttft_s / (objective.max_ttft_s or math.inf))
+
+
+def _unreachable(objective: ObjectiveSpec, closest: Candidate) -> str:
+    p = closest.policy
+    return (f"No policy meets {objective.limits()}; the table lists the closest first: "
+            f"{closest.schedule} N={p['N']} at {closest.token_latency_ms:,.0f} ms a token and "
+            f"{closest.ttft_s:,.2f} s to the first, bound by {closest.resource}.")
+
+
 def evaluate(scenario: Scenario, grid: Grid = Grid(), workers: int | None = None
              ) -> tuple[list[Candidate], int]:
     """Every feasible policy of the grid with its prediction, best first, and how many policies
@@ -212,22 +359,17 @@ def _rank(c: Candidate) -> tuple:
     """Best first; policies within 0.1% of each other are equals, and among equals the cheapest
     wins: weights and KV left on the CPU, then the smaller batch."""
     p = c.policy
-    return (-round(math.log(c.predicted_tok_s) * 1000), p["r_w"], p["r_c"], p["N"], p["mu"])
+    return (-round(math.log(c.tok_s) * 1000), p["r_w"], p["r_c"], p["N"], p["mu"])
 
 
 def resolve_auto_policy(scenario: Scenario) -> tuple[Scenario, SearchResult | None]:
-    """A scenario with `policy: auto` gets the search's best policy (and its schedule). The
-    search prices batches by the HRM bound, which no expert-level schedule has: asked for one,
-    it would answer with another schedule."""
+    """A scenario with `policy: auto` gets the search's best policy (and its schedule), for the
+    scenario's objective; an expert-level schedule keeps its schedule and gets its best
+    policy."""
     if not scenario.policy_auto:
         return scenario, None
     own = SCHEDULES[scenario.schedule]
-    if own.expert_level:
-        raise TgError(f"policy: auto runs the policy search, which prices schedules by their HRM "
-                      f"bound, and the expert-level schedule {own.name} has none: give its "
-                      "policy (policy.N, policy.mu, policy.experts_gpu), or let `tg compare "
-                      "--batch-sizes` choose one per batch size.")
-    result = search(scenario, top=1)
+    result = search(scenario, top=1, schedules=(own.name,) if own.expert_level else None)
     return result.best.scenario(scenario), result
 
 
@@ -239,7 +381,12 @@ def verify(scenario: Scenario, result: SearchResult, backend: Backend = LOCAL,
     for c, summary in zip(result.top, run_jobs(jobs, backend, progress)):
         c.simulated_tok_s = summary["throughput_tok_s"]
         c.simulated_layer_ms = summary["decode_layer_ms"]
-    result.top.sort(key=lambda c: -(c.simulated_tok_s or 0.0))
+        # a request list's queue has no one per-token latency: the mean lengths' stands
+        c.token_latency_ms = summary.get("token_latency_ms", c.token_latency_ms)
+        c.ttft_s = summary.get("ttft_s", c.ttft_s)
+    objective = result.objective
+    result.top.sort(key=lambda c: (not objective.met_by(c.token_latency_ms, c.ttft_s),
+                                   _order(objective)(c)))
     result.best = result.top[0]
     result.verified = True
     if scenario.requests is not None:
@@ -260,7 +407,7 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, backend: Backend = LOCA
     """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest,
     three quarters and half the largest batch that fit. Returns the simulated candidates, best
     first."""
-    found, _ = evaluate(scenario, grid, backend.workers)
+    found, _ = evaluate(scenario, replace(grid, batch=scenario.objective.batch), backend.workers)
     largest: dict[tuple, list[Candidate]] = {}
     for c in found:
         key = (c.schedule, c.policy["mu"], c.policy["r_w"], c.policy["r_c"])
@@ -315,12 +462,12 @@ def grid_jobs(scenario: Scenario, grid: Grid, chunks: int) -> list[GridJob]:
         for schedule in _schedules_for(scenario, attention, ffn):
             _add_combos(combos, schedule, grid)
     size = math.ceil(len(combos) / chunks)
-    return [GridJob(scenario, tuple(combos[i:i + size]), grid.max_micro_batches)
+    return [GridJob(scenario, tuple(combos[i:i + size]), grid.max_micro_batches, grid.batch)
             for i in range(0, len(combos), size)]
 
 
 def _add_combos(combos: list, schedule: Schedule, grid: Grid) -> None:
-    for mu in grid.mu:
+    for mu in grid.micro_batch_sizes():
         for r_w in grid.r_w:
             # where the schedule decides the KV cache's place (S1-S3, DS), only its own
             r_cs = (schedule.placement["r_c"],) if "r_c" in schedule.placement else grid.r_c
@@ -413,7 +560,8 @@ def _binding(scenario: Scenario, best: Candidate, max_micro_batches: int) -> str
     p = best.policy
     schedule = SCHEDULES[best.schedule]
     n_next = np.array([p["N"] // p["mu"] + 1])
-    if n_next[0] <= max_micro_batches:
+    if n_next[0] <= max_micro_batches and not schedule.expert_level \
+            and scenario.objective.batch is None:
         pred = predict_micro_batches(scenario, schedule, p["mu"], p["r_w"], p["r_c"], n_next)
         if pred.throughput_tok_s[0] > best.predicted_tok_s:
             gpu, cpu = _memory_totals(scenario, schedule, n_next, p["mu"], p["r_w"], p["r_c"])
