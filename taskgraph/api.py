@@ -297,6 +297,8 @@ def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10
                                               if v is not None]
     s, _ = load(scenario, overrides, auto=False)      # the search is what `auto` would run
     result = search_scenario(s, top, verify, brute_force, jobs, progress)
+    if isinstance(scenario, (str, Path)):
+        result.path = str(scenario)
     if plot:
         result.plot(plot)
     return result

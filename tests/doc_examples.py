@@ -142,14 +142,15 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
             return "the README shows JSON; the command printed something else"
         return _compare_json(as_json, got, "", figures)
     text = _SPACE.sub(" ", printed)
-    at = 0
+    at, before = 0, ""
     for line in shown.splitlines():
         want = _SPACE.sub(" ", line).strip()
         if not want or want in ("...", "…"):
             continue
         if not figures:     # which resource binds a measured run is as much this machine's as its speed
             want = _BOUND_BY.sub("…-bound", want)
-        pattern, numbers = _pattern(want)
+        pattern, numbers = _pattern(want, before)
+        before = want
         best = None
         for m in re.finditer(pattern, text[at:]):
             wrong = [(w, g) for (w, free), g in zip(numbers, m.groups())
@@ -166,16 +167,18 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
     return None
 
 
-def _pattern(line: str) -> tuple[str, list[tuple[str, bool]]]:
-    """A regex for `line` with each figure a group, and each figure with whether it is free.
-    An ellipsis stands for anything, the spaces around it included."""
+def _pattern(line: str, before: str = "") -> tuple[str, list[tuple[str, bool]]]:
+    """A regex for `line` with each figure a group, and each figure with whether it is free
+    (a wall time: what precedes it, on this line or at the end of the line `before`, a title
+    wrapped at the table's width, says so). An ellipsis stands for anything, the spaces around
+    it included."""
     line = re.sub(r"\s*(?:\.\.\.|…)\s*", "...", line)
     parts, numbers, last = [], [], 0
     for m in _NUMBER.finditer(line):
         if line[last:m.start()]:
             parts.append(re.escape(line[last:m.start()]))
         parts.append(_ANY_NUMBER)
-        numbers.append((m.group(), bool(_WALL_TIME.search(line[:m.start()]))))
+        numbers.append((m.group(), bool(_WALL_TIME.search(f"{before} {line[:m.start()]}"))))
         last = m.end()
     parts.append(re.escape(line[last:]))
     return "".join(parts).replace(r"\.\.\.", ".*?").replace("…", ".*?"), numbers

@@ -27,6 +27,10 @@ def test_a_figure_that_moved_fails_and_a_wall_time_does_not():
     assert compare(PRINTED, PRINTED.replace("cpu 1%", "cpu 2%")) is None       # last digit
     assert "405,006" in compare(PRINTED, PRINTED.replace("405,006", "415,006"))
     assert compare(PRINTED, PRINTED.replace("in 0.79 s", "in 9.31 s")) is None
+    # a title wrapped at the table's width: the time starts the next line
+    wrapped = "tg search t4: 59,871 feasible of 249,224 policies in\n12.22 s, 38 of them simulated"
+    assert compare(wrapped, wrapped.replace("12.22", "7.05").replace("\n", " ")) is None
+    assert "38 -> 48" in compare(wrapped, wrapped.replace("38", "48"))
     assert compare(PRINTED, PRINTED.replace("57.29", "99.99"), figures=False) is None
 
 

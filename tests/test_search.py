@@ -223,8 +223,9 @@ def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
     grid = Grid(mu=(1, 2), r_w=(0.0, 0.5), r_c=(0.0,), max_micro_batches=4)
     simulated = brute_force(sc, grid, Backend(workers=1))
     assert simulated and all(c.simulated_tok_s > 0 for c in simulated)
-    sims = [c.simulated_tok_s for c in simulated]
-    assert sims == sorted(sims, reverse=True)
+    assert {"S1", "EP", "EC", "ECP"} <= {c.schedule for c in simulated}
+    sims = [c.simulated_tok_s for c in simulated]       # best first, 0.1% being a tie
+    assert all(a >= b * (1 - 1e-3) for a, b in zip(sims, sims[1:]))
     result = verify(sc, search(sc, top=1, grid=grid, workers=1), Backend(workers=1))
     report = brute_force_summary(result, simulated)
     # the loss compares HRM's pick, simulated, with the best simulated policy of the grid
@@ -383,3 +384,30 @@ def test_policy_auto_on_an_expert_level_schedule_searches_its_policies(tmp_path,
     assert scenario.policy.N == 2
     lowest = min(c.token_latency_ms for c in found.priced)
     assert found.best.token_latency_ms == lowest
+
+
+@pytest.mark.parametrize("overrides", [["objective.batch=1"], ["objective.batch=4"],
+                                       ["objective.batch=4", "objective.optimize=latency"]])
+def test_the_pick_is_within_two_percent_of_the_brute_force_best_at_small_batches(overrides):
+    """The search tries the expert-level schedules at the two corners of what fills the GPU;
+    the brute-force grid tries r_w 0-1, the KV cache on either side, both evictions and half
+    the experts as well. On t4 the corners lose under 0.1% (gpt-oss-120b on an RTX 4090 at
+    batch 16: 1.3%, bench/search_vs_bruteforce.py)."""
+    from taskgraph.study.search import brute_force, brute_force_summary
+
+    sc = _t4(*overrides)
+    result = verify(sc, search(sc, top=3, workers=1), Backend(workers=1))
+    grid = brute_force(sc, backend=Backend(workers=1))
+    assert {"EP", "EC", "ECP"} <= {c.schedule for c in grid}
+    assert len({(c.schedule, tuple(sorted(c.policy.items()))) for c in grid}) == len(grid) > 30
+    assert brute_force_summary(result, grid)["loss_vs_best"] <= 0.02
+
+
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_the_command_the_search_prints_runs_its_pick(batch, capsys):
+    assert main(["search", "scenarios/tiny.yaml", "--batch", batch, "--top", "1", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "scenarios/tiny.yaml", *found["run_with"].split(), "--json"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    assert ran["schedule"] == found["best"]["schedule"]
+    assert ran["throughput_tok_s"] == pytest.approx(found["best"]["throughput_tok_s"], rel=0.05)

@@ -232,15 +232,17 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
     wanted = "lowest per-token latency" if objective.optimize == "latency" else "most tok/s"
     within = f" within {objective.limits()}" if objective.limits() else ""
     at = f" at N = {objective.batch:,}" if objective.batch else ""
-    simulated = f" and {result.simulated:,} simulated" if result.simulated else ""
+    simulated = f", {result.simulated:,} of them simulated" if result.simulated else ""
     if not result.limits_met:
         wanted, within = f"no policy meets {objective.limits()}", ""
         at += ", the closest first"
     t = Table(title=f"tg search {scenario_name}: {wanted}{within}{at}; {result.evaluated:,} "
-                    f"feasible of {result.considered:,} policies{simulated}, in "
-                    f"{result.wall_s:.2f} s", title_justify="left",
+                    f"feasible of {result.considered:,} policies in {result.wall_s:.2f} s"
+                    f"{simulated}", title_justify="left",
               caption=f"best: {result.best.schedule} {_policy(result.best.policy)}, bound by "
-                      f"{result.binding}; hardware limit {limit:.0f} tok/s. Figures are HRM "
+                      f"{result.binding}; hardware limit {limit:.0f} tok/s. Run it: tg "
+                      f"execute (or simulate) {result.path} {result.best.run_with()}. "
+                      "Figures are HRM "
                       "predictions but those marked *, simulated (the expert-level schedules "
                       "have no HRM bound); policies within 0.1% are equal and the one that "
                       "keeps less on the GPU wins. " + " ".join(result.notes),

@@ -53,20 +53,16 @@ class PointJob:
     scenario: Scenario
     schedule: str
     N: int
-    experts_first: bool = False
-    eviction: str | None = None
 
     def run(self) -> dict[str, Any]:
         row = {"schedule": self.schedule, "N": self.N}
         try:
-            sc = policy_for(self.scenario, self.schedule, self.N, self.experts_first,
-                            self.eviction)
+            sc = policy_for(self.scenario, self.schedule, self.N)
             s = simulate_scenario(sc, self.schedule).summary
         except (MemoryFitError, ScheduleError) as err:
             return {**row, "error": str(err)}
         return {**row, "policy": s["policy"], "throughput_tok_s": s["throughput_tok_s"],
                 "token_latency_ms": s["token_latency_ms"], "ttft_s": s["ttft_s"],
-                "decode_layer_ms": s["decode_layer_ms"],
                 "bound_by": s["bound_by"]["decode"], "experts": s.get("experts")}
 
 
@@ -100,7 +96,7 @@ def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = 
         if eviction is not None and s.reads("eviction"):
             own["eviction"] = eviction
         base = base.model_copy(update={"policy": base.policy.model_copy(update=own)})
-        fits = _fits(base, schedule)
+        fits = fits_with(base, schedule)
         if fits({}):
             break
         if mu == 1 or N // (mu // 2) > MAX_MICRO_BATCHES:
@@ -117,7 +113,8 @@ def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = 
     return base.model_copy(update={"policy": base.policy.model_copy(update=chosen)})
 
 
-def _fits(base: Scenario, schedule: str) -> Callable[[dict], bool]:
+def fits_with(base: Scenario, schedule: str) -> Callable[[dict], bool]:
+    """Whether `base` running `schedule` fits its machine with a policy update."""
     def fits(update: dict) -> bool:
         sc = base.model_copy(update={"policy": base.policy.model_copy(update=update)})
         try:

@@ -39,7 +39,7 @@ from taskgraph.perf.predict import ROWS, predict_micro_batches
 from taskgraph.serving.queue import simulate_queue
 from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import ObjectiveSpec, PolicySpec, Scenario
-from taskgraph.study.crossover import PointJob, policy_for
+from taskgraph.study.crossover import fits_with, policy_for
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -96,6 +96,14 @@ class Candidate:
     simulated_tok_s: float | None = None
     simulated_layer_ms: float | None = None
 
+    def run_with(self) -> str:
+        """The options that run this policy: `tg simulate` or `tg execute` SCENARIO with them
+        (less what the schedule decides itself)."""
+        decided = SCHEDULES[self.schedule].placement
+        return f"--schedule {self.schedule} " + " ".join(
+            f"--set policy.{k}={v:g}" if isinstance(v, float) else f"--set policy.{k}={v}"
+            for k, v in self.policy.items() if k not in decided)
+
     @property
     def tok_s(self) -> float:
         """Simulated throughput where simulated, else predicted."""
@@ -125,6 +133,7 @@ class SearchResult(Shown):
     verified: bool = False
     notes: list[str] = field(default_factory=list)
     scenario: str = ""
+    path: str = "SCENARIO"              # the scenario's file, for the command that runs the pick
     hardware_limit_tok_s: float | None = None   # MoE-Lens's bound for the machine
     grid: list[Candidate] = field(default_factory=list)     # brute force, best first
 
@@ -133,6 +142,7 @@ class SearchResult(Shown):
                 "binding": self.binding, "evaluated": self.evaluated,
                 "considered": self.considered, "simulated": self.simulated,
                 "objective": self.objective.model_dump(), "limits_met": self.limits_met,
+                "run_with": self.best.run_with(),
                 "pareto": [asdict(c) for c in self.front],
                 "verified": self.verified, "notes": self.notes, "wall_s": round(self.wall_s, 3)}
 
@@ -226,24 +236,24 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(), workers: int 
     t0 = time.perf_counter()
     objective = scenario.objective
     grid = replace(grid, batch=objective.batch)
-    found, considered = [], 0
+    # one pool for both: the simulations start first, the HRM grid's chunks fill in beside them
+    jobs = expert_jobs(scenario, objective.batch, schedules)
     if schedules is None or any(not SCHEDULES[n].expert_level for n in schedules):
-        found, considered = evaluate(scenario, grid, workers)
-        if schedules is not None:
-            found = [c for c in found if c.schedule in schedules]
-    experts = expert_level(scenario, objective.batch, Backend(workers=workers), schedules)
-    found += experts
-    considered += len(experts)
+        jobs += grid_jobs(scenario, grid, workers or os.cpu_count() or 1)
+    found, considered = [], 0
+    for cands, n in run_jobs(jobs, Backend(workers=workers)):
+        found += [c for c in cands if schedules is None or c.schedule in schedules]
+        considered += n
+    simulated = sum(c.priced_by == "simulation" for c in found)
     if not found:
         raise TgError(_nothing_fits(scenario, grid))
     meeting = [c for c in found if objective.met_by(c.token_latency_ms, c.ttft_s)]
-    ranked = _runnable(scenario, sorted(meeting, key=_order(objective)) if meeting else
-                       sorted(found, key=lambda c: _overshoot(objective, c)), top)
+    ranked = _runnable(scenario, _best_first(objective, meeting or found), top)
     best = ranked[0]
     result = SearchResult(best=best, top=ranked, evaluated=len(found), considered=considered,
                           binding=_binding(scenario, best, grid.max_micro_batches),
                           objective=objective, limits_met=bool(meeting),
-                          front=pareto_front(found), priced=found, simulated=len(experts))
+                          front=pareto_front(found), priced=found, simulated=simulated)
     if not meeting:
         result.notes.append(_unreachable(objective, best))
     result.wall_s = time.perf_counter() - t0
@@ -268,43 +278,96 @@ def search_scenario(scenario: Scenario, top: int = 10, verify_top: bool = False,
     return result
 
 
-def expert_level(scenario: Scenario, batch: int | None = None, backend: Backend = LOCAL,
-                 schedules: tuple[str, ...] | None = None) -> list[Candidate]:
-    """The expert-level schedules (EP, EC, ECP), which no HRM bound prices, simulated at each
+@dataclass(frozen=True)
+class ExpertJob:
+    """Simulate an expert-level schedule at one policy; returns its candidate (none where it
+    cannot run) and 1, as a GridJob returns its own."""
+
+    scenario: Scenario            # the policy set
+    schedule: str
+
+    def run(self) -> tuple[list[Candidate], int]:
+        try:
+            s = simulate_scenario(self.scenario, self.schedule).summary
+        except (MemoryFitError, ScheduleError):
+            return [], 1
+        return [Candidate(
+            schedule=self.schedule, policy=_expert_policy(self.schedule, self.scenario.policy),
+            predicted_tok_s=s["throughput_tok_s"], predicted_layer_ms=s["decode_layer_ms"],
+            resource=_RESOURCE_NAMES.get(s["bound_by"]["decode"], s["bound_by"]["decode"]),
+            token_latency_ms=s["token_latency_ms"], ttft_s=s["ttft_s"],
+            priced_by="simulation", simulated_tok_s=s["throughput_tok_s"],
+            simulated_layer_ms=s["decode_layer_ms"])], 1
+
+
+def expert_jobs(scenario: Scenario, batch: int | None = None,
+                schedules: tuple[str, ...] | None = None) -> list[ExpertJob]:
+    """The expert-level schedules (EP, EC, ECP), which no HRM bound prices, to simulate at each
     batch of EXPERT_BATCHES (or at `batch`). Each runs the policy that fills its GPU
     (:func:`~taskgraph.study.crossover.policy_for`) twice over: the other weights and the KV
     cache first, then experts; and experts first. The two differ where the GPU cannot hold
     both (EP at 64 on t4: 21.7 tok/s the first way, 24.7 the second). A cache (EC, ECP) runs
     under each eviction rule (where it holds an expert). Policies that come out the same are
     simulated once."""
-    names = [n for n, s in SCHEDULES.items() if s.expert_level
-             and (schedules is None or n in schedules)]
-    jobs: dict[tuple, PointJob] = {}
-    for name in names:
-        evictions = ("lru", "popular") if SCHEDULES[name].reads("eviction") else (None,)
+    jobs: dict[tuple, ExpertJob] = {}
+    for name in _expert_level(schedules):
         for N in (batch,) if batch else EXPERT_BATCHES:
             for experts_first in (False, True):
-                for eviction in evictions:
+                for eviction in _evictions(name):
                     try:
-                        policy = policy_for(scenario, name, N, experts_first, eviction).policy
+                        sc = policy_for(scenario, name, N, experts_first, eviction)
                     except (MemoryFitError, ScheduleError):
                         continue
-                    if policy.experts_gpu == 0:     # no cache: nothing to evict
-                        policy = policy.model_copy(update={"eviction": "lru"})
-                    jobs.setdefault((name, policy), PointJob(scenario, name, N, experts_first,
-                                                             eviction))
-    found = []
-    for (name, policy), row in zip(jobs, run_jobs(list(jobs.values()), backend)):
-        if "error" in row:
-            continue
-        found.append(Candidate(
-            schedule=name, policy=_expert_policy(name, policy),
-            predicted_tok_s=row["throughput_tok_s"], predicted_layer_ms=row["decode_layer_ms"],
-            resource=_RESOURCE_NAMES.get(row["bound_by"], row["bound_by"]),
-            token_latency_ms=row["token_latency_ms"], ttft_s=row["ttft_s"],
-            priced_by="simulation", simulated_tok_s=row["throughput_tok_s"],
-            simulated_layer_ms=row["decode_layer_ms"]))
-    return found
+                    _add_expert_job(jobs, sc, name)
+    return list(jobs.values())
+
+
+def expert_grid(scenario: Scenario, sizes: tuple[int, ...]) -> list[ExpertJob]:
+    """The brute-force grid of the expert-level schedules at batch sizes `sizes`: every r_w of
+    0, 0.5 and 1, the KV cache on the CPU or the GPU, each eviction rule, and with each as many
+    experts a layer as then fit, and half as many."""
+    jobs: dict[tuple, ExpertJob] = {}
+    for name in _expert_level(None):
+        fixed = SCHEDULES[name].placement
+        for N in sizes:
+            try:
+                base = policy_for(scenario, name, N)
+            except (MemoryFitError, ScheduleError):
+                continue
+            fits = fits_with(base, name)
+            for r_w in (0.0, 0.5, 1.0):
+                for r_c in (fixed["r_c"],) if "r_c" in fixed else (0.0, 1.0):
+                    for eviction in _evictions(name):
+                        update = {"r_w": r_w, "r_c": r_c, "experts_gpu": 0,
+                                  **({"eviction": eviction} if eviction else {})}
+                        if not fits(update):
+                            continue
+                        most = next(e for e in range(scenario.model.E, -1, -1)
+                                    if fits({**update, "experts_gpu": e}))
+                        for experts in {most, most // 2}:
+                            policy = base.policy.model_copy(
+                                update={**update, "experts_gpu": experts})
+                            _add_expert_job(jobs, base.model_copy(update={"policy": policy}),
+                                            name)
+    return list(jobs.values())
+
+
+def _expert_level(schedules: tuple[str, ...] | None) -> list[str]:
+    return [n for n, s in SCHEDULES.items() if s.expert_level
+            and (schedules is None or n in schedules)]
+
+
+def _evictions(name: str) -> tuple[str | None, ...]:
+    return ("lru", "popular") if SCHEDULES[name].reads("eviction") else (None,)
+
+
+def _add_expert_job(jobs: dict, scenario: Scenario, name: str) -> None:
+    """One job per distinct policy (with no expert cached, the eviction rule is moot)."""
+    policy = scenario.policy
+    if policy.experts_gpu == 0:
+        policy = policy.model_copy(update={"eviction": "lru"})
+    jobs.setdefault((name, policy), ExpertJob(
+        scenario.model_copy(update={"policy": policy}), name))
 
 
 def _expert_policy(name: str, policy: PolicySpec) -> dict[str, Any]:
@@ -379,14 +442,8 @@ def verify(scenario: Scenario, result: SearchResult, backend: Backend = LOCAL,
     t0 = time.perf_counter()
     jobs = [SimJob(c.scenario(scenario)) for c in result.top]
     for c, summary in zip(result.top, run_jobs(jobs, backend, progress)):
-        c.simulated_tok_s = summary["throughput_tok_s"]
-        c.simulated_layer_ms = summary["decode_layer_ms"]
-        # a request list's queue has no one per-token latency: the mean lengths' stands
-        c.token_latency_ms = summary.get("token_latency_ms", c.token_latency_ms)
-        c.ttft_s = summary.get("ttft_s", c.ttft_s)
-    objective = result.objective
-    result.top.sort(key=lambda c: (not objective.met_by(c.token_latency_ms, c.ttft_s),
-                                   _order(objective)(c)))
+        _simulated(c, summary)
+    result.top = _best_first(result.objective, result.top)
     result.best = result.top[0]
     result.verified = True
     if scenario.requests is not None:
@@ -405,9 +462,11 @@ COARSE = Grid(mu=(16, 32, 64, 128, 192, 256), r_w=(0.0, 0.05, 0.1, 0.25, 0.5),
 def brute_force(scenario: Scenario, grid: Grid = COARSE, backend: Backend = LOCAL,
                 progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
     """Simulate a whole coarse grid: for every (schedule, mu, r_w, r_c) of `grid`, the largest,
-    three quarters and half the largest batch that fit. Returns the simulated candidates, best
-    first."""
-    found, _ = evaluate(scenario, replace(grid, batch=scenario.objective.batch), backend.workers)
+    three quarters and half the largest batch that fit; and the expert-level schedules'
+    :func:`expert_grid` at batch 1, 4 and 16 (or the objective's batch). Returns the simulated
+    candidates, best first for the objective."""
+    objective = scenario.objective
+    found, _ = evaluate(scenario, replace(grid, batch=objective.batch), backend.workers)
     largest: dict[tuple, list[Candidate]] = {}
     for c in found:
         key = (c.schedule, c.policy["mu"], c.policy["r_w"], c.policy["r_c"])
@@ -417,28 +476,59 @@ def brute_force(scenario: Scenario, grid: Grid = COARSE, backend: Backend = LOCA
         cands.sort(key=lambda c: c.policy["N"])
         picks = (cands[-1], cands[(3 * len(cands) - 1) // 4], cands[(len(cands) - 1) // 2])
         chosen += {id(c): c for c in picks}.values()
-    chosen = _runnable(scenario, sorted(chosen, key=lambda c: -c.predicted_tok_s), len(chosen))
+    chosen = _runnable(scenario, sorted(chosen, key=lambda c: -c.predicted_tok_s),
+                       len(chosen)) if chosen else []
+    experts = expert_grid(scenario, (objective.batch,) if objective.batch else (1, 4, 16))
     jobs = [SimJob(c.scenario(scenario)) for c in chosen]
-    for c, summary in zip(chosen, run_jobs(jobs, backend, progress)):
-        c.simulated_tok_s = summary["throughput_tok_s"]
-        c.simulated_layer_ms = summary["decode_layer_ms"]
-    return sorted(chosen, key=lambda c: -(c.simulated_tok_s or 0.0))
+    results = run_jobs([*jobs, *experts], backend, progress)
+    for c, summary in zip(chosen, results):
+        _simulated(c, summary)
+    for cands, _ in results[len(jobs):]:
+        chosen += cands
+    return _best_first(objective, chosen)
 
 
 def brute_force_summary(result: SearchResult, grid: list[Candidate]) -> dict[str, Any]:
-    """The predicted pick against the best of a simulated grid (the reviewers' question)."""
-    best = grid[0]
-    hrm_pick = result.top[0] if not result.verified else max(
-        result.top, key=lambda c: c.predicted_tok_s)   # what HRM alone would have chosen
-    in_grid = max(grid, key=lambda c: c.predicted_tok_s)  # HRM's choice among the grid's
+    """The predicted pick against the best of a simulated grid (the reviewers' question), in
+    the objective's figure (throughput, or per-token latency: the loss is the share of the
+    best's speed given up)."""
+    objective, best = result.objective, grid[0]
+    if objective.optimize == "latency":
+        def figure(c, simulated=True):
+            return 1 / c.token_latency_ms
+    else:
+        def figure(c, simulated=True):
+            return c.simulated_tok_s if simulated else c.predicted_tok_s
+    # what the prediction alone would have chosen, and its choice among the grid's policies
+    pick = result.top[0] if not result.verified else _best_first(
+        objective, result.top, lambda c: figure(c, simulated=False))[0]
+    in_grid = _best_first(objective, grid, lambda c: figure(c, simulated=False))[0]
     return {
         "simulated": len(grid),
         "best": asdict(best),
-        "hrm_pick_simulated_tok_s": hrm_pick.simulated_tok_s,
-        "loss_vs_best": round(1 - hrm_pick.simulated_tok_s / best.simulated_tok_s, 4),
+        "hrm_pick_simulated_tok_s": pick.simulated_tok_s,
+        "loss_vs_best": round(1 - figure(pick) / figure(best), 4),
         "hrm_pick_in_grid_simulated_tok_s": in_grid.simulated_tok_s,
-        "loss_in_grid": round(1 - in_grid.simulated_tok_s / best.simulated_tok_s, 4),
+        "loss_in_grid": round(1 - figure(in_grid) / figure(best), 4),
     }
+
+
+def _simulated(c: Candidate, summary: dict[str, Any]) -> None:
+    c.simulated_tok_s = summary["throughput_tok_s"]
+    c.simulated_layer_ms = summary["decode_layer_ms"]
+    # a request list's queue has no one per-token latency: the mean lengths' stands
+    c.token_latency_ms = summary.get("token_latency_ms", c.token_latency_ms)
+    c.ttft_s = summary.get("ttft_s", c.ttft_s)
+
+
+def _best_first(objective: ObjectiveSpec, cands: list[Candidate],
+                figure: Callable[[Candidate], float] | None = None) -> list[Candidate]:
+    """Those that meet the objective's limits, best first (by `figure`, higher better, where
+    given), then the others, closest to the limits first."""
+    meeting = [c for c in cands if objective.met_by(c.token_latency_ms, c.ttft_s)]
+    rest = [c for c in cands if not objective.met_by(c.token_latency_ms, c.ttft_s)]
+    key = (lambda c: -figure(c)) if figure else _order(objective)
+    return sorted(meeting, key=key) + sorted(rest, key=lambda c: _overshoot(objective, c))
 
 
 @dataclass(frozen=True)
