@@ -113,6 +113,8 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     tick = (lambda d: progress(d, total)) if progress else None
     run = simulate_with_interference(program, cost, tick, recorder=recorder)
     summary = summarize(run, memory, cost)
+    if scenario.hardware.assumed:
+        warnings.append(f"hardware: local: {scenario.hardware.assumed}.")
     summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, run.program, memory, run, summary)

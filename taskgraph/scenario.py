@@ -25,6 +25,7 @@ from taskgraph.dag.routing import trace_from_dict
 from taskgraph.dag.schedules import EXPERT_FIELDS, PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text, read_json, read_text
+from taskgraph.local import local_hardware
 from taskgraph.model_files import model_from_gguf, model_from_hf_config
 from taskgraph.serving.requests import generate_requests, read_requests, summary
 from taskgraph.specs import LengthsSpec, Scenario
@@ -264,7 +265,8 @@ _PRESETS = {
     # section: (presets, what they are called, where else the section can come from)
     "model": (presets.MODELS, "models",
               " (or give a Hugging Face config.json or a GGUF file's path)"),
-    "hardware": (presets.HARDWARE, "machines", " (or give a hardware profile .yaml)"),
+    "hardware": (presets.HARDWARE, "machines", " (or local: this machine; or give a hardware "
+                                               "profile .yaml)"),
     "workload": (presets.WORKLOADS, "workloads", ""),
     "implementation": (presets.IMPLEMENTATIONS, "implementations",
                        " (or give an implementation profile .yaml)"),
@@ -281,7 +283,10 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
         return value     # validation will say what is wrong with it
     value = dict(value)
     base: dict[str, Any] = {}
-    if "preset" in value:
+    if section == "hardware" and value.get("preset") == "local":
+        value.pop("preset")
+        base = local_hardware(value.pop("gpu_like", None), section)
+    elif "preset" in value:
         table, plural, elsewhere = _PRESETS[section]
         name = value.pop("preset")
         if not isinstance(name, str) or name not in table:

@@ -624,6 +624,9 @@ class HardwareSpec(BaseModel):
     shared: SharedSpec = Field(default_factory=SharedSpec)
     # Where and when `tg calibrate` measured this profile (None: datasheet figures).
     calibrated: str | None = None
+    # `hardware: local`: which figures came from presets, not from this machine (each run
+    # prints it; None: not this machine).
+    assumed: str | None = None
     # Which figures `tg fit` fitted to published end-to-end measurements, on what data, when,
     # and how well (None: none).
     fitted: str | None = None

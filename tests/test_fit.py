@@ -347,8 +347,8 @@ def test_several_files_fit_as_one_and_each_is_left_out_whole(tmp_path, capsys):
     assert [r.loo for r in by_machine.cells] == [r.loo for r in report.cells]
     # the table a person reads says what was left out, and each file's errors
     assert main(["fit", *files, "--leave-out", "file", "--out", str(tmp_path / "o2")]) == 0
-    err = capsys.readouterr().err
-    assert "leaving each file out" in err and f"{files[0]}: median |error|" in err
+    shown = capsys.readouterr().out
+    assert "leaving each file out" in shown and f"{files[0]}: median |error|" in shown
 
 
 def test_a_cell_id_names_one_cell_across_files(tmp_path, capsys):
@@ -385,8 +385,8 @@ def test_runs_that_differ_in_generation_length_give_prefill_and_step_times(tmp_p
     assert_drawn(tmp_path / "out" / "steps.png")
     # what a person reads: the same figures in a table
     assert main(["fit", str(path), "--no-loo", "--out", str(tmp_path / "o2")]) == 0
-    err = capsys.readouterr().err
-    assert "prefill (extrapolated)" in err and "a step, 16-32 generated" in err
+    shown = capsys.readouterr().out
+    assert "prefill (extrapolated)" in shown and "a step, 16-32 generated" in shown
 
 
 def test_leaving_a_machine_out_keeps_what_the_others_measured_of_a_shared_part():

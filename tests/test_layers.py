@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("graph", ["dag"]),
     ("cost", ["perf", "kernels", "sim.engine", "sim.contention"]),
     ("output", ["output", "tracing"]),
-    ("scenarios", ["scenario", "model_files", "serving.requests"]),
+    ("scenarios", ["scenario", "model_files", "local", "serving.requests"]),
     ("simulation", ["sim"]),
     ("serving", ["serving.queue"]),
     ("execution", ["exec"]),

@@ -256,6 +256,8 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(), workers: int 
                           front=pareto_front(found), priced=found, simulated=simulated)
     if not meeting:
         result.notes.append(_unreachable(objective, best))
+    if scenario.hardware.assumed:
+        result.notes.append(f"hardware: local: {scenario.hardware.assumed}.")
     result.wall_s = time.perf_counter() - t0
     return result
 
