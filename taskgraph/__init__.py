@@ -9,8 +9,8 @@ the `tg` verbs of the same names do and return typed results whose ``to_dict()``
 
 __version__ = "0.1.0"
 
-from taskgraph.api import (batch, calibrate, compare, crossover, execute, fit, graph,  # noqa: E402
-                           load, roofline, search, simulate, sweep, validate)
+from taskgraph.api import (batch, calibrate, catalog, compare, crossover, execute, fit,  # noqa: E402
+                           graph, load, roofline, search, simulate, sweep, validate)
 
 __all__ = ["load", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
-           "batch", "validate", "calibrate", "roofline", "graph", "__version__"]
+           "batch", "catalog", "validate", "calibrate", "roofline", "graph", "__version__"]

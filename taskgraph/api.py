@@ -44,7 +44,7 @@ ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
 Overrides = Union[Mapping[str, Any], Iterable[str], None]
 Progress = Union[Callable[[int, int], None], None]
 
-__all__ = ["load", "simulate", "compare", "search", "execute", "fit", "sweep", "batch",
+__all__ = ["load", "simulate", "compare", "search", "execute", "fit", "sweep", "batch", "catalog",
            "validate", "calibrate", "roofline", "graph"]
 
 from taskgraph.study.compare import parse_entry  # noqa: E402  (re-exported: the CLI reads entries)
@@ -512,6 +512,18 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     dev = pick_device(device)
     s, _ = load(scenario, overrides, auto=False)
     return calibrate_to(s, str(out), dev, progress)
+
+
+@verb()
+def catalog():
+    """`tg catalog`: the models, machines, workloads and schedules a scenario can name, and the
+    scenarios shipped with tg, which a bare name finds (`tg simulate t4`).
+
+    Returns a :class:`~taskgraph.study.catalog.Catalog`.
+    """
+    from taskgraph.study.catalog import catalog as run
+
+    return run()
 
 
 @verb(out=(".png",))

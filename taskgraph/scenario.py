@@ -34,9 +34,28 @@ _SECTIONS = ("model", "hardware", "workload", "policy", "schedule", "implementat
              "objective", "name")
 
 
-def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
-    """Read, override and validate a scenario file."""
+#: The scenarios shipped beside the package (a checkout, or an editable install of one).
+SHIPPED = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+def shipped(path: str | Path) -> Path:
+    """`path`; or, where it is a bare name (`t4`, `t4.yaml`) no file here has, the shipped
+    scenario of that name where there is one."""
     path = Path(path)
+    if path.exists() or path.parent != Path(".") or not SHIPPED.is_dir():
+        return path
+    found = SHIPPED / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    return found if found.is_file() else path
+
+
+def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Read, override and validate a scenario file (or a shipped scenario by name)."""
+    path = shipped(path)
+    if not path.exists() and SHIPPED.is_dir():
+        names = ", ".join(sorted(f.stem for f in SHIPPED.glob("*.yaml")))
+        raise TgError(f"The scenario file '{str(path)[:200]}' does not exist; the shipped "
+                      f"scenarios, which a bare name finds, are {names} (tg catalog lists "
+                      "them with the models and machines).")
     doc = _read_yaml(path, what="scenario file")
     if not isinstance(doc, dict):
         raise TgError(

@@ -78,3 +78,17 @@ def test_bad_local_hardware_is_one_clear_error(tmp_path):
                               str(_scenario(tmp_path, "local"))],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and "reports no NVIDIA GPU" in run.stderr
+
+
+def test_what_nvidia_smi_prints_on_an_h200_is_read(monkeypatch):
+    """The line an H200 printed (2026-11-27, the lent machine): 143,771 MiB is 150.75 GB."""
+    printed = "NVIDIA H200, 143771\n"
+    monkeypatch.setattr(local.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(local.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, printed, ""))
+    assert local.detect_gpus() == ("NVIDIA H200", pytest.approx(150.75, abs=0.01), 1)
+    hw = local.local_hardware()
+    assert hw["gpu"]["name"] == "H200" and hw["gpu"]["memory_gb"] == 150.75
+    monkeypatch.setattr(local.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, printed * 4, ""))
+    assert local.detect_gpus()[2] == 4

@@ -15,6 +15,8 @@ from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.scenario import for_schedule, load_scenario
 from tests.helpers import TINY
 
+ROOT = Path(__file__).resolve().parent.parent
+
 SCENARIOS = sorted(Path("scenarios").glob("*.yaml"))
 
 
@@ -195,3 +197,37 @@ def test_bad_cli_values(capsys, tmp_path):
     assert ".dot" in capsys.readouterr().err
     assert main(["compare", "scenarios/tiny.yaml", "--check"]) == 2
     assert "expect" in capsys.readouterr().err
+
+
+def test_a_shipped_scenario_is_found_by_its_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "t4", "--json"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    monkeypatch.chdir(ROOT)
+    assert main(["simulate", "scenarios/t4.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["throughput_tok_s"] == by_name["throughput_tok_s"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "t5"]) == 2
+    err = capsys.readouterr().err
+    assert "'t5' does not exist" in err and "t4, tiny" in err and "tg catalog" in err
+    # a file here of that name is read, not the shipped one
+    (tmp_path / "t4.yaml").write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, "
+                                      "gen_len: 2}\npolicy: {N: 4, mu: 2}\n")
+    assert main(["simulate", "t4.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny"
+
+
+def test_the_catalog_lists_every_preset_and_shipped_scenario(capsys):
+    from taskgraph.dag.schedules import SCHEDULES
+
+    assert main(["catalog", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert list(found["models"]) == list(presets.MODELS)
+    assert set(found["machines"]) == set(presets.HARDWARE) | {"local"}
+    assert list(found["schedules"]) == list(SCHEDULES)
+    assert set(found["scenarios"]) == {p.stem for p in (ROOT / "scenarios").glob("*.yaml")}
+    assert "Mixtral 8x7B on one T4" in found["scenarios"]["t4"]
+    assert found["models"]["deepseek-v3"] == "deepseek_v3, 61 layers, h=7168, 256 experts, top-8"
+    assert main(["catalog"]) == 0
+    shown = capsys.readouterr().out
+    assert "models (14)" in shown and "gpt-oss-120b-4090" in shown

@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, json: bool = True, schedule: bool = False,
-                scenario: str = "scenario", default: str | None = None,
+                scenario: str | None = "scenario", default: str | None = None,
                 device: str | None = None, several: bool = False) -> argparse.ArgumentParser:
         """`tg name`, run by verbs.name; its help and its options' from api.name's docstring."""
         help, description = _summary(name, getattr(api, name))
@@ -73,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
                            "shapes the executor runs (default: %(default)s)")
         elif several:
             c.add_argument(scenario, nargs="+", help=f"{scenario} YAML file(s)")
-        else:
-            c.add_argument(scenario, help=f"{scenario} YAML file")
+        elif scenario:
+            c.add_argument(scenario, help=f"{scenario} YAML file (or a shipped scenario's "
+                           "name: t4)" if scenario == "scenario" else f"{scenario} YAML file")
         if scenario == "scenario":
             c.add_argument("--set", dest="overrides", action="append", default=[],
                            metavar="KEY=VALUE", help="override a scenario field, e.g. "
@@ -153,6 +154,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = command("batch")
     c.add_argument("--csv", metavar="FILE.csv")
+
+    command("catalog", scenario=None)
 
     c = command("roofline", json=False)
     c.add_argument("--out", required=True)

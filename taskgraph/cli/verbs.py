@@ -92,6 +92,10 @@ def batch(args: argparse.Namespace) -> int:
     return _report(args, _call(args, api.batch, _load(args)))
 
 
+def catalog(args: argparse.Namespace) -> int:
+    return _report(args, api.catalog())
+
+
 def roofline(args: argparse.Namespace) -> int:
     return _report(args, _call(args, api.roofline, _load(args)))
 
