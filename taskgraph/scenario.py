@@ -11,6 +11,7 @@ checked exactly like the file.
 
 from __future__ import annotations
 
+import difflib
 import reprlib
 import types
 import typing
@@ -84,8 +85,8 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     unknown = [k for k in doc if k not in _SECTIONS]
     if unknown:
         raise TgError(
-            f"Invalid scenario {source}: unknown section '{unknown[0]}'; "
-            f"a scenario has sections {', '.join(_SECTIONS)}."
+            f"Invalid scenario {source}: unknown section {_short(unknown[0])}"
+            f"{_near(unknown[0], _SECTIONS)}; a scenario has sections {', '.join(_SECTIONS)}."
         )
     raw = dict(doc)
     raw.setdefault("name", default_name)
@@ -202,7 +203,8 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
             name = lengths.pop("preset")
             if name not in presets.WORKLOADS:
                 raise TgError(f"Invalid scenario {source}: workload.lengths.preset "
-                              f"'{_short(name)}' is not a preset; known workloads: "
+                              f"{_short(name)} is not a preset{_near(name, presets.WORKLOADS)}; "
+                              "known workloads: "
                               f"{', '.join(presets.WORKLOADS)}.")
             p = presets.WORKLOADS[name]
             lengths = {"prompt_mean": p["prompt_len"],
@@ -310,7 +312,8 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
         name = value.pop("preset")
         if not isinstance(name, str) or name not in table:
             raise TgError(
-                f"Invalid scenario {source}: {section} '{_short(name)}' is not a preset; known "
+                f"Invalid scenario {source}: {section} {_short(name)} is not a preset"
+                f"{_near(name, table)}; known "
                 f"{plural}: {', '.join(table)}{elsewhere}."
             )
         base = table[name]
@@ -482,7 +485,10 @@ def _explain(err: ValidationError, source: str, prefix: tuple[str, ...] = ()) ->
         kind = e["type"]
         if kind == "extra_forbidden":
             allowed = _allowed_keys(where[:-1])
-            msg = "unknown key" + (f" (known keys: {', '.join(allowed)})" if allowed else "")
+            if len(where) == 2 and where[0] in _PRESETS:     # a section may start from a preset
+                allowed = ["preset", *allowed]
+            msg = "unknown key" + _near(where[-1], allowed) + (
+                f" (known keys: {', '.join(allowed)})" if allowed else "")
         elif kind == "missing":
             msg = "required but missing"
         else:
@@ -491,6 +497,12 @@ def _explain(err: ValidationError, source: str, prefix: tuple[str, ...] = ()) ->
                 msg += f" (got {_short(e['input'])})"
         parts.append(f"{loc}: {msg}" if loc else msg)
     return f"Invalid scenario {source}: " + "; ".join(parts) + "."
+
+
+def _near(name: Any, known) -> str:
+    """", did you mean 'x'?" where a known name is a likely misspelling of `name`."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.7)
+    return f", did you mean '{close[0]}'?" if close else ""
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

@@ -231,3 +231,16 @@ def test_the_catalog_lists_every_preset_and_shipped_scenario(capsys):
     assert main(["catalog"]) == 0
     shown = capsys.readouterr().out
     assert "models (14)" in shown and "gpt-oss-120b-4090" in shown
+
+
+@pytest.mark.parametrize("override, words", [
+    ("workload.gen_lenn=5", "workload.gen_lenn: unknown key, did you mean 'gen_len'? (known "
+                            "keys: preset, prompt_len"),
+    ("workload.preset=mtbnch", "workload 'mtbnch' is not a preset, did you mean 'mtbench'?"),
+    ("polcy.mu=5", "unknown section 'polcy', did you mean 'policy'?"),
+    ("hardware=t5", "hardware 't5' is not a preset; known machines: t4,"),
+])
+def test_a_near_miss_is_named_once_quoted(override, words, capsys):
+    assert main(["simulate", "t4", "--set", override]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert words in err and "''" not in err
