@@ -459,7 +459,7 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
 @verb(plot=(".png",))
 def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None, *,
              overrides: Overrides = None, mu: Iterable[int] | None = None, repeats: int = 3,
-             plot: str | Path | None = None, device: str = "cpu", backend: str = "pool",
+             plot: str | Path | None = None, device: str = "auto", backend: str = "pool",
              ray_address: str | None = None, progress: Progress = None):
     """`tg validate`: execute and simulate the same graphs; report, task kind by task kind,
     where the model is wrong.
@@ -494,7 +494,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
 
 @verb(out=(".yaml", ".yml"))
 def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = None,
-              device: str = "cpu", progress: Progress = None):
+              device: str = "auto", progress: Progress = None):
     """`tg calibrate`: measure this machine and write a hardware profile. Rates by
     microbenchmark, per-task costs fitted from the executor's own tasks; any scenario can use
     the profile.

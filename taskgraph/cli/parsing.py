@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--record-routing", metavar="FILE.json")
     _trace_args(c)
 
-    c = command("calibrate", default="scenarios/tiny.yaml", device="cpu")
+    c = command("calibrate", default="scenarios/tiny.yaml", device="auto")
     c.add_argument("--out", required=True)
 
     c = command("fit", scenario="measurements", several=True)
@@ -128,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what each leave-one-out refit leaves out (default: %(default)s)")
     _backend_args(c)
 
-    c = command("validate", device="cpu")
+    c = command("validate", device="auto")
     c.add_argument("--schedules", type=names)
     c.add_argument("--mu", type=integers())
     c.add_argument("--repeats", type=int, default=3)
@@ -157,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
 
     command("catalog", scenario=None)
 
-    c = command("roofline", json=False)
+    c = command("roofline")
     c.add_argument("--out", required=True)
 
     c = command("graph", json=False, schedule=True)
