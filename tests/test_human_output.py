@@ -45,7 +45,10 @@ CASES = {
                                     "S5: FFN on the CPU"], False),
     "compare across batch sizes": (["compare", TINY, "--batch-sizes", "1,2,8"],
                                    ["across batch sizes", "ms a token", "EP", "EC",
-                                    "best (bound by)", "n/a"], False),
+                                    "best (bound by)", "n/a 1",
+                                    # each reason once, however many sizes it holds at
+                                    "n/a 1: S1 needs at least 2 sequences (one a micro-batch)",
+                                    "n/a 2: S5 needs at least 2 sequences"], False),
     "compare a request list": (["compare", TINY, *QUEUE, "--schedules", "S1,S4:padded"],
                                ["S1 Alg. 2", "S4 padded"], False),
     "search": (["search", TINY, "--top", "3"], ["tg search tiny", "feasible of", "ms/token",

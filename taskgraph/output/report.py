@@ -4,6 +4,7 @@ a notebook shows as HTML (JSON goes to stdout)."""
 from __future__ import annotations
 
 import io
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -500,9 +501,17 @@ def batch_table(scenario: Any, packing: Any) -> Table:
 def crossover_table(c) -> Table:
     """Schedules across batch sizes: a row per batch size, each schedule's tokens per second
     and milliseconds per token (latency), the best in bold; then where the sides cross."""
+    # why a schedule did not run at a size: each reason once, numbered, under the table
+    reasons: dict[str, tuple[int, str]] = {}       # the reason, its figures masked: number, text
+    for r in c.rows:
+        if "error" in r:
+            text = _reason(r)
+            reasons.setdefault(_masked(text), (len(reasons) + 1, text))
+    why = " ".join(f"n/a {i}: {text}." for i, text in reasons.values())
     t = Table(title=f"tg compare {c.scenario} on {c.hardware} across batch sizes: tokens/s "
                     "of the batch / ms a token of one sequence", title_justify="left",
-              caption=_crossover_caption(c.crossover), caption_justify="left")
+              caption=" ".join(x for x in (_crossover_caption(c.crossover), why) if x),
+              caption_justify="left")
     t.add_column("N", justify="right")
     for name in c.schedules:
         t.add_column(name, justify="right")
@@ -514,12 +523,25 @@ def crossover_table(c) -> Table:
         for name in c.schedules:
             r = rows[name]
             if "error" in r:
-                cells.append(Text("n/a", style="dim"))
+                number = reasons[_masked(_reason(r))][0]
+                cells.append(Text(f"n/a {number}", style="dim"))
                 continue
             text = f"{_num(r['throughput_tok_s'])} / {_num(r['token_latency_ms'])}"
             cells.append(Text(text, style="bold" if r is best else ""))
         t.add_row(str(N), *cells, f"{best['schedule']} ({best['bound_by']})" if best else "-")
     return t
+
+
+def _reason(row: dict[str, Any]) -> str:
+    """Why a schedule did not run: its error's first sentence, naming the schedule."""
+    sentence = re.split(r"(?<=[.;:])\s", row["error"], maxsplit=1)[0].rstrip(".;:")
+    return sentence if row["schedule"] in sentence else f"{row['schedule']}: {sentence}"
+
+
+def _masked(text: str) -> str:
+    """`text` with its figures masked (not a name's digits: S1): one reason at every size it
+    holds at."""
+    return re.sub(r"(?<![A-Za-z\d])\d[\d,.]*", "#", text)
 
 
 def _num(x: float) -> str:
