@@ -9,12 +9,13 @@ priced by the HRM prediction of end-to-end throughput and latency
 scenario's own CPU-attention schedule (CGOPipe by default), GPU attention runs S4, and GPU
 attention with the routed experts on the CPU (F_g = 0) runs S5. The expert-level schedules (EP,
 EC, ECP) have no HRM bound: each is simulated at the batch sizes they are made for, at the
-policies that fill the GPU (:func:`expert_level`). Every priced policy also enters the Pareto
+policies that fill the GPU (:func:`expert_jobs`). Every priced policy also enters the Pareto
 front of throughput against per-token latency (:func:`pareto_front`).
 
-Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`SimJob`) for
-:func:`taskgraph.study.jobs.run_jobs`: the HRM grid on this machine's cores, the simulations of
-``--verify`` and ``--brute-force`` there or on a Ray cluster.
+Work is cut into independent, picklable jobs (:class:`GridJob`, :class:`ExpertJob`,
+:class:`SimJob`) for :func:`taskgraph.study.jobs.run_jobs`: the HRM grid and the expert-level
+simulations on this machine's cores, the simulations of ``--verify`` and ``--brute-force``
+there or on a Ray cluster.
 """
 
 from __future__ import annotations
