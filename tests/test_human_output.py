@@ -170,29 +170,3 @@ def test_every_verb_and_option_says_what_it_does():
         bare = [a.option_strings or a.dest for a in p._actions if not a.help]
         assert not bare, f"tg {verb}: options without help: {bare}"
 
-
-
-def test_a_long_run_off_a_terminal_says_how_long_it_will_take(monkeypatch, capsys):
-    """`tg simulate` with gen_len=9000000 in a log showed nothing for hours: off a terminal a
-    run projected past two minutes says so after ten seconds, then each minute."""
-    from taskgraph.output import report
-
-    clock = [1000.0]
-    monkeypatch.setattr(report.time, "monotonic", lambda: clock[0])
-    with report.progress_bar(True, "simulating") as tick:       # stderr is not a terminal here
-        assert tick is not None
-        clock[0] += 5
-        tick(5, 1000)                       # too early to say
-        clock[0] += 7
-        tick(10, 1000)                      # 12 s for 10 of 1,000: about 20 min in all
-        clock[0] += 1
-        tick(11, 1000)                      # said once a minute at most
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "tg: simulating: 10 of 1,000 segments in 12 s; about 20 min in all, 20 min to go." in err
-    with report.progress_bar(True, "simulating") as tick:
-        clock[0] += 20
-        tick(900, 1000)                     # 22 s in all: nothing to announce
-    assert capsys.readouterr().err == ""
-    with report.progress_bar(False, "simulating") as tick:      # --json: nothing at all
-        assert tick is None

@@ -6,13 +6,11 @@ from __future__ import annotations
 import io
 import re
 import sys
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from rich.console import Console, ConsoleOptions, RenderableType
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -565,56 +563,17 @@ def _crossover_caption(x: dict[str, Any] | None) -> str:
             f"{x['below_N']} {below['schedule']} still led, placing experts ({below['bound_by']}-bound).")
 
 
-#: A run longer than this is announced off a terminal (seconds)...
-LONG_S = 120.0
-#: ... once it has run this long, so that the estimate has segments to go by.
-ESTIMATE_AFTER_S = 10.0
-
-
-def _estimates(label: str, unit: str) -> Callable[[int, int], None]:
-    start = time.monotonic()
-    next_at = start + ESTIMATE_AFTER_S
-
-    def tick(done: int, total: int) -> None:
-        nonlocal next_at
-        now = time.monotonic()
-        if now < next_at or not done or not total:
-            return
-        elapsed = now - start
-        whole = elapsed / done * total
-        if whole > LONG_S:
-            print(f"tg: {label}: {done:,} of {total:,} {unit} in {elapsed:.0f} s; about "
-                  f"{_duration(whole)} in all, {_duration(whole - elapsed)} to go.",
-                  file=sys.stderr, flush=True)
-        next_at = now + 60.0
-
-    return tick
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 @contextmanager
 def progress_bar(show: bool, label: str, unit: str = "segments"
                  ) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr, with the time still to go, for humans at a terminal:
-    yields the `progress(done, total)` callback the API's long calls take, or None. Off a
-    terminal (a log, a pipe) a run projected to take more than LONG_S says so in a line, once
-    past ESTIMATE_AFTER_S and then each minute."""
-    if not show:
+    """A rich progress bar on stderr, only for humans at a terminal: yields the `progress(done,
+    total)` callback the API's long calls take, or None."""
+    if not (show and sys.stderr.isatty()):
         yield None
-        return
-    if not sys.stderr.isatty():
-        yield _estimates(label, unit)
         return
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=stderr_console(), transient=True)
+                        console=stderr_console(), transient=True)
     task = progress.add_task(label, total=None)
 
     def tick(done: int, total: int) -> None:
