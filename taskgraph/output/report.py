@@ -243,10 +243,10 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
               caption=f"best: {result.best.schedule} {_policy(result.best.policy)}, bound by "
                       f"{result.binding}; hardware limit {limit:.0f} tok/s. Run it: tg "
                       f"execute (or simulate) {result.path} {result.best.run_with()}. "
-                      "Figures are HRM "
-                      "predictions but those marked *, simulated (the expert-level schedules "
-                      "have no HRM bound); policies within 0.1% are equal and the one that "
-                      "keeps less on the GPU wins. " + " ".join(result.notes),
+                      "Figures are HRM predictions but those marked *, simulated (the "
+                      "expert-level schedules have no HRM bound); policies within 0.1% are "
+                      "equal and the one that keeps less on the GPU wins. "
+                      + " ".join(result.notes),
               caption_justify="left")
     experts = any("experts_gpu" in c.policy for c in result.top)
     for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", *(("experts",) if experts else ()),
