@@ -248,7 +248,7 @@ def test_cli_prompts_in_tokens_out_with_a_tokenizer(tmp_path, capsys):
                  str(tmp_path / "p.jsonl"), "--out", str(out), "--schedule", "S2"]) == 0
     shown = capsys.readouterr()
     assert "Traceback" not in shown.err and "throughput" not in shown.err
-    for row in ("throughput", "vs reference", "tokens identical", "requests", f"3, tokens "
+    for row in ("throughput", "vs reference", "tokens identical", "requests", "3, tokens "
                 "written to"):
         assert row in shown.out, row
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows
