@@ -101,16 +101,20 @@ def folder(tmp_path):
 
 
 @pytest.mark.parametrize("what, argv, text", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clean_error(folder, capsys, what, argv, text):
+def test_bad_input_is_one_clean_error(folder, capsys, monkeypatch, what, argv, text):
     before = _files(folder)
     copy = (folder / "copy.yaml").read_text()
     argv = [a.replace("FOLDER", str(folder)) for a in argv]
-    t0 = time.perf_counter()
+
+    def simulated(*args, **kwargs):
+        raise AssertionError("a run was simulated before the bad input was refused")
+
+    # refused before any work: the engine is never entered (the clock was checked instead)
+    monkeypatch.setattr("taskgraph.sim.interference.simulate", simulated)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert text in err, err
     assert "Traceback" not in err and len(err) < 2000
-    assert time.perf_counter() - t0 < 20
     assert _files(folder) == before                # nothing written, nothing left behind
     assert (folder / "copy.yaml").read_text() == copy
 
@@ -245,10 +249,11 @@ def test_ctrl_c_stops_a_parallel_brute_force_at_once():
              what="the brute force's worker processes")
     assert proc.poll() is None, "the brute force ended before the test could interrupt it"
     proc.send_signal(signal.SIGINT)
-    t0 = time.perf_counter()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err
-    assert time.perf_counter() - t0 < 10
+    # at once: the jobs still queued were cancelled, not run (the clock was checked instead)
+    done, total = map(int, re.search(r"with (\d+) of (\d+) jobs finished", err).groups())
+    assert done < total, err
 
 
 @pytest.mark.parametrize("verb", [["simulate"], ["compare", "--schedules", "S1,S4"],

@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import networkx as nx
 import numpy as np
@@ -26,7 +25,7 @@ from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import SENDS, SHARDED
 from taskgraph.sim.simulate import simulate_scenario
-from tests.helpers import tiny, unrolled_edges
+from tests.helpers import tiny, unrolled_edges, wait_for
 
 
 def _pp(gpus: int, **sections):
@@ -295,11 +294,12 @@ def test_ctrl_c_under_processes_leaves_a_valid_trace_of_what_ran(tmp_path):
                 pass
         return out
 
-    t0 = time.monotonic()
-    while not (len(got := segments()) == 2 and min(got) >= 1) and time.monotonic() - t0 < 120:
+    def past_prefill() -> bool:
         assert proc.poll() is None, "the run ended before the test could interrupt it"
-        time.sleep(0.05)                                # polling for the event, not waiting on it
-    assert min(segments()) >= 1, "the ranks never got past their prefill"
+        got = segments()
+        return len(got) == 2 and min(got) >= 1
+
+    wait_for(past_prefill, what="both ranks past their prefill")
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
