@@ -477,21 +477,21 @@ class Runtime:
         blocks = ExpertBlocks(m, self.w, self._quantized, self.dtype, self.device)
         n = min(p.experts_gpu, m.E)
         if sched.ffn == "split":
-            self.placed = PlacedExperts(self._popular(n), blocks, self._host_experts,
-                                        self.zero_copy)
+            self.placed = PlacedExperts(self._moe_rows(self.plan.held), blocks,
+                                        self._host_experts, self.zero_copy)
             self.ffn_gpu = [self._dev(self.mu * self.P, m.h) for _ in range(self.n)]
         else:
             self.cache = CachedExperts(
                 blocks, n, staging_slots=min(m.E, self.mu * m.k),
                 prefetch_slots=min(m.E, p.N * m.k) if self.prefetches else 0,
                 dense=self.dense,
-                popular=self._popular(n) if p.eviction == "popular" else None,
+                popular=(self._moe_rows(Routing.of(self.plan.scenario).popular(n))
+                         if p.eviction == "popular" else None),
                 zero_copy=self.zero_copy)
 
-    def _popular(self, n: int) -> list[list[int]]:
-        """Each layer's n most popular experts (``Routing.popular``), sorted; none on a dense
-        layer."""
-        rows = Routing.of(self.plan.scenario).popular(n)
+    def _moe_rows(self, rows: list) -> list[list[int]]:
+        """Each layer's experts of `rows` (the placed ones, ``Plan.held``; a fixed cache's,
+        ``Routing.popular``), sorted; none on a dense layer."""
         return [[] if dense else sorted(int(e) for e in row)
                 for row, dense in zip(rows, self.dense)]
 

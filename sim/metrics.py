@@ -31,11 +31,13 @@ from typing import Any
 import numpy as np
 
 from taskgraph.dag.compiled import Program
-from taskgraph.dag.schedules import RESOURCES
+from taskgraph.dag.schedules import PLACED, RESOURCES
 from taskgraph.kinds import KIND_NAMES
 from taskgraph.perf.cost import POOLS, CostModel, hrm_bound
 from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.perf.memory import MemoryReport
+from taskgraph import placement
+from taskgraph.placement import llama_cpp_options
 from taskgraph.sim.engine import Recorder, SimRun
 
 
@@ -220,7 +222,9 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
         "hardware": sc.hardware.name,
         "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
                    **({"experts_gpu": p.experts_gpu} if plan.schedule.expert_level
-                      else {}),
+                      and not placement.given(p) else {}),
+                   **{f: getattr(p, f) for f in PLACED
+                      if plan.schedule.reads(f) and getattr(p, f) is not None},
                    **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
                    **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
         "model_size": sc.model.size(),
@@ -270,9 +274,16 @@ def experts_summary(plan) -> dict[str, Any]:
            "distinct_per_layer": _r(float(routing.distinct(p.mu))),
            "distinct_std": _r(routing.distinct_std(p.mu))}
     if plan.schedule.ffn == "split":
-        share, on_gpu, on_cpu = routing.split(p.mu, p.experts_gpu)
+        share, on_gpu, on_cpu = routing.split(p.mu, routing.on_gpu(plan.held))
+        m = plan.scenario.model
+        per_layer = [len(row) for row in plan.held]
+        options, meaning = llama_cpp_options(per_layer, m)
+        # a dense layer has no experts to place: None
         out.update(gpu_share=_r(share), distinct_on_gpu=_r(float(on_gpu)),
-                   distinct_on_cpu=_r(float(on_cpu)))
+                   distinct_on_cpu=_r(float(on_cpu)), on_gpu=sum(per_layer),
+                   on_gpu_by_layer=[None if m.is_dense(l) else n
+                                    for l, n in enumerate(per_layer)],
+                   llama_cpp=options, llama_cpp_means=meaning)
     else:
         hits, m = work.cache_hits(), plan.scenario.model
         moe = [float(h) for l, h in enumerate(hits) if not m.is_dense(l)]

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
 from taskgraph.dag.routing import trace_from_dict
-from taskgraph.dag.schedules import EXPERT_FIELDS, PLACEMENT_MEANS, SCHEDULES
+from taskgraph.dag.schedules import EXPERT_FIELDS, PLACED, PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
 from taskgraph.files import plain_text, read_json, read_text
 from taskgraph.local import local_hardware
@@ -71,9 +71,20 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         if key == "schedule":        # a schedule chosen here is not bound by the file's policy
             pins = {k: v for k, v in pins.items() if v[1]}
         elif key.startswith("policy.") and key.count(".") == 1:
-            pins[key.removeprefix("policy.")] = (f"--set {key}={value.strip()}", True)
+            field = key.removeprefix("policy.")
+            pins[field] = (f"--set {key}={value.strip()}", True)
+            _placed_otherwise(doc, field)
     return scenario_from_dict(doc, source=str(path), base_dir=path.parent,
                               default_name=path.stem, pins=pins)
+
+
+def _placed_otherwise(doc: dict[str, Any], field: str) -> None:
+    """A --set that places EP's experts one way (taskgraph.placement) replaces the file's
+    placement of them another way: `--set policy.cpu_moe=20` on a file with experts_gpu: 34."""
+    ways = ("experts_gpu", *PLACED)
+    policy = doc.get("policy")
+    if field in ways and isinstance(policy, dict):
+        doc["policy"] = {k: v for k, v in policy.items() if k == field or k not in ways}
 
 
 def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
@@ -169,8 +180,10 @@ def for_schedule(scenario: Scenario, schedule: str, keep_unused: bool = False
         if s.max_micro_batches else "how many sequences (whole micro-batches for each GPU's "
                                     "group)"))
     means.update(experts_gpu="no experts held on the GPU", eviction="no expert cache",
-                 prefetch="no prefetch")
+                 prefetch="no prefetch", experts_total="no experts placed",
+                 cpu_moe="no experts placed", override_tensor="no experts placed")
     note = (f"{schedule} decides " + ", ".join(
+        f"{means[k]}: {k} unset" if v is None else
         f"{means[k]}: {k}={v:g}" if not isinstance(v, str) else f"{means[k]}: {k}={v}"
         for k, v in changes.items())) if changes else None
     return placed, note

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from taskgraph import formats
+from taskgraph import formats, placement
 from taskgraph.dag.schedules import RESOURCES
 from taskgraph.errors import TgError
 from taskgraph.kinds import KINDS
@@ -775,6 +775,13 @@ class PolicySpec(BaseModel):
     # most popular (EP) or a cache (EC) that keeps the most recently used (lru) or the most
     # popular (popular).
     experts_gpu: int = Field(default=0, ge=0, le=4096)
+    # EP's experts placed otherwise than experts_gpu on every layer (taskgraph.placement), at
+    # most one of: a budget over all MoE layers, the most popular (layer, expert) pairs first
+    # (Fiddler); llama.cpp's --n-cpu-moe N (the experts of layers 0..N-1 on the CPU, the
+    # others' on the GPU); llama.cpp's -ot PATTERN=BUFFER list.
+    experts_total: int | None = Field(default=None, ge=0, le=1_000_000)
+    cpu_moe: int | None = Field(default=None, ge=0, le=100_000)
+    override_tensor: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1000)
     eviction: Literal["lru", "popular"] = "lru"
     # ECP: the share of a layer's cache misses a predictor fetches right one layer ahead.
     prefetch: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -792,6 +799,25 @@ class PolicySpec(BaseModel):
                 raise ValueError(f"N / mu = {n // mu:,} micro-batches; tg runs at most "
                                  f"{MAX_MICRO_BATCHES} in a batch (raise mu or lower N)")
         return mu
+
+    @field_validator("override_tensor", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        # as llama.cpp's -ot takes it: PATTERN=BUFFER pairs separated by commas
+        return value.split(",") if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "PolicySpec":
+        given = [f for f in ("experts_total", "cpu_moe", "override_tensor")
+                 if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each place the experts; give one")
+        if given and self.experts_gpu:
+            raise ValueError(f"experts_gpu = {self.experts_gpu} places experts on every layer "
+                             f"and {given[0]} places them otherwise; give one")
+        if self.override_tensor is not None:
+            placement.parse_overrides(self.override_tensor)
+        return self
 
     @property
     def n_micro(self) -> int:
@@ -863,8 +889,8 @@ class Scenario(BaseModel):
     _requests: list | None = PrivateAttr(default=None)
     # The router decisions of `workload.routing.trace` (taskgraph.dag.routing.RoutingTrace).
     _routing_trace: object = PrivateAttr(default=None)
-    # The experts each layer keeps on the GPU where fixed, an (L, experts_gpu) array; None: the
-    # routing's most popular (taskgraph.dag.routing.Routing.popular).
+    # The experts each layer keeps on the GPU where fixed, an array per layer; None: the
+    # routing's most popular (taskgraph.dag.routing.Routing.held, .popular).
     _experts_kept: object = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -873,9 +899,18 @@ class Scenario(BaseModel):
         if routing.popularity is not None and len(routing.popularity) != E:
             raise ValueError(f"workload.routing.popularity has {len(routing.popularity)} "
                              f"weights; the model has E = {E} experts, one weight each")
-        if self.policy.experts_gpu > E:
-            raise ValueError(f"policy.experts_gpu = {self.policy.experts_gpu} exceeds the "
+        p, m = self.policy, self.model
+        if p.experts_gpu > E:
+            raise ValueError(f"policy.experts_gpu = {p.experts_gpu} exceeds the "
                              f"model's E = {E} experts per layer")
+        if p.experts_total is not None and p.experts_total > E * m.moe_layers:
+            raise ValueError(f"policy.experts_total = {p.experts_total} exceeds the model's "
+                             f"{E * m.moe_layers} experts ({m.moe_layers} MoE layers of {E})")
+        if p.cpu_moe is not None and p.cpu_moe > m.L:
+            raise ValueError(f"policy.cpu_moe = {p.cpu_moe} layers exceeds the model's "
+                             f"L = {m.L} layers")
+        if p.override_tensor is not None:
+            placement.cpu_layers_of_overrides(p.override_tensor, m)
         return self
 
     @property

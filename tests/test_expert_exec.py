@@ -52,6 +52,10 @@ EP_SETTINGS = [
     ("policy.experts_gpu=2", *SKEWED),
     ("policy.experts_gpu=3", "policy.N=2", "policy.mu=2", *RESIDENT),   # one micro-batch
     ("policy.experts_gpu=5", "policy.N=6", "policy.mu=2", *RESIDENT),
+    # placements across layers (taskgraph.placement): Fiddler's budget, llama.cpp's
+    ("policy.experts_total=11", *SKEWED),
+    ("policy.cpu_moe=2",),
+    (r"policy.override_tensor=blk\.[13]\.ffn_(gate|up|down)_exps=CPU",),
 ]
 EC_SETTINGS = [
     ("policy.experts_gpu=0",),                              # no cache: every expert a miss
@@ -170,6 +174,8 @@ CUDA = [pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_availabl
     ("EP", 6, {"experts_gpu": 2}, False),                 # one micro-batch
     ("EP", 2, {"experts_gpu": 4}, False),
     ("EP", 3, {"experts_gpu": 2}, True),
+    ("EP", 2, {"cpu_moe": 1}, False),                    # llama.cpp's whole-layer split
+    ("EP", 2, {"experts_total": 3}, False),              # Fiddler's: 2 and 1 a layer
     ("EC", 2, {"experts_gpu": 1, "eviction": "lru"}, False),
     ("EC", 6, {"experts_gpu": 2, "eviction": "lru"}, False),
     ("EC", 2, {"experts_gpu": 0, "eviction": "lru"}, False),
@@ -414,6 +420,20 @@ def test_ep_places_the_routers_most_popular_experts_once(runtimes):
 
 
 # --- 5. EC's device memory: c slots a layer and one staging area of min(E, mu k) ------------
+
+@pytest.mark.parametrize("sets,per_layer", [
+    (("policy.cpu_moe=3",), [0, 0, 0, 8]),
+    ((r"policy.override_tensor=blk\.[02]\.ffn_.*_exps=CPU",), [0, 8, 0, 8]),
+    (("policy.experts_total=6",), [2, 2, 1, 1]),      # equal layers share a budget evenly
+])
+def test_ep_holds_each_layer_as_the_placement_says(runtimes, sets, per_layer):
+    """The executor's GPU holds, layer by layer, the count the placement gives (a layer on
+    the CPU nothing, a layer on the GPU every expert), and the tokens stay the reference's."""
+    _assert_reference(_execute("EP", *sets).summary)
+    (rt,) = runtimes
+    assert [len(row) for row in rt.placed.held] == per_layer
+    assert all(len(rt.placed.on_host[l]) == E - n for l, n in enumerate(per_layer))
+
 
 def _runtime(sets, schedule="EC") -> Runtime:
     """A Runtime for the tiny scenario, built and not run."""

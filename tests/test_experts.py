@@ -71,7 +71,7 @@ def test_a_cache_of_the_most_popular_experts_hits_their_share():
     routing = Routing.of(sc)
     # at batch 1 a popular cache of c holds each chosen expert with the top c's share of the
     # token-expert pairs
-    share, on_gpu, on_cpu = routing.split(1, 3)
+    share, on_gpu, on_cpu = routing.split(1, routing.on_gpu(routing.popular(3)))
     assert np.mean(routing.cache_hits(1, 3, "popular")) == pytest.approx(share, abs=0.03)
     assert on_gpu + on_cpu == pytest.approx(routing.distinct(1))
     assert share == pytest.approx(np.sort(routing.q[0])[::-1][:3].sum() / 2)

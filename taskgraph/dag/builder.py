@@ -41,6 +41,7 @@ from functools import cached_property
 from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 
 import networkx as nx
+import numpy as np
 
 from taskgraph.dag.routing import Routing
 from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, PLACEMENT_MEANS, SCHEDULES,
@@ -173,14 +174,35 @@ class Plan:
 
     @cached_property
     def work(self) -> TaskWork:
-        """What an MoE layer's tasks work on (a dense layer's: :meth:`work_of`)."""
-        return self.works[False]
+        """What the first MoE layer's tasks work on (another layer's: :meth:`work_of`)."""
+        m = self.scenario.model
+        return self.work_of(next(l for l in range(self.L) if not m.is_dense(l)))
 
     def layout_of(self, layer: int) -> WeightLayout:
         return self.layouts[self.scenario.model.is_dense(layer)]
 
     def work_of(self, layer: int) -> TaskWork:
-        return self.works[self.scenario.model.is_dense(layer)]
+        return self.works[self.layer_classes[layer]]
+
+    @cached_property
+    def routing(self) -> Routing:
+        return Routing.of(self.scenario)
+
+    @cached_property
+    def held(self) -> list | None:
+        """EP: the experts the GPU holds in each layer (Routing.held); None otherwise."""
+        if self.schedule.ffn != "split":
+            return None
+        return self.routing.held(self.scenario.policy, self.scenario.model)
+
+    @cached_property
+    def layer_classes(self) -> tuple[tuple[bool, int], ...]:
+        """Each layer's class: whether it is dense, and how many experts EP holds on the GPU in
+        it. A class's layers do the same work, the routing's mean over them (a placement of
+        whole layers, llama.cpp's, gives some layers every expert and others none)."""
+        m = self.scenario.model
+        return tuple((m.is_dense(l), len(self.held[l]) if self.held else 0)
+                     for l in range(self.L))
 
     @cached_property
     def layouts(self) -> dict[bool, WeightLayout]:
@@ -192,13 +214,18 @@ class Plan:
                 for dense in (False, True)}
 
     @cached_property
-    def works(self) -> dict[bool, TaskWork]:
-        """What the tasks of an MoE layer (False) and of a dense one (True) work on."""
-        s, routing = self.scenario, Routing.of(self.scenario)
+    def works(self) -> dict[tuple[bool, int], TaskWork]:
+        """What the tasks of each class of layers (:attr:`layer_classes`) work on."""
+        s, routing = self.scenario, self.routing
         prefetches = any(op.kind == "ExpertAhead" for op in self.schedule.decode)
-        return {dense: TaskWork(s.model, s.policy, s.workload, layout, tp=self.tp,
-                                routing=routing, ffn=self.schedule.ffn, prefetches=prefetches)
-                for dense, layout in self.layouts.items()}
+        on = None if self.held is None else routing.on_gpu(self.held)
+        out = {}
+        for cls in dict.fromkeys(self.layer_classes):
+            layers = np.array([l for l, c in enumerate(self.layer_classes) if c == cls])
+            out[cls] = TaskWork(s.model, s.policy, s.workload, self.layouts[cls[0]], tp=self.tp,
+                                routing=routing, ffn=self.schedule.ffn, prefetches=prefetches,
+                                held=None if on is None else (on, layers))
+        return out
 
     @cached_property
     def _launched(self) -> tuple[dict[str, set[str]], dict[str, set[str]]]:

@@ -133,21 +133,23 @@ class Program:
                     nbytes + self.column("bytes_per_ctx") * s, np.zeros(self.total, bool))
         seqs, ctx, ptok, psq = self.plan.load.tables(self.plan.G)
         kind, index = self.column("kind"), self.column("index")
-        dense = self._dense()
+        classes = list(self.plan.works)
+        of_layer = np.array([classes.index(c) for c in self.plan.layer_classes])
+        layer_class = of_layer[self.column("layer")]
         idle = np.zeros(self.total, bool)
         for k in np.unique(kind):
             name = KIND_NAMES[k]
             if name in PAGED:                 # weight pages: the same whatever the requests
                 continue
-            for prefill, is_dense in itertools.product((True, False), (False, True)):
-                sel = np.flatnonzero((kind == k) & ((step == 0) == prefill) & (dense == is_dense))
+            for prefill, c in itertools.product((True, False), range(len(classes))):
+                sel = np.flatnonzero((kind == k) & ((step == 0) == prefill) & (layer_class == c))
                 if not len(sel):
                     continue
                 j, d = index[sel], step[sel]
                 a = seqs[j, d]
                 load = (Load(a, ptok[j, 0], psq[j, 0]) if prefill else
                         Load(a, 0.0, 0.0, admitted=ptok[j, d], admitted_sq=psq[j, d]))
-                work = self.plan.works[is_dense].with_load(load).of(name, prefill=prefill)
+                work = self.plan.works[classes[c]].with_load(load).of(name, prefill=prefill)
                 mean_ctx = np.divide(ctx[j, d], a, out=np.zeros(len(sel)), where=a > 0)
                 f, b = work.at(self._seen(mean_ctx, sel))
                 flops[sel] = np.broadcast_to(f, len(sel))
@@ -156,11 +158,6 @@ class Program:
         if self.plan.load.continuation:
             idle |= step == 0       # a window of a longer run: its prefill segment did not happen
         return flops, nbytes, idle
-
-    def _dense(self) -> np.ndarray:
-        """Per task, whether its layer is dense."""
-        m = self.plan.scenario.model
-        return np.isin(self.column("layer"), list(m.dense_layers))
 
     def _seen(self, context: np.ndarray, sel: np.ndarray | None = None) -> np.ndarray:
         """The context each task's attention sees: all of it, or a sliding-window layer's

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from taskgraph.errors import TgError
-from taskgraph.specs import ModelSpec, Scenario
+from taskgraph import placement
+from taskgraph.specs import ModelSpec, PolicySpec, Scenario
 
 #: Decode steps an expert cache is replayed for when the routing is synthetic (after as many
 #: again to warm it): enough for a hit rate within about a percent.
@@ -114,17 +115,22 @@ class Routing:
         self.weights = weights if weights is not None else q / k
         self._hits: dict[tuple, np.ndarray] = {}
         # the experts each layer keeps, where the scenario pins them (Scenario.experts_kept)
-        self.pinned: np.ndarray | None = None
+        self.pinned: list[np.ndarray] | None = None
+        # which layers are dense (no experts), where the model is known
+        self.dense = np.zeros(self.L, dtype=bool)
 
     @classmethod
     def uniform(cls, model: ModelSpec, seed: int = 0) -> "Routing":
-        return cls(np.full((model.L, model.E), model.k / model.E), model.k, uniform=True,
-                   seed=seed)
+        routing = cls(np.full((model.L, model.E), model.k / model.E), model.k, uniform=True,
+                      seed=seed)
+        routing.dense = _dense(model)
+        return routing
 
     @classmethod
     def of(cls, scenario: Scenario) -> "Routing":
         routing = cls._of(scenario)
         routing.pinned = scenario.experts_kept
+        routing.dense = _dense(scenario.model)
         return routing
 
     @classmethod
@@ -193,48 +199,77 @@ class Routing:
         return {sizes.pop(): float(np.mean(counts))}
 
     # --- experts held on the GPU -----------------------------------------------------------
-    def popular(self, n: int) -> np.ndarray:
-        """The `n` experts each layer keeps on the GPU where they are fixed (EP's placement, a
-        cache evicting by popularity), shape (L, n): its `n` most popular, what a static
-        placement keeps (llama.cpp's -ot, Fiddler), or those the scenario pins."""
-        if self.pinned is not None:
-            if self.pinned.shape != (self.L, n):
-                raise TgError(f"policy.experts_gpu = {n}, but the scenario pins "
-                              f"{self.pinned.shape[1]} experts a layer on the GPU.")
-            return self.pinned
-        return np.argsort(-self.q, axis=1, kind="stable")[:, :n]
+    def popular(self, n: int) -> list[np.ndarray]:
+        """The `n` experts each layer keeps where a cache evicting by popularity fixes them: its
+        `n` most popular, or those the scenario pins."""
+        return self._most_popular([n] * self.L)
 
-    def split(self, tokens, n: int) -> tuple[Any, Any, Any]:
-        """With each layer's `n` experts :meth:`popular` on the GPU: the share of token-expert
-        pairs they take, and the expected distinct experts touched on the GPU and off it. At
-        the batch a trace was recorded with, its decode steps' own (its prefill's many tokens
-        route otherwise); as for :meth:`distinct`, a task is taken for a decode step by its
-        token count alone."""
-        t = np.asarray(tokens, dtype=float)
+    def held(self, policy: PolicySpec, model: ModelSpec) -> list[np.ndarray]:
+        """The experts EP keeps on the GPU in each layer, as the policy places them
+        (taskgraph.placement): each layer's most popular, as many as its placement gives it.
+        A budget over all layers (``experts_total``) goes to the most popular (layer, expert)
+        pairs, ties to the layer with fewer placed so far (so equal layers share it evenly)."""
+        per_layer = placement.counts(policy, model)
+        if per_layer is None:
+            moe = np.flatnonzero(~self.dense)
+            ranks = np.argsort(np.argsort(-self.q[moe], axis=1, kind="stable"), axis=1)
+            layer = np.broadcast_to(moe[:, None], ranks.shape)
+            order = np.lexsort((layer.ravel(), ranks.ravel(), -self.q[moe].ravel()))
+            chosen = layer.ravel()[order[:placement.total_on_gpu(policy, model)]]
+            per_layer = np.bincount(chosen, minlength=self.L).tolist()
+        return self._most_popular(per_layer)
+
+    def _most_popular(self, per_layer: list[int]) -> list[np.ndarray]:
+        if self.pinned is not None:
+            have = [len(row) for row in self.pinned]
+            if have != list(per_layer):
+                raise TgError(f"the policy places {sum(per_layer)} experts on the GPU, but the "
+                              f"scenario pins {sum(have)} (experts_kept).")
+            return self.pinned
+        order = np.argsort(-self.q, axis=1, kind="stable")
+        return [order[l, :n] for l, n in enumerate(per_layer)]
+
+    def on_gpu(self, held: list[np.ndarray]) -> np.ndarray:
+        """(L, E): whether each layer's expert is among those `held`."""
         on = np.zeros_like(self.q, dtype=bool)
-        np.put_along_axis(on, self.popular(n), True, axis=1)
-        share = np.full(t.shape, np.mean(np.sum(self.q * on, axis=1)) / self.k)
-        touched = 1.0 - (1.0 - self.q[:, :, None]) ** t.reshape(-1)
+        for layer, row in enumerate(held):
+            on[layer, row] = True
+        return on
+
+    def split(self, tokens, on: np.ndarray, layers=None) -> tuple[Any, Any, Any]:
+        """With the experts `on` (L, E) on the GPU: the share of token-expert pairs they take,
+        and the expected distinct experts touched on the GPU and off it, the mean over `layers`
+        (default: every MoE layer). At the batch a trace was recorded with, its decode steps'
+        own (its prefill's many tokens route otherwise); as for :meth:`distinct`, a task is
+        taken for a decode step by its token count alone."""
+        rows = np.flatnonzero(~self.dense) if layers is None else np.asarray(layers)
+        q, on = self.q[rows], on[rows]
+        t = np.asarray(tokens, dtype=float)
+        share = np.full(t.shape, np.mean(np.sum(q * on, axis=1)) / self.k)
+        touched = 1.0 - (1.0 - q[:, :, None]) ** t.reshape(-1)
         gpu = np.mean(np.sum(touched * on[:, :, None], axis=1), axis=0).reshape(t.shape)
         cpu = np.mean(np.sum(touched * ~on[:, :, None], axis=1), axis=0).reshape(t.shape)
-        if (measured := self._measured_split(on)) is not None:
+        if (measured := self._measured_split(on, rows)) is not None:
             batch, *own = measured
             at = t == batch
             share, gpu, cpu = (np.where(at, m, a) for m, a in zip(own, (share, gpu, cpu)))
         return _scalar(share), _scalar(gpu), _scalar(cpu)
 
-    def _measured_split(self, on: np.ndarray) -> tuple[int, float, float, float] | None:
-        """A trace's decode batch, and over its decode steps and layers the mean share of
-        choices the experts `on` (L x E) take, and distinct experts chosen on and off them."""
+    def _measured_split(self, on: np.ndarray, layers: np.ndarray
+                        ) -> tuple[int, float, float, float] | None:
+        """A trace's decode batch, and over its decode steps and `layers` the mean share of
+        choices the experts `on` (one row per layer of `layers`, E wide) take, and distinct
+        experts chosen on and off them."""
         if self.trace is None or len({s.shape[1] for s in self.trace.decode}) != 1:
             return None
-        key = ("split", on.tobytes())
+        key = ("split", on.tobytes(), layers.tobytes())
         if key not in self.trace.memo:
             rows = []
             for step in self.trace.decode:
-                for layer, chosen in enumerate(step):
-                    kept = on[layer][chosen]
-                    distinct_kept = on[layer][np.unique(chosen)]
+                for row, layer in enumerate(layers):
+                    chosen = step[layer]
+                    kept = on[row][chosen]
+                    distinct_kept = on[row][np.unique(chosen)]
                     rows.append((kept.mean(), distinct_kept.sum(), (~distinct_kept).sum()))
             self.trace.memo[key] = (self.trace.decode[0].shape[1],
                                     *(float(x) for x in np.mean(rows, axis=0)))
@@ -247,7 +282,7 @@ class Routing:
         fills the cache, its decode steps are counted), or CACHE_STEPS steps drawn from the
         routing after as many to warm the cache."""
         key = ("hits", tokens, capacity, eviction,
-               None if self.pinned is None else self.pinned.tobytes())
+               None if self.pinned is None else tuple(row.tobytes() for row in self.pinned))
         memo = self.trace.memo if self.trace is not None else self._hits
         if key not in memo:
             memo[key] = self._replay(tokens, capacity, eviction)
@@ -315,6 +350,10 @@ def _hit_rate(steps, capacity: int, eviction: str, popular: np.ndarray, warmup: 
         if i >= warmup:
             hit, need = hit + found, need + len(wanted)
     return hit / need if need else 1.0
+
+
+def _dense(model: ModelSpec) -> np.ndarray:
+    return np.array([model.is_dense(l) for l in range(model.L)], dtype=bool)
 
 
 def _inclusion(p: np.ndarray, k: int, seed: int) -> np.ndarray:

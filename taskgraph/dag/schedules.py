@@ -117,10 +117,12 @@ class Schedule:
 
     def reads(self, field: str) -> bool:
         """Whether the schedule reads an expert-level policy field (EXPERT_FIELDS): how many
-        experts the GPU holds (EP, EC, ECP), how its cache evicts (EC, ECP), how right its
-        prefetch is (ECP)."""
+        experts the GPU holds (EP, EC, ECP), how they are placed across layers (EP), how its
+        cache evicts (EC, ECP), how right its prefetch is (ECP)."""
         if field == "experts_gpu":
             return self.expert_level
+        if field in PLACED:
+            return self.ffn == "split"
         if field == "eviction":
             return self.ffn == "cache"
         return any(op.kind == "ExpertAhead" for op in self.decode)
@@ -154,7 +156,11 @@ class Schedule:
 
 #: The expert-level policy fields and their defaults: a schedule that does not read one has it
 #: at its default (a comparison drops it with a note; make_plan refuses to ignore it).
-EXPERT_FIELDS = {"experts_gpu": 0, "eviction": "lru", "prefetch": 0.0}
+EXPERT_FIELDS = {"experts_gpu": 0, "experts_total": None, "cpu_moe": None,
+                 "override_tensor": None, "eviction": "lru", "prefetch": 0.0}
+#: The fields that place EP's experts otherwise than experts_gpu on every layer
+#: (taskgraph.placement): a fixed placement, which a cache (EC, ECP) has not.
+PLACED = ("experts_total", "cpu_moe", "override_tensor")
 
 #: What each placement field decides, for messages.
 PLACEMENT_MEANS = {"A_g": "where attention runs", "r_c": "where the KV cache lives",

@@ -121,9 +121,13 @@ class TaskWork:
 
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
                  layout: WeightLayout, load: Load | None = None, tp: int = 1,
-                 routing: Routing | None = None, ffn: str = "gpu", prefetches: bool = False):
+                 routing: Routing | None = None, ffn: str = "gpu", prefetches: bool = False,
+                 held: tuple[np.ndarray, np.ndarray] | None = None):
         self.model, self.policy, self.workload, self.layout, self.tp = (model, policy, workload,
                                                                         layout, tp)
+        # EP: which experts the GPU holds, (L, E), and the layers whose work this is (a class
+        # of layers holding as many: taskgraph.dag.builder.Plan.layer_classes)
+        self.held = held
         self.dense = layout.dense       # the layer is dense: its FFN is one MLP, no experts
         self.ffn_place = ffn    # where the schedule runs the experts (Schedule.ffn)
         self.prefetches = prefetches    # ECP: the next layer's misses cross ahead
@@ -133,7 +137,7 @@ class TaskWork:
 
     def with_load(self, load: Load) -> "TaskWork":
         return TaskWork(self.model, self.policy, self.workload, self.layout, load, self.tp,
-                        self.routing, self.ffn_place, self.prefetches)
+                        self.routing, self.ffn_place, self.prefetches, self.held)
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         """A task's work: its kind's, one GPU's shard of it under tensor parallelism."""
@@ -185,13 +189,14 @@ class TaskWork:
                                        self.policy.eviction)
 
     def placed(self, tokens: Number) -> tuple[float, Number, Number]:
-        """With the policy's experts_gpu experts of each layer on the GPU (EP; the most popular,
-        or those pinned: Routing.popular): the share of token-expert pairs they take, and the
-        distinct experts touched on the GPU and on the CPU. Otherwise (S5) every expert is the
-        CPU's."""
+        """With the experts the policy places on the GPU (EP; each layer's most popular, or
+        those pinned: Routing.held): the share of token-expert pairs they take, and the
+        distinct experts touched on the GPU and on the CPU, over this work's layers. Otherwise
+        (S5) every expert is the CPU's."""
         if self.ffn_place != "split":
             return 0.0, 0.0, self.distinct(tokens)
-        return self.routing.split(tokens, self.policy.experts_gpu)
+        on, layers = self.held
+        return self.routing.split(tokens, on, layers)
 
     def experts(self, tokens: Number, share: float, distinct: Number) -> Work:
         """`share` of a micro-batch's token-expert pairs through `distinct` experts, with the

@@ -110,12 +110,26 @@ def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:
     touched = (f"{x['distinct_per_layer']:.2f} ± {x['distinct_std']:.2f} distinct a layer and "
                f"micro-batch ({x['routing']} routing)")
     if "gpu_share" in x:
-        return (f"{touched}; the {policy['experts_gpu']} placed on the GPU take "
-                f"{x['gpu_share']:.0%} of the tokens' experts")
+        llama = (f"; llama.cpp: {x['llama_cpp']}" if x.get("llama_cpp")
+                 else f"; no llama.cpp equivalent ({x['llama_cpp_means']})"
+                 if "llama_cpp_means" in x else "")
+        return (f"{touched}; the {_placed(x, policy)} placed on the GPU take "
+                f"{x['gpu_share']:.0%} of the tokens' experts{llama}")
     hits = f"{x['hit_rate']:.0%}"
     if x.get("measured_hit_rate") is not None:          # an executed run: what its cache held
         hits = f"{x['measured_hit_rate']:.0%} in decode (the model: {hits})"
     return f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits {hits}"
+
+
+def _placed(x: dict[str, Any], policy: dict[str, Any]) -> str:
+    """EP's experts on the GPU in words: '2 a layer', '56 (1 to 2 a layer)'."""
+    per_layer = [n for n in x.get("on_gpu_by_layer", ()) if n is not None]
+    if not per_layer:                                   # a result written before placements
+        return f"{policy['experts_gpu']} a layer"
+    lo, hi = min(per_layer), max(per_layer)
+    if lo == hi:
+        return f"{lo} a layer"
+    return f"{x['on_gpu']} ({lo} to {hi} a layer)"
 
 
 def queue_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -266,7 +280,14 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
 
 
 def _experts_placed(p: dict[str, Any]) -> str:
-    """An expert-level policy's experts on the GPU per layer, and its cache's eviction."""
+    """An expert-level policy's experts on the GPU (per layer, or as placed across layers),
+    and its cache's eviction."""
+    if "experts_total" in p:
+        return f"{p['experts_total']} in all"
+    if "cpu_moe" in p:
+        return f"--n-cpu-moe {p['cpu_moe']}"
+    if "override_tensor" in p:
+        return "-ot " + " ".join(p["override_tensor"])
     if "experts_gpu" not in p:
         return ""
     return f"{p['experts_gpu']} a layer" + (f", {p['eviction']}" if "eviction" in p else "")

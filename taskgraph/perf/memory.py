@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from taskgraph import placement
+from taskgraph.dag.schedules import PLACED
 from taskgraph.errors import MemoryFitError
 
 GB = 1e9
@@ -72,11 +74,12 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     context = prompt + sc.decode_steps
     kv_all = N * kv_tokens(m, context) * m.kv_bytes_per_token
     # With the FFN on the CPU the experts never leave host memory; r_w covers the rest. The
-    # expert-level schedules hold experts_gpu of each MoE layer's on the GPU besides. A dense
-    # layer lies wholly where the rest of a layer does.
+    # expert-level schedules hold experts on the GPU besides, as the policy places them
+    # (taskgraph.placement). A dense layer lies wholly where the rest of a layer does.
     experts_on_cpu = m.E * m.expert_bytes if schedule.experts_on_host else 0
-    experts_on_gpu = (sc.policy.experts_gpu * m.moe_layers * m.expert_bytes
-                      if schedule.expert_level else 0)
+    placed = placement.total_on_gpu(sc.policy, m) if schedule.expert_level else 0
+    experts_on_gpu = placed * m.expert_bytes
+    field = placement.given(sc.policy) or "experts_gpu"
     extent = m.layer_bytes - experts_on_cpu
     # (layers, each one's bytes on the GPU's side) for the MoE layers and the dense ones
     extents = [(m.moe_layers, extent)] + ([(m.dense_count, m.dense_layer_bytes)]
@@ -103,7 +106,7 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     }
     if experts_on_gpu:
         gpu[("expert cache" if schedule.ffn == "cache" else "experts placed on the GPU")
-            + " (experts_gpu)"] = float(experts_on_gpu)
+            + f" ({field})"] = float(experts_on_gpu)
     if schedule.ffn == "cache":
         # where a micro-batch's misses land before they run, one area for every layer (a
         # layer's copies start after the previous layer's experts ran): a decode micro-batch's
@@ -128,8 +131,8 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     if experts_on_cpu:
         # EP's placed experts live on the GPU only (llama.cpp's -ot buffers, Fiddler's
         # placement); a cache's experts are the host's, the cache holding copies
-        placed = sc.policy.experts_gpu if schedule.ffn == "split" else 0
-        cpu["experts (FFN on the CPU)"] = float(m.moe_layers * (m.E - placed) * m.expert_bytes)
+        on_gpu = placed if schedule.ffn == "split" else 0
+        cpu["experts (FFN on the CPU)"] = float((m.moe_layers * m.E - on_gpu) * m.expert_bytes)
         # a micro-batch's prompt tokens in and out of the CPU experts, in prefill
         cpu["expert FFN buffers"] = float(b * mu * prompt * (2 * m.h + 2 * m.k * m.h_i))
     return gpu, cpu
@@ -162,8 +165,9 @@ def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> l
         ("CPU", report.cpu, report.cpu_capacity, report.cpu_physical, "hardware.cpu",
          "policy.N or workload.gen_len, raise policy.r_w"),
     ):
-        if any("(experts_gpu)" in item for item in items):
-            knobs = "policy.experts_gpu, " + knobs
+        placing = [f for f in ("experts_gpu", *PLACED) if any(f"({f})" in i for i in items)]
+        if placing:
+            knobs = f"policy.{placing[0]}, " + knobs
         need = sum(items.values())
         cap, rule = ((usable, f"{spec}.memory_gb x {spec}.usable_fraction") if planning else
                      (physical, f"{spec}.memory_gb - {spec}.reserve_gb"))

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
+from taskgraph import placement
 from taskgraph.dag.builder import build_segment, make_plan
 from taskgraph.dag.schedules import EXPERT_FIELDS, SCHEDULES, Schedule
 from taskgraph.errors import MemoryFitError, ScheduleError, TgError
@@ -102,7 +104,7 @@ class Candidate:
         (less what the schedule decides itself)."""
         decided = SCHEDULES[self.schedule].placement
         return f"--schedule {self.schedule} " + " ".join(
-            f"--set policy.{k}={v:g}" if isinstance(v, float) else f"--set policy.{k}={v}"
+            "--set " + shlex.quote(f"policy.{k}={_option(v)}")
             for k, v in self.policy.items() if k not in decided)
 
     @property
@@ -321,8 +323,37 @@ def expert_jobs(scenario: Scenario, batch: int | None = None,
                         sc = policy_for(scenario, name, N, experts_first, eviction)
                     except (MemoryFitError, ScheduleError):
                         continue
-                    _add_expert_job(jobs, sc, name)
+                    for placed in (sc, *across_layers(sc, name)):
+                        _add_expert_job(jobs, placed, name)
     return list(jobs.values())
+
+
+def across_layers(scenario: Scenario, schedule: str) -> list[Scenario]:
+    """EP's other placements of the memory `scenario` gives its experts `experts_gpu` on
+    every layer (taskgraph.placement): the most experts over all layers by popularity
+    (Fiddler's), and the fewest layers whose experts stay on the CPU (llama.cpp's
+    --n-cpu-moe). None where every expert is placed already, or for another schedule."""
+    m, p = scenario.model, scenario.policy
+    if not SCHEDULES[schedule].reads("experts_total") or p.experts_gpu >= m.E:
+        return []
+    fits = fits_with(scenario, schedule)
+    out = []
+    budget = _last(lambda b: fits({"experts_gpu": 0, "experts_total": b}),
+                   p.experts_gpu * m.moe_layers, m.E * m.moe_layers)
+    if budget > p.experts_gpu * m.moe_layers:
+        out.append({"experts_gpu": 0, "experts_total": budget})
+    cpu_layers = _last(lambda n: fits({"experts_gpu": 0, "cpu_moe": m.L - n}), 0, m.L)
+    out.append({"experts_gpu": 0, "cpu_moe": m.L - cpu_layers})
+    return [scenario.model_copy(update={"policy": p.model_copy(update=u)}) for u in out]
+
+
+def _last(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in lo..hi with ok(n), ok being true up to some n and false past it (lo
+    where even lo is not)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
 
 
 def expert_grid(scenario: Scenario, sizes: tuple[int, ...]) -> list[ExpertJob]:
@@ -350,8 +381,9 @@ def expert_grid(scenario: Scenario, sizes: tuple[int, ...]) -> list[ExpertJob]:
                         for experts in {most, most // 2}:
                             policy = base.policy.model_copy(
                                 update={**update, "experts_gpu": experts})
-                            _add_expert_job(jobs, base.model_copy(update={"policy": policy}),
-                                            name)
+                            placed = base.model_copy(update={"policy": policy})
+                            for each in (placed, *across_layers(placed, name)):
+                                _add_expert_job(jobs, each, name)
     return list(jobs.values())
 
 
@@ -374,9 +406,19 @@ def _add_expert_job(jobs: dict, scenario: Scenario, name: str) -> None:
 
 
 def _expert_policy(name: str, policy: PolicySpec) -> dict[str, Any]:
-    """The policy's fields, the expert ones only where the schedule reads them."""
+    """The policy's fields, the expert ones only where the schedule reads them and they place
+    the experts (experts_gpu, or the one way of taskgraph.placement the policy gives)."""
+    other = placement.given(policy)
     return {k: v for k, v in policy.model_dump().items()
-            if k not in EXPERT_FIELDS or SCHEDULES[name].reads(k)}
+            if k not in EXPERT_FIELDS or (SCHEDULES[name].reads(k) and v is not None
+                                          and not (k == "experts_gpu" and other))}
+
+
+def _option(value: Any) -> str:
+    """A policy value as --set takes it."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return ",".join(value) if isinstance(value, (list, tuple)) else str(value)
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:

@@ -201,7 +201,9 @@ def as_measured(scenario: Scenario, execution) -> Scenario:
     if execution.routing is not None:
         simulated._routing_trace = execution.routing
         sched, p = SCHEDULES[scenario.schedule], scenario.policy
-        if p.experts_gpu and (sched.ffn == "split" or p.eviction == "popular"):
+        if sched.ffn == "split":
+            simulated._experts_kept = Routing.of(scenario).held(p, scenario.model)
+        elif p.experts_gpu and p.eviction == "popular":
             simulated._experts_kept = Routing.of(scenario).popular(p.experts_gpu)
     return simulated
 
