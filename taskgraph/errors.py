@@ -26,3 +26,9 @@ class CheckFailed(TgError):
     """An ``expect`` gate in a scenario did not hold."""
 
     exit_code = 1
+
+
+class LongRunWarning(UserWarning):
+    """Work that will take minutes, said before it starts (the command line prints it as a
+    note on stderr at once, on a terminal or not): a typo such as gen_len=9000000 is caught
+    before hours go by."""

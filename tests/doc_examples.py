@@ -12,8 +12,9 @@ stderr together), line by line and in order:
 - an output that is JSON is compared as JSON, key by key (figures as above);
 - a command must exit 0, unless the output shown says ``error:``.
 
-Comments steer a block: ``<!-- check: text -->`` before a block compares its text but none of
-its figures nor the resource a run is bound by (``gpu-bound``: measured runs; this machine's
+Comments steer a block: ``<!-- check: text -->`` before a block compares its text and its
+counts (whole numbers that are not shares: tasks, steps, a policy's fields) but none of its
+other figures nor the resource a run is bound by (``gpu-bound``: measured runs; this machine's
 speed is not the README's); ``<!-- skip: next
 "why" -->`` skips it (Sybil's skip); ``<!-- skip: next if(not SLOW, reason="why") -->`` runs it
 only with ``TG_DOCS_SLOW=1`` (what `.ci/run` sets for its second pass). ```` ```python ````
@@ -153,8 +154,8 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
         before = want
         best = None
         for m in re.finditer(pattern, text[at:]):
-            wrong = [(w, g) for (w, free), g in zip(numbers, m.groups())
-                     if figures and not free and not _close(w, g)]
+            wrong = [(w, g) for (w, free, count), g in zip(numbers, m.groups())
+                     if (figures or count) and not free and not _close(w, g)]
             if not wrong:
                 at += m.end()
                 break
@@ -167,18 +168,21 @@ def compare(shown: str, printed: str, figures: bool = True) -> str | None:
     return None
 
 
-def _pattern(line: str, before: str = "") -> tuple[str, list[tuple[str, bool]]]:
+def _pattern(line: str, before: str = "") -> tuple[str, list[tuple[str, bool, bool]]]:
     """A regex for `line` with each figure a group, and each figure with whether it is free
     (a wall time: what precedes it, on this line or at the end of the line `before`, a title
-    wrapped at the table's width, says so). An ellipsis stands for anything, the spaces around
-    it included."""
+    wrapped at the table's width, says so) and whether it is a count (a whole number, not a
+    share: tasks, steps, a policy's N), which a measured run shares with the README. An
+    ellipsis stands for anything, the spaces around it included."""
     line = re.sub(r"\s*(?:\.\.\.|…)\s*", "...", line)
     parts, numbers, last = [], [], 0
     for m in _NUMBER.finditer(line):
         if line[last:m.start()]:
             parts.append(re.escape(line[last:m.start()]))
         parts.append(_ANY_NUMBER)
-        numbers.append((m.group(), bool(_WALL_TIME.search(f"{before} {line[:m.start()]}"))))
+        count = not re.search(r"[.e]", m.group()) and not line[m.end():].startswith("%")
+        numbers.append((m.group(), bool(_WALL_TIME.search(f"{before} {line[:m.start()]}")),
+                        count))
         last = m.end()
     parts.append(re.escape(line[last:]))
     return "".join(parts).replace(r"\.\.\.", ".*?").replace("…", ".*?"), numbers

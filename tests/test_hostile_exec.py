@@ -36,7 +36,10 @@ def _start(tmp_path):
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     # the ranks exist, still importing: they start deaf to SIGINT, which is what torch's
     # spawn sends them when their parent dies
-    wait_for(lambda: len(children(proc.pid)) >= 2, 120, "the ranks' processes")
+    # (a loaded 2-core machine took over 120 s to import and spawn them)
+    wait_for(lambda: len(children(proc.pid)) >= 2 or proc.poll() is not None, 600,
+             "the ranks' processes")
+    assert proc.poll() is None, proc.communicate()
     return proc, children(proc.pid)
 
 

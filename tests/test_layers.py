@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top. A module is matched by its longest listed prefix.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundations", ["errors", "kinds", "dag.schedules", "presets", "files", "formats"]),
+    ("foundations", ["errors", "kinds", "dag.schedules", "presets", "files", "formats",
+                     "placement"]),
     ("specs", ["specs", "expect"]),
     ("graph", ["dag"]),
     ("cost", ["perf", "kernels", "sim.engine", "sim.contention"]),

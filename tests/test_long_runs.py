@@ -200,3 +200,51 @@ def test_ctrl_c_while_a_block_is_set_up_leaves_only_true_times(monkeypatch):
     assert run.interrupted and 0 < ran.sum() < program.total
     assert np.array_equal(run.start[ran], whole.start[ran])
     assert np.array_equal(run.end[ran], whole.end[ran])
+
+
+class _Entered(Exception):
+    pass
+
+
+def test_a_run_of_minutes_is_announced_before_it_starts(monkeypatch):
+    """gen_len=9000000 (a typo) is a billion tasks: the warning comes with the least time it
+    takes, before the engine is entered; a run of seconds says nothing."""
+    def entered(*args, **kwargs):
+        raise _Entered
+    monkeypatch.setattr(simulation, "simulate_with_interference", entered)
+    with pytest.warns(taskgraph.errors.LongRunWarning, match=r"1,044,000,068 tasks.*at least "
+                                                              r"17 minutes") as caught:
+        with pytest.raises(_Entered):
+            simulation.simulate_scenario(load_scenario(TINY, ["workload.gen_len=9000000"]))
+    assert len(caught) == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", taskgraph.errors.LongRunWarning)
+        with pytest.raises(_Entered):
+            simulation.simulate_scenario(load_scenario(TINY, ["workload.gen_len=20000"]))
+
+
+def test_the_command_line_says_so_off_a_terminal_at_once():
+    """Off a terminal, where no progress bar shows, the note reaches stderr before the work."""
+    import subprocess
+    import sys
+    import threading
+
+    from tests.helpers import wait_for
+
+    proc = subprocess.Popen([sys.executable, "-m", "taskgraph.cli", "simulate", TINY, "--set",
+                             "workload.gen_len=9000000"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: lines or proc.poll() is not None, 120, "the note on stderr")
+        assert proc.poll() is None, "the run ended before its note was read"
+        assert lines[0].startswith("tg simulate: note: tiny (S1) has 1,044,000,068 tasks")
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)

@@ -289,10 +289,13 @@ def test_experts_first_is_a_dimension_of_the_search():
     tok_s = {first: simulate_scenario(policy_for(sc, "EP", 64, first), "EP")
              .summary["throughput_tok_s"] for first in (False, True)}
     assert tok_s[True] > tok_s[False]
-    found = search(_t4("objective.batch=64"), top=50, workers=1).top
-    ep = max((c for c in found if c.schedule == "EP"), key=lambda c: c.tok_s)
-    assert ep.policy["experts_gpu"] == experts_first.experts_gpu
-    assert ep.tok_s == pytest.approx(tok_s[True], rel=1e-6)
+    found = search(_t4("objective.batch=64"), top=50, workers=1).priced
+    per_layer = [c for c in found if c.schedule == "EP"
+                 and c.policy.get("experts_gpu") == experts_first.experts_gpu
+                 and c.policy["r_w"] == experts_first.r_w and c.policy["r_c"] == experts_first.r_c]
+    assert [c.tok_s for c in per_layer] == [pytest.approx(tok_s[True], rel=1e-6)]
+    # the placements across layers (tests/test_placements.py) may do better still, never worse
+    assert max(c.tok_s for c in found if c.schedule == "EP") >= tok_s[True]
 
 
 def test_a_latency_limit_keeps_only_what_meets_it_and_the_best_of_those_wins():

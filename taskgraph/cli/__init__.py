@@ -2,17 +2,35 @@
 
 ``parsing`` turns a command line into arguments and checks every output path before any work;
 ``verbs`` runs each verb through the API and prints its result: JSON on stdout with ``--json``,
-tables on stderr otherwise. Nothing here computes what a verb reports.
+tables otherwise, both on stdout; progress and diagnostics go to stderr). Nothing here
+computes what a verb reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 
 from taskgraph.cli.parsing import check_outputs, parser
-from taskgraph.errors import TgError
+from taskgraph.errors import LongRunWarning, TgError
 from taskgraph.files import command_inputs, exit_on_termination
+
+
+@contextlib.contextmanager
+def announced(command: str):
+    """A long run's warning (taskgraph.sim.simulate.LongRunWarning) printed as one line on
+    stderr as soon as it is known, before the work, whether or not stderr is a terminal."""
+    def show(message, category, *rest, previous=warnings.showwarning):
+        if issubclass(category, LongRunWarning):
+            print(f"tg {command}: note: {message}", file=sys.stderr, flush=True)
+        else:
+            previous(message, category, *rest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", LongRunWarning)
+        warnings.showwarning = show
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         parser_.print_help(sys.stderr)
         return 2
     try:
-        with exit_on_termination(), command_inputs():   # no output may replace what it reads
-            check_outputs(args)
+        with exit_on_termination(), command_inputs(), announced(args.command):
+            check_outputs(args)           # no output may replace what the command reads
             return args.func(args) or 0
     except BrokenPipeError:       # e.g. `tg ... --json | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -262,7 +262,7 @@ def search_table(result, scenario_name: str, limit: float) -> Table:
                       "equal and the one that keeps less on the GPU wins. "
                       + " ".join(result.notes),
               caption_justify="left")
-    experts = any("experts_gpu" in c.policy for c in result.top)
+    experts = any(_experts_placed(c.policy) for c in result.top)
     for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", *(("experts",) if experts else ()),
                 "tok/s", *(("sim tok/s",) if verified else ()), "ms/token", "TTFT s",
                 "layer ms", "bound by"):

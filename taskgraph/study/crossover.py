@@ -67,11 +67,13 @@ class PointJob:
 
 
 def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = False,
-               eviction: str | None = None) -> Scenario:
+               eviction: str | None = None, placed: str = "experts_gpu") -> Scenario:
     """`scenario` running `schedule` with N sequences at the greedy policy (module docstring);
     MemoryFitError if not even the least of it fits. `experts_first` fills the GPU with experts
     before the other weights and the KV cache (the other corner of what the GPU's memory is
-    spent on); `eviction` replaces the scenario's cache policy."""
+    spent on); `eviction` replaces the scenario's cache policy; `placed` is how EP's experts
+    are placed (taskgraph.placement): as many a layer as fit (experts_gpu), the most over all
+    layers (experts_total), or on the GPU from the fewest layers on the CPU (cpu_moe)."""
     s = SCHEDULES[schedule]
     fixed = s.placement
     n_min = max(s.min_micro_batches, 1)
@@ -102,15 +104,30 @@ def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = 
         if mu == 1 or N // (mu // 2) > MAX_MICRO_BATCHES:
             check_fits(memory_footprint(make_plan(base, schedule)), schedule)  # raises, naming it
         mu //= 2
+    m = scenario.model
+    # each knob's values, most kept on the GPU first
+    experts = {"experts_gpu": range(m.E, -1, -1),
+               "experts_total": range(m.E * m.moe_layers, -1, -1),
+               "cpu_moe": range(0, m.L + 1)}[placed]
     chosen: dict[str, Any] = {}
-    knobs = [("r_w", _FRACTIONS), ("r_c", _FRACTIONS),
-             ("experts_gpu", range(scenario.model.E, -1, -1))]
+    knobs = [("r_w", _FRACTIONS), ("r_c", _FRACTIONS), (placed, experts)]
     for knob, values in knobs[-1:] + knobs[:-1] if experts_first else knobs:
         if knob in fixed or (knob == "r_c" and s.attention == "cpu") or \
-                (knob == "experts_gpu" and not s.reads("experts_gpu")):
+                (knob == placed and not s.reads(placed)):
             continue
-        chosen[knob] = next(v for v in values if fits({**chosen, knob: v}))
+        chosen[knob] = _first(values, lambda v: fits({**chosen, knob: v}))
     return base.model_copy(update={"policy": base.policy.model_copy(update=chosen)})
+
+
+def _first(values, ok: Callable[[Any], bool]) -> Any:
+    """The first of `values` that is ok, where every value after an ok one is ok too (more
+    room on the GPU never stops a policy fitting) and the last is (the least kept on the GPU:
+    the base policy, which fits): by bisection, as an expert budget may have thousands."""
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(values[mid]) else (mid + 1, hi)
+    return values[lo]
 
 
 def fits_with(base: Scenario, schedule: str) -> Callable[[dict], bool]:

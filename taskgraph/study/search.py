@@ -259,10 +259,33 @@ def search(scenario: Scenario, top: int = 10, grid: Grid = Grid(), workers: int 
                           front=pareto_front(found), priced=found, simulated=simulated)
     if not meeting:
         result.notes.append(_unreachable(objective, best))
+    if best.schedule == "EP":
+        result.notes.append(_llama_cpp(scenario, best, meeting or found))
     if scenario.hardware.assumed:
         result.notes.append(f"hardware: local: {scenario.hardware.assumed}.")
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _llama_cpp(scenario: Scenario, best: Candidate, candidates: list[Candidate]) -> str:
+    """How llama.cpp runs an EP pick: its options, or, where the pick splits layers (which
+    llama.cpp, one tensor a layer, cannot), the best whole-layer placement at its batch."""
+    def options(c: Candidate) -> str | None:
+        plan = make_plan(c.scenario(scenario))
+        return placement.llama_cpp_options([len(row) for row in plan.held],
+                                           scenario.model)[0]
+    batch = f" -np {best.policy['N']}" if best.policy["N"] > 1 else ""
+    own = options(best)
+    if own is not None:
+        return f"In llama.cpp: {own}{batch}."
+    whole = [c for c in candidates if c.schedule == "EP" and "cpu_moe" in c.policy
+             and c.policy["N"] == best.policy["N"]]
+    if not whole:
+        return "llama.cpp places a layer's experts whole; this placement splits layers."
+    c = max(whole, key=lambda c: c.tok_s)
+    return (f"llama.cpp places a layer's experts whole; its best here is {options(c)}{batch} "
+            f"(r_w={c.policy['r_w']:g} r_c={c.policy['r_c']:g}): {c.tok_s:.2f} tok/s, "
+            f"{1 - c.tok_s / best.tok_s:.0%} below the pick.")
 
 
 def search_scenario(scenario: Scenario, top: int = 10, verify_top: bool = False,
@@ -311,9 +334,12 @@ def expert_jobs(scenario: Scenario, batch: int | None = None,
     batch of EXPERT_BATCHES (or at `batch`). Each runs the policy that fills its GPU
     (:func:`~taskgraph.study.crossover.policy_for`) twice over: the other weights and the KV
     cache first, then experts; and experts first. The two differ where the GPU cannot hold
-    both (EP at 64 on t4: 21.7 tok/s the first way, 24.7 the second). A cache (EC, ECP) runs
-    under each eviction rule (where it holds an expert). Policies that come out the same are
-    simulated once."""
+    both (EP at 64 on t4: 21.7 tok/s the first way, 24.7 the second). EP also spends the
+    memory each corner gives its experts on the other placements (:func:`across_layers`), and
+    places its budget over all layers before the other weights (at t4's N = 16, 41 experts
+    with the weights streamed: 16.61 tok/s, where one a layer and the weights resident give
+    15.96). A cache (EC, ECP) runs under each eviction rule (where it holds an expert).
+    Policies that come out the same are simulated once."""
     jobs: dict[tuple, ExpertJob] = {}
     for name in _expert_level(schedules):
         for N in (batch,) if batch else EXPERT_BATCHES:
@@ -323,9 +349,28 @@ def expert_jobs(scenario: Scenario, batch: int | None = None,
                         sc = policy_for(scenario, name, N, experts_first, eviction)
                     except (MemoryFitError, ScheduleError):
                         continue
-                    for placed in (sc, *across_layers(sc, name)):
-                        _add_expert_job(jobs, placed, name)
+                    for each in (sc, *across_layers(sc, name)):
+                        _add_expert_job(jobs, each, name)
+                    if experts_first and SCHEDULES[name].reads("experts_total"):
+                        # the budget before the other weights: what a count a layer leaves
+                        # over may be worth more than the weights it makes room for
+                        _add_expert_job(jobs, policy_for(scenario, name, N, True, eviction,
+                                                         "experts_total"), name)
     return list(jobs.values())
+
+
+def _even(scenario: Scenario) -> int | None:
+    """The count every MoE layer holds where a placement across layers comes to one count (a
+    budget a multiple of the layers under a routing whose layers are alike; no layer or every
+    layer on the CPU), else None."""
+    m, p = scenario.model, scenario.policy
+    if p.cpu_moe is not None:
+        moe_on_cpu = sum(1 for l in range(min(p.cpu_moe, m.L)) if not m.is_dense(l))
+        return {0: m.E, m.moe_layers: 0}.get(moe_on_cpu)
+    if p.experts_total is not None and p.experts_total % m.moe_layers == 0 \
+            and scenario.workload.routing.kind != "trace":
+        return p.experts_total // m.moe_layers
+    return None
 
 
 def across_layers(scenario: Scenario, schedule: str) -> list[Scenario]:
@@ -397,10 +442,15 @@ def _evictions(name: str) -> tuple[str | None, ...]:
 
 
 def _add_expert_job(jobs: dict, scenario: Scenario, name: str) -> None:
-    """One job per distinct policy (with no expert cached, the eviction rule is moot)."""
+    """One job per distinct policy (with no expert cached, the eviction rule is moot; a
+    placement across layers that comes to the same count in every layer is that count)."""
     policy = scenario.policy
     if policy.experts_gpu == 0:
         policy = policy.model_copy(update={"eviction": "lru"})
+    per_layer = _even(scenario)
+    if per_layer is not None:
+        policy = policy.model_copy(update={"experts_total": None, "cpu_moe": None,
+                                           "experts_gpu": per_layer})
     jobs.setdefault((name, policy), ExpertJob(
         scenario.model_copy(update={"policy": policy}), name))
 
