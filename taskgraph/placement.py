@@ -48,11 +48,13 @@ def gguf_names(model: Any) -> list[str]:
     return names
 
 
-def parse_overrides(patterns) -> list[tuple[re.Pattern, str]]:
-    """-ot's PATTERN=BUFFER pairs, each checked (ValueError naming the one at fault)."""
+def parse_overrides(patterns, field: str = "policy.override_tensor"
+                    ) -> list[tuple[re.Pattern, str]]:
+    """-ot's PATTERN=BUFFER pairs, each checked (ValueError naming the one at fault, as
+    `field`[i])."""
     out = []
     for i, text in enumerate(patterns):
-        where = f"policy.override_tensor[{i}] ({text!r})"
+        where = f"{field}[{i}] ({text!r})"
         pattern, sep, buffer = text.rpartition("=")
         if not sep or not pattern:
             raise ValueError(f"{where} must be PATTERN=BUFFER, as llama.cpp's -ot takes it "
@@ -73,13 +75,13 @@ def cpu_layers_of_overrides(patterns, model: Any) -> frozenset[int]:
     attention and the rest of a layer on the GPU), or splits a layer's three expert tensors."""
     rules = parse_overrides(patterns)
     names = gguf_names(model)
-    used = [False] * len(rules)
+    # a pattern that matches only what an earlier one placed is no mistake (llama.cpp takes it)
+    used = [any(pattern.search(name) for name in names) for pattern, _ in rules]
     on_cpu: dict[int, set[str]] = {}
     for name in names:
         for i, (pattern, buffer) in enumerate(rules):
             if not pattern.search(name):
                 continue
-            used[i] = True
             if buffer == "CPU":
                 parts = name.split(".")
                 if len(parts) < 3 or parts[2] not in EXPERT_TENSORS:

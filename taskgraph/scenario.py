@@ -64,6 +64,7 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
             f"{', '.join(_SECTIONS[:5])}; it holds {_kind_of(doc)}."
         )
     pins = _pins(doc, str(path))
+    _one_placement_set(overrides)
     for item in overrides:
         _apply_override(doc, item)
         key, _, value = item.partition("=")
@@ -76,6 +77,18 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
             _placed_otherwise(doc, field)
     return scenario_from_dict(doc, source=str(path), base_dir=path.parent,
                               default_name=path.stem, pins=pins)
+
+
+def _one_placement_set(overrides) -> None:
+    """Two --set placements of EP's experts (taskgraph.placement) in one command are refused,
+    as in one file: the later would silently win."""
+    ways = ("experts_gpu", *PLACED)
+    given = [k for k in dict.fromkeys(item.partition("=")[0].strip().removeprefix("policy.")
+                                      for item in overrides if item.strip().startswith("policy."))
+             if k in ways]
+    if len(given) > 1:
+        raise TgError(f"--set policy.{given[0]} and --set policy.{given[1]} each place EP's "
+                      "experts; give one.")
 
 
 def _placed_otherwise(doc: dict[str, Any], field: str) -> None:

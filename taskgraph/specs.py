@@ -816,7 +816,7 @@ class PolicySpec(BaseModel):
             raise ValueError(f"experts_gpu = {self.experts_gpu} places experts on every layer "
                              f"and {given[0]} places them otherwise; give one")
         if self.override_tensor is not None:
-            placement.parse_overrides(self.override_tensor)
+            placement.parse_overrides(self.override_tensor, "override_tensor")
         return self
 
     @property

@@ -44,6 +44,8 @@ _NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d])|(?<![\w.
                      r"(?:e[-+]?\d+)?(?![\d])")
 _ANY_NUMBER = r"(-?[\d,]*\d(?:\.\d+)?(?:e[-+]?\d+)?)"
 _BOUND_BY = re.compile(r"\b\w+-bound\b")
+# What follows a whole number that is a measurement, not a count (`60 µs fixed`, `72%`).
+_MEASURE = re.compile(r"\s*(?:%|[µmn]?s\b|[KMGT]?B\b|[KMGT]?B/s|tok/s|GFLOP|TFLOP|x\b|×)")
 # What a figure follows when it is a wall-clock time, which no two runs share.
 _WALL_TIME = re.compile(r'(?:(?:simulated|executed|policies|finished) in|"wall_s":|HRM,|takes|'
                         r'took) $')
@@ -180,7 +182,7 @@ def _pattern(line: str, before: str = "") -> tuple[str, list[tuple[str, bool, bo
         if line[last:m.start()]:
             parts.append(re.escape(line[last:m.start()]))
         parts.append(_ANY_NUMBER)
-        count = not re.search(r"[.e]", m.group()) and not line[m.end():].startswith("%")
+        count = not re.search(r"[.e]", m.group()) and not _MEASURE.match(line[m.end():])
         numbers.append((m.group(), bool(_WALL_TIME.search(f"{before} {line[:m.start()]}")),
                         count))
         last = m.end()

@@ -39,6 +39,9 @@ def test_a_measured_runs_counts_are_compared_but_not_its_speed_or_shares():
     assert compare(PRINTED, PRINTED.replace("gpu 72%", "gpu 12%"), figures=False) is None
     assert "405,006 -> 415,006" in compare(PRINTED, PRINTED.replace("405,006", "415,006"),
                                            figures=False)
+    fixed = "│ CPUAttn (2304 tasks) │ 60 µs fixed + bytes / 2.68 GB/s │"
+    assert compare(fixed, fixed.replace("60 µs", "82 µs"), figures=False) is None
+    assert "2304 -> 2404" in compare(fixed, fixed.replace("2304", "2404"), figures=False)
 
 
 def test_missing_lines_and_changed_words_fail():

@@ -143,10 +143,33 @@ def test_memory_counts_the_placed_experts_once():
     assert report.cpu["experts (FFN on the CPU)"] == 20 * m.E * m.expert_bytes
 
 
-def test_a_placement_that_does_not_fit_names_its_field():
-    sc = load_scenario("t4", [*BIG_T4[:-1], "policy.cpu_moe=0"])     # a 16 GB T4
-    with pytest.raises(Exception, match=r"policy\.cpu_moe"):
+def test_a_placement_that_does_not_fit_says_which_way_to_move_it():
+    sc = load_scenario("t4", [*BIG_T4[:-1], "policy.cpu_moe=27"])    # a 16 GB T4; 28 fits
+    with pytest.raises(Exception, match=r"Raise policy\.cpu_moe \(more layers' experts on the "
+                                        r"CPU\); lower policy\.r_w"):
         simulate_scenario(sc)
+    sc = load_scenario("t4", [*BIG_T4[:-1], "policy.experts_total=200"])
+    with pytest.raises(Exception, match=r"Lower policy\.experts_total, policy\.r_w"):
+        simulate_scenario(sc)
+
+
+def test_a_pattern_an_earlier_one_shadows_is_taken_as_llama_cpp_takes_it():
+    assert _per_layer(["policy.override_tensor=exps=CPU,exps=CUDA0"]) == [0] * 4
+
+
+def test_two_placements_set_in_one_command_are_refused():
+    with pytest.raises(TgError, match="each place EP's experts; give one"):
+        load_scenario(TINY, ["schedule=EP", "policy.cpu_moe=1", "policy.experts_total=3"])
+
+
+def test_validate_prices_a_budget_on_the_runs_own_routing():
+    """tg validate simulates a run on its recorded routing with the experts the run kept: a
+    budget the run spread one way is not spread again (it was refused as a mismatch)."""
+    pytest.importorskip("torch")
+    result = api.validate(TINY, schedules=["EP"], device="cpu", repeats=1,
+                          overrides={"policy.experts_total": 5})
+    pairs = result.to_dict()["pairs"]
+    assert pairs and all(p["simulated"]["experts"]["on_gpu"] == 5 for p in pairs)
 
 
 def test_the_search_places_experts_across_layers_and_its_pick_runs():

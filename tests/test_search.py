@@ -392,10 +392,10 @@ def test_policy_auto_on_an_expert_level_schedule_searches_its_policies(tmp_path,
 @pytest.mark.parametrize("overrides", [["objective.batch=1"], ["objective.batch=4"],
                                        ["objective.batch=4", "objective.optimize=latency"]])
 def test_the_pick_is_within_two_percent_of_the_brute_force_best_at_small_batches(overrides):
-    """The search tries the expert-level schedules at the two corners of what fills the GPU;
-    the brute-force grid tries r_w 0-1, the KV cache on either side, both evictions and half
-    the experts as well. On t4 the corners lose under 0.1% (gpt-oss-120b on an RTX 4090 at
-    batch 16: 1.3%, bench/search_vs_bruteforce.py)."""
+    """The search tries the expert-level schedules at the two corners of what fills the GPU,
+    EP's experts placed three ways; the brute-force grid tries r_w 0-1, the KV cache on either
+    side, both evictions, half the experts and each placement as well. On t4 at batch 1 the
+    grid's interior point beats the corners by 1.7% (bench/search_vs_bruteforce.py)."""
     from taskgraph.study.search import brute_force, brute_force_summary
 
     sc = _t4(*overrides)

@@ -209,6 +209,14 @@ class Routing:
         (taskgraph.placement): each layer's most popular, as many as its placement gives it.
         A budget over all layers (``experts_total``) goes to the most popular (layer, expert)
         pairs, ties to the layer with fewer placed so far (so equal layers share it evenly)."""
+        if self.pinned is not None and policy.experts_total is not None:
+            # a budget the pinned run spread by its own routing: the same experts, whatever
+            # this routing would spread (tg validate prices a run on its recorded routing)
+            have = sum(len(row) for row in self.pinned)
+            if have != placement.total_on_gpu(policy, model):
+                raise TgError(f"policy.experts_total = {policy.experts_total}, but the scenario "
+                              f"pins {have} experts on the GPU (experts_kept).")
+            return self.pinned
         per_layer = placement.counts(policy, model)
         if per_layer is None:
             moe = np.flatnonzero(~self.dense)
@@ -223,8 +231,8 @@ class Routing:
         if self.pinned is not None:
             have = [len(row) for row in self.pinned]
             if have != list(per_layer):
-                raise TgError(f"the policy places {sum(per_layer)} experts on the GPU, but the "
-                              f"scenario pins {sum(have)} (experts_kept).")
+                raise TgError(f"the policy places {list(per_layer)} experts on the GPU layer by "
+                              f"layer, but the scenario pins {have} (experts_kept).")
             return self.pinned
         order = np.argsort(-self.q, axis=1, kind="stable")
         return [order[l, :n] for l, n in enumerate(per_layer)]

@@ -19,7 +19,15 @@ from taskgraph.perf.cost import POOL_NAMES
 
 
 def _policy(p: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items())
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else
+                    f"{k}={_patterns(v)}" if isinstance(v, (list, tuple)) else f"{k}={v}"
+                    for k, v in p.items())
+
+
+def _patterns(values, limit: int = 3) -> str:
+    """A list (llama.cpp's -ot patterns) as -ot writes it, the first `limit` of a long one."""
+    more = f",... ({len(values)} in all)" if len(values) > limit else ""
+    return ",".join(str(v) for v in values[:limit]) + more
 
 
 class Shown:
@@ -287,7 +295,7 @@ def _experts_placed(p: dict[str, Any]) -> str:
     if "cpu_moe" in p:
         return f"--n-cpu-moe {p['cpu_moe']}"
     if "override_tensor" in p:
-        return "-ot " + " ".join(p["override_tensor"])
+        return "-ot " + _patterns(p["override_tensor"])
     if "experts_gpu" not in p:
         return ""
     return f"{p['experts_gpu']} a layer" + (f", {p['eviction']}" if "eviction" in p else "")
@@ -321,12 +329,15 @@ def brute_force_table(grid, summary: dict[str, Any]) -> Table:
                       f"tok/s: {_loss(loss)} the best simulated policy; among the grid's own "
                       f"policies the predicted favourite is {_loss(in_grid)} the best.",
               caption_justify="left")
-    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", "sim tok/s", "pred. tok/s"):
-        t.add_column(col, justify="left" if col == "sched" else "right")
+    experts = any(_experts_placed(c.policy) for c in grid)
+    for col in ("#", "sched", "N", "mu", "A_g", "r_w", "r_c", *(("experts",) if experts else ()),
+                "sim tok/s", "pred. tok/s"):
+        t.add_column(col, justify="left" if col in ("sched", "experts") else "right")
     for i, c in enumerate(grid, 1):
         p = c.policy
         t.add_row(str(i), c.schedule, str(p["N"]), str(p["mu"]), str(p["A_g"]), f"{p['r_w']:g}",
-                  f"{p['r_c']:g}", f"{c.simulated_tok_s:.2f}", f"{c.predicted_tok_s:.2f}")
+                  f"{p['r_c']:g}", *((_experts_placed(p),) if experts else ()),
+                  f"{c.simulated_tok_s:.2f}", f"{c.predicted_tok_s:.2f}")
     return t
 
 

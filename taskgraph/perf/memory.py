@@ -151,6 +151,13 @@ def _longest(model, context: int) -> int:
     return max(min(context, model.window(l) or context) for l in range(model.L))
 
 
+#: How a placement of whole layers keeps fewer experts on the GPU, for messages (a count
+#: a layer and a budget are lowered).
+_FEWER_EXPERTS = {"cpu_moe": "raise policy.cpu_moe (more layers' experts on the CPU)",
+                  "override_tensor": "send more layers' experts to the CPU "
+                                     "(policy.override_tensor)"}
+
+
 def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> list[str]:
     """Raise :class:`MemoryFitError` naming the binding constraint and by how much it is over.
 
@@ -166,8 +173,11 @@ def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> l
          "policy.N or workload.gen_len, raise policy.r_w"),
     ):
         placing = [f for f in ("experts_gpu", *PLACED) if any(f"({f})" in i for i in items)]
-        if placing:
+        fewer = ""
+        if placing and placing[0] in ("experts_gpu", "experts_total"):
             knobs = f"policy.{placing[0]}, " + knobs
+        elif placing:
+            fewer = _FEWER_EXPERTS[placing[0]][0].upper() + _FEWER_EXPERTS[placing[0]][1:] + "; "
         need = sum(items.values())
         cap, rule = ((usable, f"{spec}.memory_gb x {spec}.usable_fraction") if planning else
                      (physical, f"{spec}.memory_gb - {spec}.reserve_gb"))
@@ -178,7 +188,8 @@ def check_fits(report: MemoryReport, schedule: str, planning: bool = False) -> l
                 f"The policy does not fit in {where} memory with schedule {schedule}: it needs "
                 f"{need / GB:.2f} GB but {cap / GB:.2f} GB is usable ({rule}), "
                 f"{(need - cap) / GB:.2f} GB over. Largest items: "
-                f"{listing}. Lower {knobs}, or use a machine with more {where} memory."
+                f"{listing}. {fewer}{'lower' if fewer else 'Lower'} {knobs}, or use a machine "
+                f"with more {where} memory."
             )
         if need > usable:
             warnings.append(
