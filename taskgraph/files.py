@@ -286,6 +286,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
+#: What a spreadsheet runs as a formula when a cell starts with it (OWASP, "CSV Injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_row(values) -> list[Any]:
+    """A row of a CSV file tg writes, each text cell that a spreadsheet would run as a formula
+    (an id or a value starting with = + - @, a tab or a carriage return) given a leading single
+    quote, as OWASP recommends; numbers, and text that reads as one ('-1.5'), are left alone."""
+    return [_csv_cell(v) for v in values]
+
+
+def _csv_cell(value: Any) -> Any:
+    if not isinstance(value, str) or not value.startswith(_FORMULA_START):
+        return value
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return "'" + value
+
+
 def plain_text(value: Any, context: str) -> None:
     """Refuse control characters in any text of `value` (a value, or a document read from a
     file: nested mappings and lists, however deep), naming the field after `context`; names,

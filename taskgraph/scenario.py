@@ -12,6 +12,7 @@ checked exactly like the file.
 from __future__ import annotations
 
 import difflib
+import re
 import reprlib
 import types
 import typing
@@ -467,6 +468,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     "resolves wrongly; merge both here instead (<<: [*a, *b])", mark)
 
 
+# Numbers as YAML 1.2 writes them: YAML 1.1's octal (010 was 8), underscores (1_6 was 16),
+# sexagesimal (1:0 was 60), binary and hexadecimal forms stay text, which a number field
+# refuses naming the field (specs.Spec); 1e9 is a number, as YAML 1.1 did not say.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                       list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:(?:0|[1-9][0-9]*)\.[0-9]*(?:[eE][-+]?[0-9]+)?"
+                       r"|\.[0-9]+(?:[eE][-+]?[0-9]+)?|(?:0|[1-9][0-9]*)[eE][-+]?[0-9]+)"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
 def _read_text(path: Path, what: str) -> str:
     return read_text(path, what)
 
@@ -521,6 +538,11 @@ def _explain(err: ValidationError, source: str, prefix: tuple[str, ...] = ()) ->
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and not isinstance(e["input"], dict):
                 msg += f" (got {_short(e['input'])})"
+            field = re.match(r"(\w+(?:\[\d+\])?) (must be an? (?:number|integer), .*)", msg,
+                             re.S)
+            if field:                   # specs.Spec: a field of the section named, as pydantic's
+                loc = f"{loc}.{field.group(1)}" if loc else field.group(1)
+                msg = field.group(2)
         parts.append(f"{loc}: {msg}" if loc else msg)
     return f"Invalid scenario {source}: " + "; ".join(parts) + "."
 

@@ -9,6 +9,9 @@ both what the part is sold as and what it delivers (`tg calibrate` measures the 
 from __future__ import annotations
 
 import math
+import re
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -42,6 +45,93 @@ MAX_MICRO_BATCHES = 256
 MAX_REQUESTS = 1_000_000
 
 
+def _number(annotation: Any) -> bool:
+    """Whether a field holds a number (int, float, an optional one, a literal of numbers)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _number(args[0])
+    if origin in (typing.Union, types.UnionType):
+        given = [a for a in args if a is not type(None)]
+        return bool(given) and all(_number(a) for a in given)
+    if origin is Literal:
+        return all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+    return annotation in (int, float)
+
+
+def _numbers_in(annotation: Any) -> bool:
+    """Whether a field holds a list or tuple of numbers."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_numbers_in(a) for a in args if a is not type(None))
+    return origin in (list, tuple) and bool(args) and _number(args[0])
+
+
+#: YAML 1.1's forms of a number that YAML 1.2 and the scenario loader read as text (010 was 8,
+#: 1_6 was 16, 1:0 was 60).
+_YAML11_NUMBER = re.compile(r"[-+]?(0[0-7_]+|\d[\d_]*_[\d_]*|\d+(:[0-5]?\d)+|0b[01_]+|0x[\da-fA-F_]+)"
+                            r"(\.\d*)?")
+
+
+def _integer(annotation: Any) -> bool:
+    """Whether a number field (_number) takes whole numbers only."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _integer(args[0])
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        return all(_integer(a) for a in args if a not in (type(None), Ellipsis))
+    if origin is Literal:
+        return all(isinstance(a, int) for a in args)
+    return annotation is int
+
+
+def _not_a_number(name: str, value: Any, integer: bool) -> str:
+    what = "an integer" if integer else "a number"
+    if isinstance(value, bool):
+        return f"{name} must be {what}, not {str(value).lower()}"
+    hint = ""
+    if _YAML11_NUMBER.fullmatch(value.strip()):
+        hint = (" (YAML 1.1's octal, binary, hexadecimal, underscore and sexagesimal forms are "
+                "not read as numbers: write it in decimal)")
+    else:
+        try:
+            float(value)
+            hint = " (a number in quotes is text: write it bare)"
+        except ValueError:
+            pass
+    return f"{name} must be {what}, not the text {value[:40]!r}{hint}"
+
+
+class Numbers(BaseModel):
+    """A model whose numbers are numbers: true/false or text where a number belongs is refused
+    naming the field (pydantic would read true as 1 and '8' as 8), as are lists of numbers
+    holding either. One rule for every file tg reads (scenarios, --set, measurement files)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is None:
+                continue
+            integer = _integer(field.annotation)
+            if _number(field.annotation) and isinstance(value, (bool, str)):
+                raise ValueError(_not_a_number(name, value, integer))
+            if _numbers_in(field.annotation) and isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, (bool, str)):
+                        raise ValueError(_not_a_number(f"{name}[{i}]", item, integer))
+        return data
+
+
+class Spec(Numbers):
+    """A section of a scenario: unknown keys refused, immutable, no NaN or infinity, numbers
+    numbers (:class:`Numbers`)."""
+
+    model_config = _STRICT
+
+
 #: The classes of tensor whose storage a model states (ModelSpec.precision), besides the KV cache.
 TENSOR_CLASSES = ("attention", "router", "experts", "shared", "dense", "embedding", "head")
 
@@ -51,12 +141,10 @@ ARCHITECTURES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "deepseek_v2", "de
                  "olmoe", "phimoe", "gpt_oss", "glm4_moe")
 
 
-class PrecisionSpec(BaseModel):
+class PrecisionSpec(Spec):
     """How a model's tensors are stored, class by class: a format name (q4_k, q8_0, mxfp4,
     fp8-block128, int4-g128, bf16, ...: :mod:`taskgraph.formats`) or bits per weight, block
     scales included; and the KV cache's. Unset: the model's dtype (dtype_bytes)."""
-
-    model_config = _STRICT
 
     attention: str | float | None = None     # Q, K, V and O projections (MLA's too)
     router: str | float | None = None
@@ -82,13 +170,11 @@ class PrecisionSpec(BaseModel):
         return value
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Spec):
     """A decoder-only MoE transformer (SPEC 3.1), with what the MoEs offloaded today add to
     Mixtral's shape: dense layers, shared experts, fine-grained experts with their own size,
     grouped sigmoid routing, multi-head latent attention, sliding-window layers, and tensors
     stored at 4 to 8 bits (docs/models.md)."""
-
-    model_config = _STRICT
 
     name: str = "custom"
     h: int = Positive
@@ -435,9 +521,7 @@ class ModelSpec(BaseModel):
         return {k: v for k, v in out.items() if v}
 
 
-class GPUSpec(BaseModel):
-    model_config = _STRICT
-
+class GPUSpec(Spec):
     name: str
     count: int = Field(default=1, gt=0, le=MAX_GPUS)
     memory_gb: float = Figure
@@ -453,9 +537,7 @@ class GPUSpec(BaseModel):
     task_overhead_us: float = Field(default=10.0, ge=0.0, le=1e9, allow_inf_nan=False)
 
 
-class CPUSpec(BaseModel):
-    model_config = _STRICT
-
+class CPUSpec(Spec):
     name: str
     cores: int = Positive
     memory_gb: float = Figure
@@ -477,11 +559,9 @@ class CPUSpec(BaseModel):
     task_overhead_us: float = Field(default=20.0, ge=0.0, le=1e9, allow_inf_nan=False)
 
 
-class LinkSpec(BaseModel):
+class LinkSpec(Spec):
     """The CPU-GPU link of one GPU. The two directions run in parallel; transfers in one
     direction share it and run one after another."""
-
-    model_config = _STRICT
 
     h2d_gbps: float = Figure
     d2h_gbps: float = Figure
@@ -493,12 +573,10 @@ class LinkSpec(BaseModel):
     pageable_h2d_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
 
 
-class InterconnectSpec(BaseModel):
+class InterconnectSpec(Spec):
     """What carries the GPUs' collectives (tensor parallelism's all-reduces): NVLink, or PCIe
     peer-to-peer through a switch or the host bridge. `gbps` is the rate one GPU sends at in a
     ring collective (nccl-tests' "bus bandwidth"); each step of a ring pays `latency_us`."""
-
-    model_config = _STRICT
 
     name: str = "interconnect"
     gbps: float = Figure
@@ -509,14 +587,12 @@ class InterconnectSpec(BaseModel):
     through_host: bool = False
 
 
-class SharedSpec(BaseModel):
+class SharedSpec(Spec):
     """What the GPUs of one host share beyond its cores. A figure left out is not shared: each
     GPU's link, and each process's host work, runs at its own rate whatever the others do.
 
     Shared bandwidth is divided among the tasks drawing on it in proportion to what each would
     draw alone (:mod:`taskgraph.sim.contention`)."""
-
-    model_config = _STRICT
 
     # The bandwidth the GPUs' links reach together, per direction: the CPU's PCIe lanes or the
     # switch the GPUs sit behind (achieved GB/s).
@@ -527,7 +603,7 @@ class SharedSpec(BaseModel):
     memory_gbps: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
 
 
-class InterferenceSpec(BaseModel):
+class InterferenceSpec(Spec):
     """Tasks slowing down the tasks they overlap on other resources: cores, memory bandwidth and
     caches that two streams share.
 
@@ -536,8 +612,6 @@ class InterferenceSpec(BaseModel):
     the CPU backend every stream is a thread on the same few cores and memory, so everything
     slows everything; on a real machine CPU attention competes with pinned memcpy and DMA for
     host memory. `tg calibrate` fits the factors from the executor's own tasks."""
-
-    model_config = _STRICT
 
     slowdown: dict[str, dict[str, float]]
 
@@ -557,11 +631,9 @@ class InterferenceSpec(BaseModel):
         return value
 
 
-class KindEffect(BaseModel):
+class KindEffect(Spec):
     """How one system's software does on one task kind, relative to what the machine's own
     kernels and copies reach (the hardware profile's achieved rates)."""
-
-    model_config = _STRICT
 
     flops_eff: float = Field(default=1.0, gt=0.0, le=1.0)   # share of the achieved FLOP rate
     bytes_eff: float = Field(default=1.0, gt=0.0, le=1.0)   # share of the achieved bandwidth
@@ -572,14 +644,12 @@ class KindEffect(BaseModel):
     intensity_half: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
 
 
-class ImplementationSpec(BaseModel):
+class ImplementationSpec(Spec):
     """What one system's software achieves on a machine (an *implementation profile*): kernel
     efficiency per task kind, fixed costs per task (launches, Python), and whether weights
     cross from pinned or pageable memory. A machine profile says what the hardware can do;
     this says how much of it a given system gets. Each schedule names the one it stands for by
     default (S1: MoE-Lightning, S3/S4: FlexGen); ``implementation:`` in a scenario swaps it."""
-
-    model_config = _STRICT
 
     name: str
     title: str = ""
@@ -610,9 +680,7 @@ class ImplementationSpec(BaseModel):
         return value
 
 
-class HardwareSpec(BaseModel):
-    model_config = _STRICT
-
+class HardwareSpec(Spec):
     name: str = "custom"
     gpu: GPUSpec
     cpu: CPUSpec
@@ -654,11 +722,9 @@ class HardwareSpec(BaseModel):
         return value
 
 
-class LengthsSpec(BaseModel):
+class LengthsSpec(Spec):
     """A generated request list (:func:`taskgraph.serving.requests.generate_requests`): `count` requests
     whose prompt and generation lengths have the given means and maxima."""
-
-    model_config = _STRICT
 
     count: int = Field(gt=0, le=MAX_REQUESTS)
     prompt_mean: float = Field(gt=0, le=10_000_000)
@@ -676,13 +742,11 @@ class LengthsSpec(BaseModel):
         return self
 
 
-class RoutingSpec(BaseModel):
+class RoutingSpec(Spec):
     """Which experts tokens route to (taskgraph.dag.routing): ``uniform`` (any k of E alike),
     ``skewed`` (in proportion to ``popularity``, one weight per expert, or to rank^-``zipf``),
     or ``trace`` (a file of a real run's router decisions, `tg execute --record-routing`).
     ``seed`` draws the synthetic steps an expert cache is replayed on."""
-
-    model_config = _STRICT
 
     kind: Literal["uniform", "skewed", "trace"] = "uniform"
     popularity: list[float] | None = Field(default=None, min_length=1, max_length=4096)
@@ -712,15 +776,13 @@ class RoutingSpec(BaseModel):
         return self
 
 
-class WorkloadSpec(BaseModel):
+class WorkloadSpec(Spec):
     """Offline batch decoding. With ``padded`` every prompt counts as ``max_prompt_len`` tokens
     (FlexGen's padding); otherwise prompts count at their mean length, as variable-length batching
     packs them. A workload given as requests (``requests``: a file; ``lengths``: generated) has
     its lengths filled in from the list by the scenario loader: the mean prompt, the longest
     prompt, and the mean generation length (the longest when padded, as FlexGen generates one
     length for all)."""
-
-    model_config = _STRICT
 
     prompt_len: int = Field(gt=0, le=10_000_000)
     max_prompt_len: int | None = Field(default=None, gt=0, le=10_000_000)
@@ -760,10 +822,8 @@ class WorkloadSpec(BaseModel):
         return self.prompt_len
 
 
-class PolicySpec(BaseModel):
+class PolicySpec(Spec):
     """(N, mu, A_g, F_g, r_w, r_c) of SPEC 3.5."""
-
-    model_config = _STRICT
 
     N: int = Field(gt=0, le=1_000_000_000)
     mu: int = Field(gt=0, le=1_000_000_000)
@@ -824,10 +884,8 @@ class PolicySpec(BaseModel):
         return self.N // self.mu
 
 
-class Expect(BaseModel):
+class Expect(Spec):
     """What `tg compare --check` enforces (a CI gate on simulated performance)."""
-
-    model_config = _STRICT
 
     beats: dict[str, list[str]] = Field(default_factory=dict)
     min_efficiency: dict[str, float] = Field(default_factory=dict)
@@ -843,13 +901,11 @@ class Expect(BaseModel):
         return list(dict.fromkeys(names))
 
 
-class ObjectiveSpec(BaseModel):
+class ObjectiveSpec(Spec):
     """What `tg search` and `policy: auto` look for: the most tokens per second (the paper's
     question) or the lowest per-token latency (a chat's), among the policies whose every
     sequence gets a token within `max_token_ms` and its first within `max_ttft_s`, at the batch
     size `batch` where one is given (None: any)."""
-
-    model_config = _STRICT
 
     optimize: Literal["throughput", "latency"] = "throughput"
     max_token_ms: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
@@ -867,9 +923,7 @@ class ObjectiveSpec(BaseModel):
         return " and ".join(parts)
 
 
-class Scenario(BaseModel):
-    model_config = _STRICT
-
+class Scenario(Spec):
     name: str
     model: ModelSpec
     hardware: HardwareSpec

@@ -35,6 +35,9 @@ def _cell(**changes):
 @pytest.mark.parametrize("change, message", [
     ({"measured_tok_s": 0}, "cell 'c': measured_tok_s: Input should be greater than 0"),
     ({"measured_tok_s": -3}, "cell 'c': measured_tok_s"),
+    # a number is a number (issue 40): not true, not a quoted figure
+    ({"measured_tok_s": True}, "measured_tok_s must be a number, not true"),
+    ({"policy": {"mu": "8", "n_ub": 4}}, "mu must be an integer, not the text '8'"),
     ({"machine": "z80"}, "cell 'c': machine: 'z80' is not a preset"),
     ({"schedule": "S9"}, "cell 'c': schedule: 'S9' is not a schedule tg knows"),
     ({"policy": {"r_w": 0.0}}, "cell 'c': policy: mu: required but missing"),

@@ -473,3 +473,18 @@ def test_a_long_refill_run_is_simulated_in_windows_that_agree_with_one(tmp_path,
     assert parts.summary["makespan_s"] == pytest.approx(whole.summary["makespan_s"], rel=0.02)
     for rid, t in whole.finish_s.items():
         assert parts.finish_s[rid] == pytest.approx(t, rel=0.05, abs=1e-4)
+
+
+def test_a_csv_tg_writes_runs_no_formula_in_a_spreadsheet(tmp_path):
+    """Ids that a spreadsheet would run (= + - @) get a leading quote, as OWASP recommends;
+    an id that reads as a number, and plain ones, are written as they are (issue 40 point 5)."""
+    import csv
+
+    requests = tmp_path / "r.csv"
+    requests.write_text("id,prompt_len,gen_len\n=1+2,16,4\n-cmd,16,4\n@x,8,4\n+y,8,4\n"
+                        "plain,8,4\n-5,8,4\n")
+    out = tmp_path / "out.csv"
+    assert main(["batch", "scenarios/tiny.yaml", "--set", f"workload.requests={requests}",
+                 "--csv", str(out)]) == 0
+    ids = {row["id"] for row in csv.DictReader(out.open())}
+    assert ids == {"'=1+2", "'-cmd", "'@x", "'+y", "plain", "-5"}

@@ -35,7 +35,7 @@ from taskgraph.dag.builder import make_plan
 from taskgraph.dag.compiled import Program, compile_plan
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path
+from taskgraph.files import atomic_path, csv_row
 from taskgraph.kinds import KIND_NAMES
 from taskgraph.output.report import Shown, queue_rows, simulate_table, warnings_of
 from taskgraph.perf.cost import cost_model
@@ -83,7 +83,7 @@ class QueueRun(Shown, Traced):
             out = csv.writer(f)
             out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch",
                           "prefill_step", "finish_s"])
-            out.writerows(self.rows())
+            out.writerows(csv_row(row) for row in self.rows())
 
     def gantt_runs(self) -> list[TraceRun]:
         return self.trace_runs()[:1]

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, plain_text, read_text
+from taskgraph.files import atomic_path, csv_row, plain_text, read_text
 from taskgraph.output.report import Shown, batch_table
 from taskgraph.specs import MAX_REQUESTS
 
@@ -244,8 +244,9 @@ class Batching(Shown):
             out.writerow(["id", "prompt_len", "gen_len", "batch", "micro_batch"])
             for b, batch in enumerate(self.packing.batches):
                 for j, mb in enumerate(batch):
-                    out.writerows([r.id, r.prompt_len, r.gen_len, b, j] for r in mb.requests)
-            out.writerows([r.id, r.prompt_len, r.gen_len, "aborted", ""]
+                    out.writerows(csv_row([r.id, r.prompt_len, r.gen_len, b, j])
+                                  for r in mb.requests)
+            out.writerows(csv_row([r.id, r.prompt_len, r.gen_len, "aborted", ""])
                           for r in self.packing.aborted)
 
 

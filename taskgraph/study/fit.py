@@ -32,7 +32,7 @@ import numpy as np
 
 from taskgraph import presets
 from taskgraph.errors import TgError
-from taskgraph.files import Output, atomic_path, check_outputs
+from taskgraph.files import Output, atomic_path, check_outputs, csv_row
 from taskgraph.output.report import Shown, cell_label, fit_table, phases_table
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.study.measurements import Cell
@@ -582,7 +582,7 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
             for c in data["cells"]]
     writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(dict(zip(row, csv_row(row.values()))) for row in rows)
     texts["cells.csv"] = table.getvalue()
     out = Path(out)
     # every file checked before the first is written: a folder in the way of the last must not

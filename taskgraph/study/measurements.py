@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+from pydantic import (ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
                       model_validator)
 
 from taskgraph import presets
@@ -28,9 +28,10 @@ from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.files import plain_text
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import _read_yaml, scenario_from_dict
+from taskgraph.specs import Numbers
 
 
-class CellPolicy(BaseModel):
+class CellPolicy(Numbers):
     model_config = ConfigDict(extra="forbid")
 
     mu: int | None = Field(default=None, gt=0)
@@ -75,7 +76,7 @@ PUBLISHED_FIELDS = {"batch": ("policy", "batch"),
                     "gen_len": ("workload", "gen_len")}
 
 
-class Cell(BaseModel):
+class Cell(Numbers):
     """One measured run."""
 
     model_config = ConfigDict(extra="forbid")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path
+from taskgraph.files import atomic_path, csv_row
 from taskgraph.output.plots import _pyplot, save
 from taskgraph.output.report import Shown, sweep_table
 from taskgraph.perf.limits import hardware_limit_tok_s
@@ -143,7 +143,8 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
         writer = csv.DictWriter(f, fieldnames=keys + list(COLUMNS))
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: row.get(k, "") for k in keys + list(COLUMNS)})
+            columns = keys + list(COLUMNS)
+            writer.writerow(dict(zip(columns, csv_row(row.get(k, "") for k in columns))))
     return [path, _plot(rows, vary, out / "sweep.png")]
 
 
