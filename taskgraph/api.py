@@ -32,7 +32,10 @@ import contextvars
 import functools
 import inspect
 import json
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -122,6 +125,7 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
     def wrap(func: Callable) -> Callable:
         signature = inspect.signature(func)
         assert set(writes) <= set(signature.parameters), f"{func.__name__} has no {writes}"
+        hints = typing.get_type_hints(func, globals())
 
         @functools.wraps(func)
         def checked(*args: Any, **kwargs: Any) -> Any:
@@ -131,6 +135,8 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:       # the call itself says it the way Python does
                 return func(*args, **kwargs)
+            for name, value in given.items():
+                _check_argument(func.__name__, name, value, hints.get(name))
             outputs = _outputs(writes, given)
             with inputs_of_call():
                 token = _WRITING.set(outputs)
@@ -142,6 +148,31 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
         checked.writes = writes
         return checked
     return wrap
+
+
+#: What a plain parameter must be, by its annotation, as the command line's parser requires
+#: (a bool is no number: `steps=True` was one step).
+_PLAIN = {int: ("an integer", lambda v: isinstance(v, numbers.Integral)
+                 and not isinstance(v, bool)),
+          float: ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+          str: ("text", lambda v: isinstance(v, str)),
+          bool: ("true or false", lambda v: isinstance(v, bool))}
+
+
+def _check_argument(verb_name: str, name: str, value: Any, hint: Any) -> None:
+    """A plain parameter (int, float, str, bool, or one of them or None) of the type its
+    annotation says: a TgError naming it otherwise, not a run that never returns
+    (`search(top=2.5)`) or an AttributeError deep inside."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) \
+        else (hint,)
+    plain = [o for o in options if o is not type(None)]
+    if len(plain) != 1 or plain[0] not in _PLAIN or (value is None and type(None) in options):
+        return
+    what, ok = _PLAIN[plain[0]]
+    if not ok(value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TgError(f"{verb_name}: {name} must be {what}, not {shown}.")
 
 
 def output_path(text: str, spec: tuple[str, ...] | Folder):
@@ -577,8 +608,11 @@ def _names(schedules: Iterable[str] | str | None) -> list[str] | None:
     """Schedules as a list or comma-separated, as --schedules takes them ("S1" is not S, 1)."""
     if schedules is None:
         return None
-    return [n.strip() for n in (schedules.split(",") if isinstance(schedules, str)
-                                else schedules) if n.strip()]
+    names = schedules.split(",") if isinstance(schedules, str) else list(schedules)
+    wrong = [n for n in names if not isinstance(n, str)]
+    if wrong:
+        raise TgError(f"schedules must be names such as 'S1', not {wrong[0]!r}.")
+    return [n.strip() for n in names if n.strip()]
 
 
 def _backend(kind: str, address: str | None):

@@ -209,7 +209,7 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     (dict(overrides=5), "overrides are KEY=VALUE strings"),
     (dict(overrides=["policy.mu=2", 3]), "not ['policy.mu=2', 3]"),
     (dict(overrides=Path("x.yaml")), "x.yaml"),
-    (dict(keep_steps="x"), "keep_steps is a number of decode steps"),
+    (dict(keep_steps="x"), "keep_steps must be an integer, not 'x'"),
     (dict(keep_steps=True), "not True"),
 ])
 def test_wrong_types_are_clear_errors_not_tracebacks(kwargs, words):
@@ -296,3 +296,19 @@ def test_a_command_keeps_what_its_calls_read_to_its_end(tmp_path):
     with files.inputs_of_call():
         files.note_input(read)
     files.refuse_input(read, "--trace")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: tg.search(SCENARIO, top=2.5), "search: top must be an integer, not 2.5"),
+    (lambda: tg.execute(SCENARIO, steps=True, device="cpu"),
+     "execute: steps must be an integer, not True"),
+    (lambda: tg.graph(SCENARIO, step=1.5), "graph: step must be an integer, not 1.5"),
+    (lambda: tg.search(SCENARIO, ray_address=123), "ray_address must be text, not 123"),
+    (lambda: tg.compare(SCENARIO, ["S1", 5]), "schedules must be names such as 'S1', not 5"),
+    (lambda: tg.search(SCENARIO, max_token_ms="100"), "max_token_ms must be a number"),
+])
+def test_api_arguments_are_checked_as_the_command_lines_are(call, words):
+    """Issue 40 point 4: search(top=2.5) never returned; compare(T, ['S1', 5]) and
+    search(ray_address=123) raised AttributeError; execute(steps=True) ran one step."""
+    with pytest.raises(TgError, match=re.escape(words)):
+        call()
