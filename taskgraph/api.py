@@ -461,10 +461,20 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     from taskgraph.study.sweep import parse_vary
     from taskgraph.study.sweep import sweep as run
 
-    items = ([f"{k}={','.join(str(v) for v in values)}" for k, values in vary.items()]
+    items = ([f"{k}={_values(values)}" for k, values in vary.items()]
              if isinstance(vary, Mapping) else list(vary))
     jobs = _backend(backend, ray_address)
     return run(str(scenario), _override_items(overrides), parse_vary(items), out, jobs, progress)
+
+
+def _values(values: Any) -> str:
+    """A varied field's values as --vary writes them: a text is already "V1,V2" (it was
+    iterated, "16" sweeping 1 and 6), a single value is one."""
+    if isinstance(values, str):
+        return values
+    if not isinstance(values, Iterable):
+        return str(values)
+    return ",".join(str(v) for v in values)
 
 
 @verb(csv=(".csv",))

@@ -195,6 +195,13 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     cli = _cli_json(capsys, "sweep", SCENARIO, "--vary", "hardware.link.h2d_gbps=8,16",
                     "--out", str(tmp_path / "cli"))
     assert swept.to_dict()["rows"] == cli["rows"] and len(cli["rows"]) == 2
+    # a text is the values as --vary writes them ("16" swept 1 and 6), a number one value
+    for values in ("16", 16):
+        rows = tg.sweep(SCENARIO, {"hardware.link.h2d_gbps": values},
+                        out=tmp_path / f"text-{values}").to_dict()["rows"]
+        assert len(rows) == 1
+    assert tg.sweep(SCENARIO, {"hardware.link.h2d_gbps": "8,16"},
+                    out=tmp_path / "text").to_dict()["rows"] == cli["rows"]
 
     segment = tg.graph(SCENARIO, schedule="S2", step=0)
     assert segment.schedule == "S2" and segment.step == 0 and segment.tasks > 0
