@@ -138,17 +138,6 @@ def given(policy: Any) -> str | None:
                  if getattr(policy, f) is not None), None)
 
 
-def describe(policy: Any, model: Any) -> str:
-    """A placement in a few words ('2 a layer', '56 over 32 layers by popularity', ...)."""
-    if policy.experts_total is not None:
-        return f"{policy.experts_total} over {model.moe_layers} layers by popularity"
-    if policy.cpu_moe is not None:
-        return f"layers 0-{policy.cpu_moe - 1} on the CPU" if policy.cpu_moe else "all"
-    if policy.override_tensor is not None:
-        return f"-ot {' '.join(policy.override_tensor)}"
-    return f"{policy.experts_gpu} a layer"
-
-
 def llama_cpp_options(per_layer: list[int], model: Any) -> tuple[str | None, str]:
     """llama.cpp's options for a placement of `per_layer` experts on the GPU (a count per
     layer), and what they are or why there are none: llama.cpp places each layer's experts
