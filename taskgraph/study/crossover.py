@@ -115,11 +115,11 @@ def policy_for(scenario: Scenario, schedule: str, N: int, experts_first: bool = 
         if knob in fixed or (knob == "r_c" and s.attention == "cpu") or \
                 (knob == placed and not s.reads(placed)):
             continue
-        chosen[knob] = _first(values, lambda v: fits({**chosen, knob: v}))
+        chosen[knob] = first_fitting(values, lambda v: fits({**chosen, knob: v}))
     return base.model_copy(update={"policy": base.policy.model_copy(update=chosen)})
 
 
-def _first(values, ok: Callable[[Any], bool]) -> Any:
+def first_fitting(values, ok: Callable[[Any], bool]) -> Any:
     """The first of `values` that is ok, where every value after an ok one is ok too (more
     room on the GPU never stops a policy fitting) and the last is (the least kept on the GPU:
     the base policy, which fits): by bisection, as an expert budget may have thousands."""

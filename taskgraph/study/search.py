@@ -42,7 +42,7 @@ from taskgraph.perf.predict import ROWS, predict_micro_batches
 from taskgraph.serving.queue import simulate_queue
 from taskgraph.sim.simulate import simulate_scenario
 from taskgraph.specs import ObjectiveSpec, PolicySpec, Scenario
-from taskgraph.study.crossover import fits_with, policy_for
+from taskgraph.study.crossover import first_fitting, fits_with, policy_for
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 
 MU = (1, 2, 4, 8, 12, 16, 24, 32, 36, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -383,22 +383,14 @@ def across_layers(scenario: Scenario, schedule: str) -> list[Scenario]:
         return []
     fits = fits_with(scenario, schedule)
     out = []
-    budget = _last(lambda b: fits({"experts_gpu": 0, "experts_total": b}),
-                   p.experts_gpu * m.moe_layers, m.E * m.moe_layers)
+    # the memory `scenario` already fits holds its own count in every layer, and no expert
+    budget = first_fitting(range(m.E * m.moe_layers, p.experts_gpu * m.moe_layers - 1, -1),
+                           lambda b: fits({"experts_gpu": 0, "experts_total": b}))
     if budget > p.experts_gpu * m.moe_layers:
         out.append({"experts_gpu": 0, "experts_total": budget})
-    cpu_layers = _last(lambda n: fits({"experts_gpu": 0, "cpu_moe": m.L - n}), 0, m.L)
-    out.append({"experts_gpu": 0, "cpu_moe": m.L - cpu_layers})
+    out.append({"experts_gpu": 0, "cpu_moe": first_fitting(
+        range(0, m.L + 1), lambda n: fits({"experts_gpu": 0, "cpu_moe": n}))})
     return [scenario.model_copy(update={"policy": p.model_copy(update=u)}) for u in out]
-
-
-def _last(ok: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest n in lo..hi with ok(n), ok being true up to some n and false past it (lo
-    where even lo is not)."""
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo
 
 
 def expert_grid(scenario: Scenario, sizes: tuple[int, ...]) -> list[ExpertJob]:
