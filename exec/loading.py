@@ -66,7 +66,8 @@ def check_host_memory(buffers: float, tasks: int) -> None:
 # Fields of a checkpoint's config.json that change what is computed but not its shape: with
 # --weights they come from the checkpoint, whatever the scenario's model says.
 _MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_yarn",
-                "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
+                "rope_longrope", "rope_interleave", "attention_bias", "lm_head_bias",
+                "sparsemixer_eps", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
                 "sliding_layers",
                 "hidden_act", "architecture", "dtype", "dtype_bytes", "router", "renormalize",
                 "routed_scaling", "expert_groups", "topk_groups", "shared_gate",
@@ -77,7 +78,7 @@ _SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V", "dense_layers", 
 #: The families whose layers the executor's kernels compute as transformers does
 #: (tests/test_families.py, tests/test_transformers_parity.py); the others are simulated only.
 EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-            "gpt_oss")
+            "gpt_oss", "phimoe")
 
 
 def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
@@ -122,6 +123,8 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
 
 def check_computable(m: ModelSpec, context: int) -> None:
     """Refuse what the kernels would compute differently from the model."""
+    from taskgraph.kernels.ops import ROPE_TYPES
+
     if m.architecture not in EXECUTED:
         raise TgError(f"model.architecture = {m.architecture}: tg execute computes "
                       f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
@@ -136,6 +139,11 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if m.attention_sinks != (m.architecture == "gpt_oss"):
         raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
                       "as gpt-oss has them, and only there.")
+    for field in ("attention_bias", "lm_head_bias"):
+        if getattr(m, field) and m.architecture != "phimoe":
+            raise TgError(f"model.{field} = true: tg execute computes these biases as "
+                          "Phi-3.5-MoE has them, and only there (Qwen2-MoE's and gpt-oss's "
+                          "come with their architecture).")
     if expert_format(m) and (m.h % 32 or m.h_i % 32):
         raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
                       f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
@@ -143,9 +151,25 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if m.hidden_act != "silu":
         raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
                       "with SiLU only.")
-    if m.rope_type not in ("default", "linear", "yarn"):
-        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default, linear and "
-                      "YaRN RoPE scalings only.")
+    if m.rope_type not in ROPE_TYPES:
+        raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default, linear, YaRN "
+                      "and LongRoPE scalings only.")
+    if m.rope_type == "longrope":
+        r = m.rope_longrope or {}
+        missing = [k for k in ("short_factor", "short_mscale", "original_max_position_embeddings")
+                   if k not in r]
+        if missing:
+            raise TgError(f"model.rope_longrope lacks {', '.join(missing)}, which LongRoPE "
+                          "needs.")
+        if len(r["short_factor"]) * 2 != m.d:
+            raise TgError(f"model.rope_longrope.short_factor holds {len(r['short_factor'])} "
+                          f"factors; a head of {m.d} dimensions rotates {m.d // 2} frequencies.")
+        if context > r["original_max_position_embeddings"]:
+            raise TgError(f"This run reaches {context} tokens of context, past "
+                          "model.rope_longrope.original_max_position_embeddings = "
+                          f"{int(r['original_max_position_embeddings'])}, where LongRoPE takes its "
+                          "long factors; tg computes the short ones only. Use shorter prompts "
+                          "or fewer steps.")
     if m.sliding_window is not None and m.sliding_window < context:
         raise TgError(f"model.sliding_window = {m.sliding_window} is shorter than the context "
                       f"this run reaches ({context} tokens); tg's attention sees every token, "

@@ -25,9 +25,9 @@ from taskgraph.dag.builder import Plan
 from taskgraph.dag.routing import Routing
 from taskgraph.kernels.ops import (ExpertSum, LayerView, Rope, attn_width, decode_attention,
                                    decode_mask, expert_biases, experts, kv_shape, lm_head, mlp,
-                                   o_projection, post_attention, pre_attention,
-                                   prefill_attention, prefill_layer, qkv_widths, rmsnorm,
-                                   rotate_qkv, route, shared_experts, split_qkv)
+                                   norm, o_projection, post_attention, pre_attention,
+                                   prefill_attention, prefill_layer, qkv_widths, rotate_qkv,
+                                   route, shared_experts, split_qkv)
 from taskgraph.exec.expert_cache import CachedExperts, ExpertBlocks, PlacedExperts
 from taskgraph.kernels.quant import QuantizedExperts, expert_format
 from taskgraph.exec.pages import check_pages, layer_pages
@@ -195,6 +195,7 @@ class Runtime:
         self.embed = self.w.embed.to(self.device)
         self.final_norm = self.w.final_norm.to(self.device)
         self.head = self.w.lm_head.to(self.device)
+        self.head_bias = None if self.w.head_bias is None else self.w.head_bias.to(self.device)
 
     def _kv_buffers(self) -> None:
         """The KV cache: in host memory for every (layer, micro-batch), P prompt columns then
@@ -289,7 +290,8 @@ class Runtime:
     @runs("LMHead")
     def _LMHead(self, s: int, l: int, j: int) -> None:
         x = self._head_input(s, j)
-        self._sample(s, j, lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps), x)
+        self._sample(s, j, lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps,
+                                   self.head_bias), x)
 
     def _head_input(self, s: int, j: int) -> torch.Tensor:
         """What the LM head reads: each prompt's last token in prefill, else the step's."""
@@ -408,7 +410,7 @@ class Runtime:
         instead, into the residual (no expert task runs there)."""
         x, W = self._hidden(s, j), self._view(s, l, j)
         x += o_projection(self.attn_prefill[j] if s == 0 else self.attn[j], W)
-        normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
+        normed = norm(x, self.norms[l][1], self.m.rms_norm_eps)
         if W.dense:
             x += mlp(normed, W, "dense")
         else:

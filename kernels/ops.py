@@ -104,6 +104,18 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """A layer's (or the final) norm: RMSNorm with weight `w` [h], or LayerNorm where `w`
+    stacks its weight and bias [2, h] (Phi-3.5-MoE's, :class:`ModelWeights`)."""
+    if w.dim() == 2:
+        return F.layer_norm(x, (x.shape[-1],), w[0], w[1], eps)
+    return rmsnorm(x, w, eps)
+
+
+#: The RoPE scalings the executor computes (Hugging Face rope_type).
+ROPE_TYPES = ("default", "linear", "yarn", "longrope")
+
+
 class Rope:
     """Rotary position embedding (the rotate-half form of Llama/Mixtral, or DeepSeek's rotation
     of neighbouring pairs), with linear position scaling, over each head's dimensions (MLA's
@@ -111,9 +123,9 @@ class Rope:
     transformers does, so bf16 runs round where it rounds."""
 
     def __init__(self, m: ModelSpec, device: torch.device | str = "cpu"):
-        if m.rope_type not in ("default", "linear", "yarn"):
-            raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default, linear "
-                          "and YaRN RoPE scalings only.")
+        if m.rope_type not in ROPE_TYPES:
+            raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default, linear, "
+                          "YaRN and LongRoPE scalings only.")
         d = m.qk_rope_head_dim if m.attention == "mla" else m.d
         self.inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                device=device) / d))
@@ -122,6 +134,14 @@ class Rope:
         self.attention_scaling = 1.0           # what multiplies cos and sin (YaRN's)
         if m.rope_type == "yarn":
             self.inv_freq, self.attention_scaling = _yarn(m, d, device)
+        if m.rope_type == "longrope":
+            # Phi-3.5-MoE's within original_max_position_embeddings (exec.loading refuses a
+            # longer context): each frequency divided by its short factor, cos and sin scaled
+            # by short_mscale, as transformers' PhimoeRotaryEmbedding computes them
+            r = m.rope_longrope or {}
+            self.inv_freq = self.inv_freq / torch.tensor(r["short_factor"], dtype=torch.float32,
+                                                         device=device)
+            self.attention_scaling = float(r["short_mscale"])
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated. Pairs
@@ -219,19 +239,19 @@ def attn_width(m: ModelSpec) -> int:
     return m.n_q * m.v_head_dim if m.attention == "mla" else m.q_dim
 
 
-def pre_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView) -> torch.Tensor:
-    """RMSNorm + QKV projection: x [..., h] -> [..., q | k | v] (:func:`qkv_widths`),
+def pre_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView) -> torch.Tensor:
+    """Norm + QKV projection: x [..., h] -> [..., q | k | v] (:func:`qkv_widths`),
     unrotated; with the family's bias (Qwen2-MoE) and Q/K norms (Qwen3-MoE: each head's; OLMoE:
     all heads' at once), as its transformers model applies them before RoPE. MLA: the queries,
     the normed KV latent and the rope key."""
     m = W.m
     if m.attention == "mla":
-        h = rmsnorm(x, norm, m.rms_norm_eps)
+        h = norm(x, layer_norm, m.rms_norm_eps)
         q = (h @ W["q"].T if not m.q_lora_rank else
              rmsnorm(h @ W["q_a"].T, W["q_a_norm"], _MLA_NORM_EPS) @ W["q_b"].T)
         latent, k_rope = (h @ W["kv_a"].T).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         return torch.cat([q, rmsnorm(latent, W["kv_a_norm"], _MLA_NORM_EPS), k_rope], dim=-1)
-    qkv = rmsnorm(x, norm, m.rms_norm_eps) @ W["qkv"].T
+    qkv = norm(x, layer_norm, m.rms_norm_eps) @ W["qkv"].T
     if "qkv_bias" in W.extras:
         qkv = qkv + W["qkv_bias"]
     if "q_norm" not in W.extras:
@@ -370,12 +390,16 @@ def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, to
     fp32 over all experts, then the top k are renormalised where the model says so (Mixtral;
     Qwen's and OLMoE's norm_topk_prob), as transformers does. Inside :func:`routes_seen`, the
     experts are also kept."""
-    if m.architecture == "gpt_oss":            # a softmax over the k best logits
-        top, idx = (x @ W["router"].T + W["router_logit_bias"]).topk(m.k, dim=-1)
+    if m.architecture in ("gpt_oss", "phimoe"):
+        if m.architecture == "gpt_oss":            # a softmax over the k best logits
+            top, idx = (x @ W["router"].T + W["router_logit_bias"]).topk(m.k, dim=-1)
+            gates = top.softmax(dim=-1)
+        else:
+            idx, gates = _sparsemixer(x @ W["router"].T, m.sparsemixer_eps)
         seen = getattr(_routes, "seen", None)
         if seen is not None:
             seen.append(idx.detach().cpu())
-        return idx, top.softmax(dim=-1)
+        return idx, gates
     logits = (x @ W["router"].T).float()
     if m.router == "softmax" and m.expert_groups == 1:
         top, idx = logits.softmax(-1).topk(m.k, dim=-1)
@@ -389,6 +413,21 @@ def route(x: torch.Tensor, W: LayerView, m: ModelSpec) -> tuple[torch.Tensor, to
     if m.routed_scaling != 1.0:
         top = top * m.routed_scaling
     return idx, top.to(x.dtype)
+
+
+def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's SparseMixer at inference, as transformers' ``sparsemixer`` computes it in
+    the activations' dtype: the best expert, its gate a softmax over the experts whose logit is
+    within 2 `eps` of the best (relatively); then the best of the others, its gate a softmax
+    over those within 2 `eps` of it. [T, 2] ids and gates."""
+    gates, ids, rest = [], [], logits
+    for _ in range(2):
+        best, pick = rest.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        gates.append(rest.masked_fill(far, float("-inf")).softmax(-1).gather(-1, pick))
+        ids.append(pick)
+        rest = rest.scatter(-1, pick, float("-inf"))
+    return torch.cat(ids, dim=-1), torch.cat(gates, dim=-1)
 
 
 def _grouped_top_k(logits: torch.Tensor, W: LayerView, m: ModelSpec
@@ -534,11 +573,11 @@ def ffn(x: torch.Tensor, W: LayerView, m: ModelSpec) -> torch.Tensor:
     return mlp(x, W, "dense") if W.dense else moe(x, W, m)
 
 
-def post_attention(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, W: LayerView,
+def post_attention(x: torch.Tensor, attn: torch.Tensor, layer_norm: torch.Tensor, W: LayerView,
                    m: ModelSpec) -> torch.Tensor:
-    """O projection + residual + RMSNorm + FFN + residual: x [T, h], attn [T, q_dim]."""
+    """O projection + residual + norm + FFN + residual: x [T, h], attn [T, q_dim]."""
     x = x + o_projection(attn, W)
-    return x + ffn(rmsnorm(x, norm, m.rms_norm_eps), W, m)
+    return x + ffn(norm(x, layer_norm, m.rms_norm_eps), W, m)
 
 
 def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: LayerView,
@@ -553,14 +592,14 @@ def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: 
     return out.reshape(B, P, m.h), k, v
 
 
-def prefill_attention(x: torch.Tensor, norm: torch.Tensor, W: LayerView, m: ModelSpec,
+def prefill_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView, m: ModelSpec,
                       rope: Rope, lens: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, QKV and causal attention over whole prompts: x [B, P, h] -> (attention output
+    """Norm, QKV and causal attention over whole prompts: x [B, P, h] -> (attention output
     [B*P, q_dim], k, v [B, P, n_kv, d], k rotated), padding masked as in prefill_layer."""
     B, P, _ = x.shape
     positions = torch.arange(P, device=x.device)
-    q, k, v = split_qkv(rotate_qkv(pre_attention(x, norm, W), positions, rope, m), m)
+    q, k, v = split_qkv(rotate_qkv(pre_attention(x, layer_norm, W), positions, rope, m), m)
     mask = None
     if lens is not None:
         cols = torch.arange(P, device=x.device)
@@ -583,6 +622,8 @@ def decode_mask(lens: torch.Tensor, P: int, columns: int) -> torch.Tensor:
     return (cols[None, :] < lens[:, None]) | (cols[None, :] >= P)
 
 
-def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, eps: float
-            ) -> torch.Tensor:
-    return rmsnorm(x, final_norm, eps) @ head.T
+def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, eps: float,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The final norm and the LM head, with its bias where the model has one (Phi-3.5-MoE)."""
+    logits = norm(x, final_norm, eps) @ head.T
+    return logits if bias is None else logits + bias

@@ -78,7 +78,8 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                                                             lens if ragged else None)
         if record:
             pre[:, rows] = torch.stack(experts).reshape(m.L, mu, P, m.k)
-        out = lm_head(x[torch.arange(mu), lens - 1], w.final_norm, w.lm_head, m.rms_norm_eps)
+        out = lm_head(x[torch.arange(mu), lens - 1], w.final_norm, w.lm_head, m.rms_norm_eps,
+                      w.head_bias)
         tokens[rows, 0] = out.argmax(-1)
         x = w.embed[tokens[rows, 0]]
         for s in range(1, steps + 1):
@@ -95,7 +96,7 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                     x = post_attention(x, attn, w.norms[l][1], views[l], m)
             if record:
                 dec[s - 1, :, rows] = torch.stack(experts)
-            out = lm_head(x, w.final_norm, w.lm_head, m.rms_norm_eps)
+            out = lm_head(x, w.final_norm, w.lm_head, m.rms_norm_eps, w.head_bias)
             tokens[rows, s] = out.argmax(-1)
             hidden[rows] = x
             x = w.embed[tokens[rows, s]]

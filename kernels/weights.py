@@ -1,6 +1,6 @@
 """Model weights for the executor: synthetic and deterministic by seed, or a Hugging Face
 safetensors checkpoint of a family the executor computes (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, DeepSeek-V2/V3).
+OLMoE, DeepSeek-V2/V3, gpt-oss, Phi-3.5-MoE).
 
 Each layer's matrices live in one flat vector, in the order the cost model pages them
 (:class:`taskgraph.dag.work.WeightLayout`): q, k, v | o | router | shared experts (w1, w3, w2,
@@ -85,7 +85,10 @@ def extra_shapes(m: ModelSpec, dense: bool = False) -> dict[str, tuple[int, ...]
     """A family's small per-layer tensors beside its matrices (kept where the layer runs, as the
     norms are): Qwen2-MoE's Q, K and V biases (one vector, q | k | v), Qwen3-MoE's RMSNorm of
     each head's Q and K, OLMoE's of all heads' Q and K at once; MLA's norms of the Q and KV
-    latents, and DeepSeek-V3's router bias (an MoE layer's); gpt-oss's biases and sinks."""
+    latents, and DeepSeek-V3's router bias (an MoE layer's); gpt-oss's biases and sinks;
+    Phi-3.5-MoE's attention biases."""
+    if m.attention_bias:       # Phi-3.5-MoE's (exec.loading refuses them elsewhere)
+        return {"qkv_bias": (m.q_dim + 2 * m.h_kv,), "o_bias": (m.h,)}
     if m.architecture == "qwen2_moe":
         return {"qkv_bias": (m.q_dim + 2 * m.h_kv,)}
     if m.architecture == "qwen3_moe":
@@ -114,7 +117,9 @@ class ModelWeights:
 
     model: ModelSpec
     layers: list[torch.Tensor]
-    norms: list[tuple[torch.Tensor, torch.Tensor]]   # (input, post-attention) RMSNorm per layer
+    # (input, post-attention) norm per layer: an RMSNorm's weight [h], or a LayerNorm's weight
+    # and bias stacked [2, h] (Phi-3.5-MoE; kernels.ops.norm), as is final_norm
+    norms: list[tuple[torch.Tensor, torch.Tensor]]
     embed: torch.Tensor
     final_norm: torch.Tensor
     lm_head: torch.Tensor
@@ -122,6 +127,7 @@ class ModelWeights:
     # Each MoE layer's experts at 8 or 4 bits (kernels.quant), [E, bytes] (None for a dense
     # layer), where the model stores them so; else None and they lie in the layers' vectors.
     experts_q: list[torch.Tensor | None] | None = None
+    head_bias: torch.Tensor | None = None        # the LM head's (lm_head_bias)
 
     def __post_init__(self) -> None:
         if self.extras is None:
@@ -149,7 +155,7 @@ class ModelWeights:
                 parts += [w13.reshape(-1), read[f"w2.{e}"].reshape(-1)]
             layers.append(torch.cat(parts))
         return ModelWeights(m, layers, self.norms, self.embed, self.final_norm, self.lm_head,
-                            self.extras)
+                            self.extras, head_bias=self.head_bias)
 
     @property
     def layer_numel(self) -> int:
@@ -173,17 +179,31 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
     if expert_format(m):
         experts_q = [None if m.is_dense(l) else _quantized(m, lambda e, part, shape: torch.randn(
             shape, generator=g) / shape[1] ** 0.5) for l in range(m.L)]
-    norms = [(1 + 0.1 * torch.randn(m.h, generator=g), 1 + 0.1 * torch.randn(m.h, generator=g))
-             for _ in range(m.L)]
+    norm_shape = (2, m.h) if layer_norms(m) else (m.h,)     # LayerNorm: weight and bias
+    norms = [(1 + 0.1 * torch.randn(norm_shape, generator=g),
+              1 + 0.1 * torch.randn(norm_shape, generator=g)) for _ in range(m.L)]
+    if layer_norms(m):           # biases near 0, not 1
+        for pair in norms:
+            for t in pair:
+                t[1] -= 1
     extras = [{name: ((1 + 0.1 * torch.randn(shape, generator=g)) if "norm" in name else
                       0.1 * torch.randn(shape, generator=g)).to(dtype)
                for name, shape in extra_shapes(m, m.is_dense(l)).items()} for l in range(m.L)]
     embed = torch.randn(m.V, m.h, generator=g).to(dtype)
     head = (torch.randn(m.V, m.h, generator=g) / m.h ** 0.5).to(dtype)
+    final_norm = torch.ones(m.h, dtype=dtype)
+    if layer_norms(m):
+        final_norm = torch.stack([final_norm, torch.zeros_like(final_norm)])
     return ModelWeights(
         model=m, layers=layers, norms=[(a.to(dtype), b.to(dtype)) for a, b in norms],
-        embed=embed, final_norm=torch.ones(m.h, dtype=dtype),
-        lm_head=embed if m.tie_word_embeddings else head, extras=extras, experts_q=experts_q)
+        embed=embed, final_norm=final_norm,
+        lm_head=embed if m.tie_word_embeddings else head, extras=extras, experts_q=experts_q,
+        head_bias=(0.1 * torch.randn(m.V, generator=g)).to(dtype) if m.lm_head_bias else None)
+
+
+def layer_norms(m: ModelSpec) -> bool:
+    """Whether the model's norms are LayerNorms with a bias (Phi-3.5-MoE), not RMSNorms."""
+    return m.architecture == "phimoe"
 
 
 def _quantized(m: ModelSpec, matrix: Any) -> torch.Tensor:
@@ -205,7 +225,7 @@ _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def _tensor_name(m: ModelSpec, layer: int, section: str) -> str:
     """A layer's matrix in a Hugging Face checkpoint of the model's family."""
-    mixtral = m.architecture == "mixtral"
+    mixtral = m.architecture in ("mixtral", "phimoe")       # Phi-3.5-MoE names them so too
     if section in _ATTENTION:
         base = _ATTENTION[section]
     elif section.startswith("dense."):
@@ -334,6 +354,12 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                           "be meaningless.")
         return out
 
+    def read_norm(name: str) -> torch.Tensor:
+        """A norm's weight, or a LayerNorm's weight and bias stacked (ModelWeights.norms)."""
+        if not layer_norms(m):
+            return read(name + ".weight", (m.h,))
+        return torch.stack([read(name + ".weight", (m.h,)), read(name + ".bias", (m.h,))])
+
     layers, norms, extras = [], [], []
     experts_q: list | None = [] if expert_format(m) else None
     for i in range(m.L):
@@ -359,8 +385,7 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                 m, lambda e, part, shape: (fused[part][e] if fused is not None else
                                            read(_tensor_name(m, i, f"{part}.{e}"), shape))))
         p = f"model.layers.{i}."
-        norms.append((read(p + "input_layernorm.weight", (m.h,)),
-                      read(p + "post_attention_layernorm.weight", (m.h,))))
+        norms.append((read_norm(p + "input_layernorm"), read_norm(p + "post_attention_layernorm")))
         small = {}
         for name, shape in extra_shapes(m, m.is_dense(i)).items():
             if name in ("b13", "b2"):
@@ -379,10 +404,12 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                       "tie the LM head to the embedding (tie_word_embeddings is false).")
     else:
         head = read("lm_head.weight", (m.V, m.h))
+    head_bias = read("lm_head.bias", (m.V,)) if m.lm_head_bias else None
+    final_norm = read_norm("model.norm")
     handles.clear()
     return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
-                        final_norm=read("model.norm.weight", (m.h,)), lm_head=head,
-                        extras=extras, experts_q=experts_q)
+                        final_norm=final_norm, lm_head=head, extras=extras,
+                        experts_q=experts_q, head_bias=head_bias)
 
 
 def _fused_experts(read: Any, m: ModelSpec, layer: int) -> dict[str, torch.Tensor]:

@@ -357,8 +357,8 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
         schedule: override the scenario's schedule
         device: cpu, cuda, or auto: cuda when this machine has one
         steps: decode steps (default: workload.gen_len)
-        weights: a Hugging Face Mixtral safetensors checkpoint folder matching the model
-            (default: synthetic weights, seeded)
+        weights: a Hugging Face safetensors checkpoint folder of a family tg executes
+            (docs/models.md) matching the model (default: synthetic weights, seeded)
         prompts: requests, a JSON object a line: prompt_ids or prompt, optional id and
             max_new_tokens (docs/execute.md)
         out: write each request's generated tokens here (JSON lines; with --prompts)

@@ -136,7 +136,14 @@ def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _phimoe(cfg: dict[str, Any]) -> dict[str, Any]:
-    return _mixtral(cfg)
+    """Phi-3.5-MoE: Mixtral's shapes, LayerNorms, biases, SparseMixer routing (two experts,
+    whatever num_experts_per_tok says; ModelSpec refuses another k) and LongRoPE."""
+    fields = _mixtral(cfg)
+    fields.update(attention_bias=bool(cfg.get("attention_bias", False)),
+                  lm_head_bias=bool(cfg.get("lm_head_bias", False)))
+    if cfg.get("router_jitter_noise") is not None:
+        fields["sparsemixer_eps"] = cfg["router_jitter_noise"]
+    return fields
 
 
 def _dbrx(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -258,11 +265,18 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         out["rope_yarn"] = {k: params[k] for k in _YARN if params.get(k) is not None}
         if cfg.get("max_position_embeddings") is not None:
             out["rope_yarn"]["max_position_embeddings"] = cfg["max_position_embeddings"]
+    if kind == "longrope":
+        original = params.get("original_max_position_embeddings",
+                              cfg.get("original_max_position_embeddings"))
+        out["rope_longrope"] = {k: params[k] for k in _LONGROPE if params.get(k) is not None}
+        if original is not None:
+            out["rope_longrope"]["original_max_position_embeddings"] = original
     return out
 
 
 _YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
          "attention_factor", "mscale", "mscale_all_dim")
+_LONGROPE = ("short_factor", "short_mscale")
 
 
 # --- quantization_config -------------------------------------------------------------------------

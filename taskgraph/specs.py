@@ -136,7 +136,8 @@ class Spec(Numbers):
 TENSOR_CLASSES = ("attention", "router", "experts", "shared", "dense", "embedding", "head")
 
 #: Layer structures tg knows, by Hugging Face model_type: each implies what its shapes do not
-#: say (norms, biases, activation details; docs/models.md). The executor computes "mixtral".
+#: say (norms, biases, activation details; docs/models.md). The executor computes those
+#: exec/loading.py's EXECUTED names.
 ARCHITECTURES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                  "olmoe", "phimoe", "gpt_oss", "glm4_moe")
 
@@ -201,6 +202,10 @@ class ModelSpec(Spec):
     # beta_fast, beta_slow, truncate, attention_factor, mscale, mscale_all_dim; and the model's
     # max_position_embeddings): the executor computes the frequencies transformers does
     rope_yarn: dict[str, float | bool | None] | None = None
+    # LongRoPE's (Phi-3.5-MoE's): short_factor (one divisor per frequency), short_mscale (what
+    # multiplies cos and sin), original_max_position_embeddings (past it the long factors
+    # apply, which the executor refuses), as config.json gives them
+    rope_longrope: dict[str, float | list[float]] | None = None
     # RoPE rotates pairs of neighbouring dimensions (DeepSeek's), not the two halves (Llama's)
     rope_interleave: bool = False
     rms_norm_eps: float = Field(default=1e-5, gt=0, allow_inf_nan=False)
@@ -241,6 +246,15 @@ class ModelSpec(Spec):
     v_head_dim: int | None = Field(default=None, gt=0)
     # A learned sink logit per head takes part in each softmax (gpt-oss).
     attention_sinks: bool = False
+    # The Q, K, V and O projections add a bias, and so does the LM head (Phi-3.5-MoE's
+    # attention_bias and lm_head_bias; Qwen2-MoE's and gpt-oss's biases go with their
+    # architecture).
+    attention_bias: bool = False
+    lm_head_bias: bool = False
+    # Phi-3.5-MoE's SparseMixer router drops, for each of its two picks, the experts whose
+    # logit is more than 2 x this below the best (relatively): its router_jitter_noise, which
+    # it uses so at inference too.
+    sparsemixer_eps: float = Field(default=0.01, ge=0, allow_inf_nan=False)
     # How each class of tensor and the KV cache are stored.
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
 
@@ -265,6 +279,9 @@ class ModelSpec(Spec):
             raise ValueError(f"n_q = {self.n_q} is not a multiple of n_kv = {self.n_kv}")
         if self.k > self.E:
             raise ValueError(f"k = {self.k} experts per token exceeds E = {self.E} experts")
+        if self.architecture == "phimoe" and self.k != 2:
+            raise ValueError(f"k = {self.k}: a phimoe layer's SparseMixer router picks 2 "
+                             "experts per token, whatever else its config says")
         # Layers past L are the model's beyond the first L that run (--set model.L=2 on a
         # 61-layer model): kept, and counted nowhere.
         for name in ("dense_layers", "sliding_layers"):

@@ -3,8 +3,8 @@ tiny checkpoints transformers writes: Qwen2-MoE (Q, K, V biases, a gated shared 
 not renormalised; and with a dense first layer), Qwen3-MoE (each head's Q and K normed,
 head_dim apart from h / n_q, gates renormalised), OLMoE (all heads' Q and K normed at once),
 DeepSeek-V2/V3 (MLA, dense first layers, shared experts, greedy, group-limited and biased
-sigmoid routing) and gpt-oss (biases, attention sinks, YaRN, a softmax over the top router
-logits, clamped experts). Every schedule, ragged requests
+sigmoid routing), gpt-oss (biases, attention sinks, YaRN, a softmax over the top router
+logits, clamped experts) and Phi-3.5-MoE (LayerNorms, biases, SparseMixer, LongRoPE). Every schedule, ragged requests
 sharing micro-batches: each request's greedy tokens are those of ``generate()`` on its prompt
 alone, and every step's logits agree within fp32 tolerance."""
 
@@ -65,6 +65,15 @@ FAMILIES = {
     "gpt_oss": dict(hidden_size=64, intermediate_size=48, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=6,
                     num_experts_per_tok=2, sliding_window=32, num_hidden_layers=2),
+    # LayerNorms with biases, Q, K, V, O and LM head biases, SparseMixer routing (its
+    # threshold wide enough that several experts share each softmax), LongRoPE's short factors
+    "phimoe": dict(hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                   num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+                   attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+                                    "long_factor": [4.0] * 8, "short_mscale": 1.2,
+                                    "long_mscale": 1.5, "original_max_position_embeddings": 32}),
     # a dense first layer (mlp_only_layers) of its own intermediate size before MoE layers
     "qwen2_moe-dense": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
                             shared_expert_intermediate_size=80, num_attention_heads=4,
@@ -166,8 +175,8 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
     from taskgraph.presets import MODELS
     from taskgraph.specs import ModelSpec
 
-    with pytest.raises(TgError, match="phimoe is simulated, not executed"):
-        check_computable(ModelSpec(**MODELS["phi-3.5-moe"]), 64)
+    with pytest.raises(TgError, match="glm4_moe is simulated, not executed"):
+        check_computable(ModelSpec(**MODELS["glm-4.5-air"]), 64)
     with pytest.raises(TgError, match="sliding_window = 128 is shorter than the context"):
         check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 200)
     with pytest.raises(TgError, match="model.precision.experts = q4_k"):

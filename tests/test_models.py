@@ -102,6 +102,43 @@ def test_each_familys_own_fields(tmp_path):
     assert oss.attention_sinks
     qwen3 = ModelSpec.model_validate(model_from_hf_config(_save(tmp_path / "q3", "qwen3_moe")[1]))
     assert qwen3.renormalize and qwen3.d == 32 and qwen3.q_dim == 128 != qwen3.h
+    # Phi-3.5-MoE as it is released (transformers 4's rope_scaling spelling): biases, the
+    # router's threshold, LongRoPE's short factors
+    phi = ModelSpec.model_validate(model_from_hf_config(_save(
+        tmp_path / "phi", "phimoe", attention_bias=True, lm_head_bias=True,
+        router_jitter_noise=0.02, rope_scaling={
+            "type": "longrope", "short_factor": [1.5] * 8, "long_factor": [3.0] * 8,
+            "short_mscale": 1.25, "long_mscale": 1.25, "original_max_position_embeddings": 40})[1]))
+    assert (phi.attention_bias, phi.lm_head_bias, phi.sparsemixer_eps) == (True, True, 0.02)
+    assert phi.rope_type == "longrope"
+    assert phi.rope_longrope == {"short_factor": [1.5] * 8, "short_mscale": 1.25,
+                                 "original_max_position_embeddings": 40}
+
+
+def test_phimoe_is_refused_where_its_router_or_rope_would_compute_otherwise(tmp_path):
+    """SparseMixer picks two experts whatever num_experts_per_tok says; past
+    original_max_position_embeddings LongRoPE takes factors the executor does not compute."""
+    from taskgraph.exec.loading import check_computable
+    from taskgraph.scenario import scenario_from_dict
+
+    def load(path):
+        return scenario_from_dict({"model": {"hf_config": str(path)}, "hardware": "t4",
+                                   "workload": {"prompt_len": 8, "gen_len": 2},
+                                   "policy": {"N": 1, "mu": 1}, "schedule": "S1"}).model
+
+    with pytest.raises(TgError, match="model: k = 4: a phimoe layer's SparseMixer router picks 2"):
+        load(_save(tmp_path / "k4", "phimoe", num_experts_per_tok=4)[1])
+    phi = load(_save(tmp_path / "phi", "phimoe", rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.5] * 8,
+        "long_factor": [3.0] * 8, "short_mscale": 1.25, "long_mscale": 1.25,
+        "original_max_position_embeddings": 40})[1])
+    check_computable(phi, 40)
+    with pytest.raises(TgError, match="reaches 41 tokens of context, past model.rope_longrope"
+                                      ".original_max_position_embeddings = 40"):
+        check_computable(phi, 41)
+    short = phi.model_copy(update={"rope_longrope": {**phi.rope_longrope, "short_factor": [1.0]}})
+    with pytest.raises(TgError, match="short_factor holds 1 factors; a head of 16 dimensions"):
+        check_computable(short, 8)
 
 
 def test_quantization_configs_set_each_classs_format(tmp_path):
