@@ -66,8 +66,8 @@ def check_host_memory(buffers: float, tasks: int) -> None:
 # Fields of a checkpoint's config.json that change what is computed but not its shape: with
 # --weights they come from the checkpoint, whatever the scenario's model says.
 _MATH_FIELDS = ("rope_theta", "rope_type", "rope_scaling_factor", "rope_yarn",
-                "rope_longrope", "rope_interleave", "attention_bias", "lm_head_bias",
-                "sparsemixer_eps", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
+                "rope_longrope", "rope_interleave", "rope_partial", "attention_bias",
+                "lm_head_bias", "qk_norm", "sparsemixer_eps", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
                 "sliding_layers",
                 "hidden_act", "architecture", "dtype", "dtype_bytes", "router", "renormalize",
                 "routed_scaling", "expert_groups", "topk_groups", "shared_gate",
@@ -78,7 +78,7 @@ _SHAPE_FIELDS = ("h", "h_i", "n_q", "n_kv", "d", "E", "k", "V", "dense_layers", 
 #: The families whose layers the executor's kernels compute as transformers does
 #: (tests/test_families.py, tests/test_transformers_parity.py); the others are simulated only.
 EXECUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-            "gpt_oss", "phimoe")
+            "gpt_oss", "phimoe", "glm4_moe")
 
 
 def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, list[str]]:
@@ -139,11 +139,13 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if m.attention_sinks != (m.architecture == "gpt_oss"):
         raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
                       "as gpt-oss has them, and only there.")
-    for field in ("attention_bias", "lm_head_bias"):
-        if getattr(m, field) and m.architecture != "phimoe":
-            raise TgError(f"model.{field} = true: tg execute computes these biases as "
-                          "Phi-3.5-MoE has them, and only there (Qwen2-MoE's and gpt-oss's "
-                          "come with their architecture).")
+    for field, families in (("attention_bias", ("phimoe", "glm4_moe")),
+                            ("lm_head_bias", ("phimoe",)), ("qk_norm", ("glm4_moe",))):
+        if getattr(m, field) and m.architecture not in families:
+            raise TgError(f"model.{field} = true: tg execute computes it in "
+                          f"{' and '.join(families)} layers only, as transformers has it "
+                          "there (other families' biases and norms come with their "
+                          "architecture).")
     if expert_format(m) and (m.h % 32 or m.h_i % 32):
         raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
                       f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
@@ -154,6 +156,9 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if m.rope_type not in ROPE_TYPES:
         raise TgError(f"model.rope_type = {m.rope_type}: tg computes the default, linear, YaRN "
                       "and LongRoPE scalings only.")
+    if m.attention != "mla" and int(m.d * m.rope_partial) % 2:
+        raise TgError(f"model.rope_partial = {m.rope_partial} of a head's {m.d} dimensions is "
+                      f"{int(m.d * m.rope_partial)}: RoPE rotates pairs, an even number.")
     if m.rope_type == "longrope":
         r = m.rope_longrope or {}
         missing = [k for k in ("short_factor", "short_mscale", "original_max_position_embeddings")

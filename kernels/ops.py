@@ -119,14 +119,15 @@ ROPE_TYPES = ("default", "linear", "yarn", "longrope")
 class Rope:
     """Rotary position embedding (the rotate-half form of Llama/Mixtral, or DeepSeek's rotation
     of neighbouring pairs), with linear position scaling, over each head's dimensions (MLA's
-    rope part). cos/sin are computed in fp32 and cast to the activations' dtype, as
+    rope part; GLM-4.5's first half, the rest passed through). cos/sin are computed in fp32 and cast to the activations' dtype, as
     transformers does, so bf16 runs round where it rounds."""
 
     def __init__(self, m: ModelSpec, device: torch.device | str = "cpu"):
         if m.rope_type not in ROPE_TYPES:
             raise TgError(f"model.rope_type = '{m.rope_type}': tg computes the default, linear, "
                           "YaRN and LongRoPE scalings only.")
-        d = m.qk_rope_head_dim if m.attention == "mla" else m.d
+        d = m.qk_rope_head_dim if m.attention == "mla" else int(m.d * m.rope_partial)
+        self.rotated = d             # the first d of a head's dimensions (GLM-4.5: half)
         self.inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                device=device) / d))
         self.scale = 1.0 / m.rope_scaling_factor
@@ -147,6 +148,9 @@ class Rope:
         """x [..., T, heads, d] at positions [..., T] (broadcastable) -> x rotated. Pairs
         (DeepSeek's) come out as the even dimensions' then the odd ones' (transformers'
         DeepSeek-V3 layout): q and k alike, so their products are the pairs' own."""
+        if x.shape[-1] > self.rotated:
+            return torch.cat([self(x[..., :self.rotated], positions), x[..., self.rotated:]],
+                             dim=-1)
         freqs = (positions.float() * self.scale).unsqueeze(-1) * self.inv_freq
         a = self.attention_scaling
         if self.interleave:

@@ -1,6 +1,6 @@
 """Model weights for the executor: synthetic and deterministic by seed, or a Hugging Face
 safetensors checkpoint of a family the executor computes (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, DeepSeek-V2/V3, gpt-oss, Phi-3.5-MoE).
+OLMoE, DeepSeek-V2/V3, gpt-oss, Phi-3.5-MoE, GLM-4.5).
 
 Each layer's matrices live in one flat vector, in the order the cost model pages them
 (:class:`taskgraph.dag.work.WeightLayout`): q, k, v | o | router | shared experts (w1, w3, w2,
@@ -83,24 +83,25 @@ def _laid_out(shapes: list[tuple[str, tuple[int, int]]]) -> list[Section]:
 
 def extra_shapes(m: ModelSpec, dense: bool = False) -> dict[str, tuple[int, ...]]:
     """A family's small per-layer tensors beside its matrices (kept where the layer runs, as the
-    norms are): Qwen2-MoE's Q, K and V biases (one vector, q | k | v), Qwen3-MoE's RMSNorm of
-    each head's Q and K, OLMoE's of all heads' Q and K at once; MLA's norms of the Q and KV
-    latents, and DeepSeek-V3's router bias (an MoE layer's); gpt-oss's biases and sinks;
-    Phi-3.5-MoE's attention biases."""
-    if m.attention_bias:       # Phi-3.5-MoE's (exec.loading refuses them elsewhere)
-        return {"qkv_bias": (m.q_dim + 2 * m.h_kv,), "o_bias": (m.h,)}
-    if m.architecture == "qwen2_moe":
-        return {"qkv_bias": (m.q_dim + 2 * m.h_kv,)}
-    if m.architecture == "qwen3_moe":
-        return {"q_norm": (m.d,), "k_norm": (m.d,)}
-    if m.architecture == "olmoe":
-        return {"q_norm": (m.q_dim,), "k_norm": (m.h_kv,)}
+    norms are): Q, K and V biases (one vector, q | k | v: Qwen2-MoE's, and where
+    attention_bias says, Phi-3.5-MoE's with an O bias and GLM-4.5's), RMSNorms of each head's Q
+    and K (Qwen3-MoE's, and GLM-4.5's where qk_norm says) or of all heads' at once (OLMoE's);
+    MLA's norms of the Q and KV latents, and the sigmoid router's bias (an MoE layer's);
+    gpt-oss's biases and sinks."""
     if m.architecture == "gpt_oss":
         # biases of Q | K | V and O, a sink logit per head, the router's bias, and each
         # expert's (its gate | up, and down)
         return {"qkv_bias": (m.q_dim + 2 * m.h_kv,), "o_bias": (m.h,), "sinks": (m.n_q,),
                 "router_logit_bias": (m.E,), "b13": (m.E, 2 * m.h_i), "b2": (m.E, m.h)}
     out: dict[str, tuple[int, ...]] = {}
+    if m.architecture == "qwen2_moe" or m.attention_bias:
+        out["qkv_bias"] = (m.q_dim + 2 * m.h_kv,)
+    if m.attention_bias and m.architecture == "phimoe":
+        out["o_bias"] = (m.h,)
+    if m.architecture == "qwen3_moe" or m.qk_norm:
+        out.update(q_norm=(m.d,), k_norm=(m.d,))
+    if m.architecture == "olmoe":
+        out.update(q_norm=(m.q_dim,), k_norm=(m.h_kv,))
     if m.attention == "mla":
         out["kv_a_norm"] = (m.kv_lora_rank,)
         if m.q_lora_rank:

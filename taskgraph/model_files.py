@@ -178,7 +178,8 @@ def _qwen_moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V2/V3 (and GLM-4.5, which routes as V3 with GQA attention): MLA, shared
+    """DeepSeek-V2/V3 (and GLM-4.5, which routes as V3, its GQA attention with Q, K, V biases,
+    per-head Q/K norms where use_qk_norm says, and partial RoPE): MLA, shared
     experts, the first first_k_dense_replace layers dense (and every moe_layer_freq-th after
     them an MoE one), softmax or sigmoid routing with grouped top-k."""
     fields = _common(cfg, "n_routed_experts")
@@ -204,7 +205,10 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
                   routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
     if method != "greedy" and cfg.get("n_group"):
         fields.update(expert_groups=cfg["n_group"], topk_groups=cfg.get("topk_group") or 1)
-    if cfg.get("model_type") != "glm4_moe":
+    if cfg.get("model_type") == "glm4_moe":
+        fields.update(attention_bias=bool(cfg.get("attention_bias", False)),
+                      qk_norm=bool(cfg.get("use_qk_norm", False)))
+    else:
         fields.pop("head_dim", None)     # DeepSeek's head_dim is the rope part (MLA's own)
         fields["rope_interleave"] = (True if cfg.get("model_type") == "deepseek_v2"
                                      else bool(cfg.get("rope_interleave", True)))
@@ -259,6 +263,9 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     theta = params.get("rope_theta", cfg.get("rope_theta", 1e6))
     kind = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None:
+        out["rope_partial"] = partial
     if kind == "linear":
         out["rope_scaling_factor"] = params.get("factor", 1.0)
     if kind == "yarn":

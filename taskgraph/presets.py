@@ -69,7 +69,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "glm-4.5-air": dict(name="glm-4.5-air", architecture="glm4_moe", h=4096, h_i=1408, L=46,
                         n_q=96, n_kv=8, head_dim=128, E=128, k=8, V=151552, dense_layers=(0,),
                         h_dense=10944, shared_experts=1, h_shared=1408, router="sigmoid",
-                        renormalize=True, rope_theta=1e6),
+                        renormalize=True, rope_theta=1e6, attention_bias=True,
+                        rope_partial=0.5),
 }
 
 # Provenance of the figures fitted by `tg fit` (taskgraph.study.fit) to the MoE-Lightning paper's

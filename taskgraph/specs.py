@@ -208,6 +208,9 @@ class ModelSpec(Spec):
     rope_longrope: dict[str, float | list[float]] | None = None
     # RoPE rotates pairs of neighbouring dimensions (DeepSeek's), not the two halves (Llama's)
     rope_interleave: bool = False
+    # RoPE rotates this fraction of each head's dimensions, the first ones (GLM-4.5's
+    # partial_rotary_factor, 0.5); the rest pass unrotated.
+    rope_partial: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
     rms_norm_eps: float = Field(default=1e-5, gt=0, allow_inf_nan=False)
     # The LM head reuses the token embedding (one matrix, counted once).
     tie_word_embeddings: bool = False
@@ -246,11 +249,14 @@ class ModelSpec(Spec):
     v_head_dim: int | None = Field(default=None, gt=0)
     # A learned sink logit per head takes part in each softmax (gpt-oss).
     attention_sinks: bool = False
-    # The Q, K, V and O projections add a bias, and so does the LM head (Phi-3.5-MoE's
-    # attention_bias and lm_head_bias; Qwen2-MoE's and gpt-oss's biases go with their
-    # architecture).
+    # The Q, K and V projections add a bias (attention_bias: Phi-3.5-MoE's, whose O projection
+    # adds one too, and GLM-4.5's), and so does the LM head (Phi-3.5-MoE's lm_head_bias).
+    # Qwen2-MoE's and gpt-oss's biases go with their architecture.
     attention_bias: bool = False
     lm_head_bias: bool = False
+    # Each head's Q and K are RMS-normed before RoPE (GLM-4.5's use_qk_norm; Qwen3-MoE's and
+    # OLMoE's norms go with their architecture).
+    qk_norm: bool = False
     # Phi-3.5-MoE's SparseMixer router drops, for each of its two picks, the experts whose
     # logit is more than 2 x this below the best (relatively): its router_jitter_noise, which
     # it uses so at inference too.

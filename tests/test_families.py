@@ -4,7 +4,8 @@ not renormalised; and with a dense first layer), Qwen3-MoE (each head's Q and K 
 head_dim apart from h / n_q, gates renormalised), OLMoE (all heads' Q and K normed at once),
 DeepSeek-V2/V3 (MLA, dense first layers, shared experts, greedy, group-limited and biased
 sigmoid routing), gpt-oss (biases, attention sinks, YaRN, a softmax over the top router
-logits, clamped experts) and Phi-3.5-MoE (LayerNorms, biases, SparseMixer, LongRoPE). Every schedule, ragged requests
+logits, clamped experts), Phi-3.5-MoE (LayerNorms, biases, SparseMixer, LongRoPE) and GLM-4.5
+(V3's router; Q, K, V biases, per-head Q/K norms, RoPE over half of each head). Every schedule, ragged requests
 sharing micro-batches: each request's greedy tokens are those of ``generate()`` on its prompt
 alone, and every step's logits agree within fp32 tolerance."""
 
@@ -74,6 +75,14 @@ FAMILIES = {
                                     "short_factor": [1.0 + 0.3 * i for i in range(8)],
                                     "long_factor": [4.0] * 8, "short_mscale": 1.2,
                                     "long_mscale": 1.5, "original_max_position_embeddings": 32}),
+    # GLM-4.5: DeepSeek-V3's routing (sigmoid with a bias, 2 groups of which 1 is taken,
+    # renormalised and scaled gates), a dense first layer and a shared expert, with GQA
+    # attention: Q, K, V biases, each head's Q and K normed, RoPE over half of each head
+    "glm4_moe": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                     routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True),
     # a dense first layer (mlp_only_layers) of its own intermediate size before MoE layers
     "qwen2_moe-dense": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
                             shared_expert_intermediate_size=80, num_attention_heads=4,
@@ -175,8 +184,8 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
     from taskgraph.presets import MODELS
     from taskgraph.specs import ModelSpec
 
-    with pytest.raises(TgError, match="glm4_moe is simulated, not executed"):
-        check_computable(ModelSpec(**MODELS["glm-4.5-air"]), 64)
+    with pytest.raises(TgError, match="dbrx is simulated, not executed"):
+        check_computable(ModelSpec(**MODELS["dbrx"]), 64)
     with pytest.raises(TgError, match="sliding_window = 128 is shorter than the context"):
         check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 200)
     with pytest.raises(TgError, match="model.precision.experts = q4_k"):
