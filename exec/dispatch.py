@@ -23,6 +23,7 @@ interrupted run still leaves a trace.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 import time
@@ -171,8 +172,10 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     """Start a thread per stream of this process (`only`: those streams), wait for them all
     (or for Ctrl-C, which stops them), and read every task's times."""
     run = _Run(program, runtime, device, delay, progress, annotate, only)
-    threads = [threading.Thread(target=run.stream, args=(sid,), daemon=True,
-                                name=f"tg-{program.streams[sid]}") for sid in run.mine]
+    # each in a copy of this call's context: what it reads is the call's input (files._INPUTS)
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(run.stream, sid),
+                                daemon=True, name=f"tg-{program.streams[sid]}")
+               for sid in run.mine]
     for th in threads:
         th.start()
     interrupted = False

@@ -60,10 +60,15 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
     search's best. Returns it with that search's result (None when the policy was given).
     Within a :func:`verb`, an output of it that loading read (a profile, a request list) is
     refused before the search."""
+    from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.files import refuse_input
     from taskgraph.scenario import _apply_override, load_scenario, scenario_from_dict
     from taskgraph.study.search import resolve_auto_policy
 
+    if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
+        shown = repr(schedule) if len(repr(schedule)) <= 40 else repr(schedule)[:37] + "..."
+        raise TgError(f"schedule {shown} is not a schedule; known schedules: "
+                      f"{', '.join(SCHEDULES)}.")
     items = _override_items(overrides) + ([f"schedule={schedule}"] if schedule else [])
     if isinstance(scenario, Scenario):
         if items:

@@ -18,20 +18,30 @@ import tempfile
 import threading
 import zlib
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
 
 from taskgraph.errors import TgError
 
-# Every file this run has read (resolved): no output may replace one of them.
-_INPUTS: set[Path] = set()
+# Every file the running command or API call has read (resolved): no output may replace one
+# of them. A context variable, so that calls running at once in several threads each have their
+# own (with what the calls around them read); the executor's threads run in a copy of their
+# call's context (exec.dispatch), and the set itself is shared by reference with them. None
+# outside any command or call: library functions called directly keep nothing.
+_INPUTS: ContextVar[set[Path] | None] = ContextVar("tg_inputs", default=None)
+# Inside a command line (command_inputs): its calls share its one set.
+_IN_COMMAND: ContextVar[bool] = ContextVar("tg_in_command", default=False)
 
 
 def note_input(path: str | Path) -> None:
     """Remember that this run read `path` (a scenario, profile, request list, prompts file,
     checkpoint file...): :func:`atomic_path` refuses to replace it."""
+    inputs = _INPUTS.get()
+    if inputs is None:
+        return
     try:
-        _INPUTS.add(Path(path).resolve())
+        inputs.add(Path(path).resolve())
     except (OSError, RuntimeError):      # an unresolvable path was not read either
         pass
 
@@ -108,37 +118,28 @@ def _umask() -> int:
 def command_inputs() -> Iterator[None]:
     """One command line: it starts with no inputs read, and what any of its calls reads stays
     an input to its end (it writes a trace after the verb's call returns)."""
-    global _COMMAND
-    _INPUTS.clear()
-    _COMMAND = True
+    inputs, command = _INPUTS.set(set()), _IN_COMMAND.set(True)
     try:
         yield
     finally:
-        _COMMAND = False
-        _INPUTS.clear()
+        _IN_COMMAND.reset(command)
+        _INPUTS.reset(inputs)
 
 
 @contextmanager
 def inputs_of_call() -> Iterator[None]:
     """A call of the Python API: what it reads is an input while it runs (with what its caller
     read), and, outside a command line, not after it, so that a notebook's next call may write a
-    file an earlier one read. One set for the process: calls in several threads at once share
-    it."""
-    if _COMMAND:
+    file an earlier one read. Each call has its own set: calls in several threads at once
+    neither see nor clear each other's."""
+    if _IN_COMMAND.get():
         yield
         return
-    with _LOCK:
-        before = set(_INPUTS)
+    token = _INPUTS.set(set(_INPUTS.get() or ()))
     try:
         yield
     finally:
-        with _LOCK:
-            _INPUTS.clear()
-            _INPUTS.update(before)
-
-
-_COMMAND = False
-_LOCK = threading.Lock()
+        _INPUTS.reset(token)
 
 
 def refuse_input(path: str | Path, flag: str = "") -> None:
@@ -147,7 +148,7 @@ def refuse_input(path: str | Path, flag: str = "") -> None:
         target = Path(path).resolve()
     except (OSError, RuntimeError):
         return
-    if target in _INPUTS:
+    if target in (_INPUTS.get() or ()):
         raise TgError(f"{flag + ' ' if flag else ''}'{path}' is an input of this run; writing "
                       "it would replace it. Choose another path.")
 
@@ -281,9 +282,22 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-# C0 and C1 control characters but tab and newline: an escape sequence in a name would reach
-# the terminal of whoever reads the table.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 control characters but tab and newline, and the bidirectional formatting ones: an
+# escape sequence in a name would reach the terminal of whoever reads the table, and U+202E
+# would show it reversed.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                      "\u2066-\u2069]")
+# A run of this many characters without a space in a message is a value, not prose: cut.
+_LONG_RUN = re.compile(r"\S{200,}")
+
+
+def printable(message: str) -> str:
+    """A message as it may reach a terminal: each control or bidirectional character shown as
+    its escape, and each run of 200 or more characters without a space (a 100,000-character bad
+    value, whatever option echoed it) cut to its first 120 and its length."""
+    message = _CONTROL.sub(lambda m: ascii(m.group())[1:-1], message)
+    return _LONG_RUN.sub(lambda m: f"{m.group()[:120]}...({len(m.group()):,} characters)",
+                         message)
 
 
 #: What a spreadsheet runs as a formula when a cell starts with it (OWASP, "CSV Injection").
@@ -308,10 +322,10 @@ def _csv_cell(value: Any) -> Any:
 
 
 def plain_text(value: Any, context: str) -> None:
-    """Refuse control characters in any text of `value` (a value, or a document read from a
-    file: nested mappings and lists, however deep), naming the field after `context`; names,
-    ids and paths are printed, so they must be text. The character is never echoed, only its
-    code."""
+    """Refuse control and bidirectional characters in any text of `value` (a value, or a
+    document read from a file: nested mappings and lists, however deep), and binary data,
+    naming the field after `context`; names, ids and paths are printed, so they must be text.
+    The character is never echoed, only its code."""
     stack: list[tuple[Any, str]] = [(value, "")]
     seen: set[int] = set()          # YAML aliases share containers: each is walked once
     while stack:
@@ -320,6 +334,9 @@ def plain_text(value: Any, context: str) -> None:
             if id(item) in seen:
                 continue
             seen.add(id(item))
+        if isinstance(item, (bytes, bytearray)):      # YAML's !!binary: no field is binary
+            raise TgError(f"{context}{': ' + at if at else ''} is binary data (!!binary); give "
+                          "text.")
         if isinstance(item, str):
             bad = _CONTROL.search(item)
             if bad:

@@ -754,7 +754,7 @@ class LengthsSpec(Spec):
     prompt_max: int = Field(gt=0, le=10_000_000)
     gen_mean: float = Field(gt=0, le=10_000_000)
     gen_max: int = Field(gt=0, le=10_000_000)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)      # NumPy's seeds are non-negative
 
     @model_validator(mode="after")
     def _means_below_maxima(self) -> "LengthsSpec":

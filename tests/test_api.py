@@ -305,6 +305,84 @@ def test_a_command_keeps_what_its_calls_read_to_its_end(tmp_path):
     files.refuse_input(read, "--trace")
 
 
+def _in_a_thread(work):
+    """Start `work` in a thread of its own; the returned join() re-raises what it raised."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            work()
+        except BaseException as err:     # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the thread did not finish"
+        if "error" in outcome:
+            raise outcome["error"]
+    return join
+
+
+def test_calls_in_two_threads_keep_their_own_inputs(tmp_path):
+    """Issue 40 point 1: a call that returned in one thread cleared what a call still running in
+    another had read, so that the running one could replace its own input (a checkpoint's
+    config.json); and a call that returned while another ran left its input protected in the
+    process after both. Each interleaving is forced with events, in the order that lost data."""
+    import threading
+
+    from taskgraph import files
+
+    checkpoint = tmp_path / "config.json"
+    checkpoint.write_text("{}")
+    other_started, read, other_done = threading.Event(), threading.Event(), threading.Event()
+
+    def other_call():                   # starts first, returns while the first call runs
+        with files.inputs_of_call():
+            other_started.set()
+            assert read.wait(60)
+        other_done.set()
+
+    def running_call():
+        assert other_started.wait(60)
+        with files.inputs_of_call():
+            files.note_input(checkpoint)
+            read.set()
+            assert other_done.wait(60)
+            with pytest.raises(TgError, match="is an input of this run"):
+                files.refuse_input(checkpoint, "--out")
+
+    joins = [_in_a_thread(other_call), _in_a_thread(running_call)]
+    for join in joins:
+        join()
+
+    # the reverse: a call reads, another starts, the first returns, then the second: the
+    # first call's input must not outlive both
+    noted, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first_call():
+        with files.inputs_of_call():
+            files.note_input(checkpoint)
+            noted.set()
+            assert second_in.wait(60)
+        first_out.set()
+
+    def second_call():
+        assert noted.wait(60)
+        with files.inputs_of_call():
+            second_in.set()
+            assert first_out.wait(60)
+
+    joins = [_in_a_thread(first_call), _in_a_thread(second_call)]
+    for join in joins:
+        join()
+    files.refuse_input(checkpoint, "--out")        # a later call may write it
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda: tg.search(SCENARIO, top=2.5), "search: top must be an integer, not 2.5"),
     (lambda: tg.execute(SCENARIO, steps=True, device="cpu"),
@@ -313,9 +391,11 @@ def test_a_command_keeps_what_its_calls_read_to_its_end(tmp_path):
     (lambda: tg.search(SCENARIO, ray_address=123), "ray_address must be text, not 123"),
     (lambda: tg.compare(SCENARIO, ["S1", 5]), "schedules must be names such as 'S1', not 5"),
     (lambda: tg.search(SCENARIO, max_token_ms="100"), "max_token_ms must be a number"),
+    (lambda: tg.simulate(SCENARIO, schedule=""), "schedule '' is not a schedule; known"),
 ])
 def test_api_arguments_are_checked_as_the_command_lines_are(call, words):
     """Issue 40 point 4: search(top=2.5) never returned; compare(T, ['S1', 5]) and
-    search(ray_address=123) raised AttributeError; execute(steps=True) ran one step."""
+    search(ray_address=123) raised AttributeError; execute(steps=True) ran one step;
+    simulate(schedule="") ran the file's schedule."""
     with pytest.raises(TgError, match=re.escape(words)):
         call()

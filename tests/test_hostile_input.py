@@ -66,6 +66,15 @@ CASES = [
      "hardware.interconnect.gbps"),
     ("tensor-parallel execution over more GPUs than KV heads",
      ["execute", TINY, "--set", "hardware.gpu.count=4"], "model.n_kv = 2"),
+    ("tensor-parallel simulation over GPUs that split no KV heads evenly",
+     ["simulate", TINY, "--set", "hardware.gpu.count=3"], "model.n_kv = 2"),
+    ("a request field past csv's limit", ["simulate", TINY, "--set",
+                                          "workload.requests=FOLDER/big.csv"],
+     "line 2: not a CSV row"),
+    ("a negative seed for generated lengths",
+     ["simulate", TINY, "--set", "workload.lengths={count: 3, prompt_mean: 4, prompt_max: 8, "
+                                 "gen_mean: 2, gen_max: 4, seed: -1}"],
+     "workload.lengths.seed"),
     ("processes on one GPU", ["execute", TINY, "--processes"], "hardware.gpu.count"),
     ("repeated sweep key", ["sweep", TINY, "--vary", "workload.gen_len=1", "--vary",
                             "workload.gen_len=2", "--out", "FOLDER/sweep"], "twice"),
@@ -96,6 +105,7 @@ def folder(tmp_path):
         "model: dbrx.json\nhardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
         "policy: {N: 4, mu: 2}\n")
     (tmp_path / "copy.yaml").write_text(Path(TINY).read_text())
+    (tmp_path / "big.csv").write_text("id,prompt_len,gen_len\n" + "x" * 200_000 + ",4,2\n")
     return tmp_path
 
 
@@ -269,19 +279,45 @@ def test_names_are_printed_as_written_never_as_markup(tmp_path, capsys, verb):
     assert "x[/oops] [red]y" in " ".join(out.split()) and "Traceback" not in err
 
 
-@pytest.mark.parametrize("where, text", [
-    ("name", 'name: "bad\\e[31mred"\n'),
-    ("model.name", 'model: {preset: tiny, name: "a\\x07b"}\n'),
+@pytest.mark.parametrize("where, text, words", [
+    ("name", 'name: "bad\\e[31mred"\n', "holds a control character"),
+    ("model.name", 'model: {preset: tiny, name: "a\\x07b"}\n', "holds a control character"),
+    # right-to-left override: the name would show reversed
+    ("name", 'name: "abc\\u202Eexe.txt"\n', "holds a control character"),
+    # an escape sequence (clear screen) as base64, which the control-character check of text
+    # never saw
+    ("name", "name: !!binary G1sySg==\n", "is binary data"),
 ])
-def test_control_characters_in_names_are_refused(tmp_path, capsys, where, text):
+def test_control_characters_in_names_are_refused(tmp_path, capsys, where, text, words):
     path = tmp_path / "s.yaml"
     base = "model: tiny\n" if where != "model.name" else ""
     path.write_text(text + base + "hardware: t4\nworkload: {prompt_len: 4, gen_len: 2}\n"
                     "policy: {N: 4, mu: 2}\n")
     assert main(["simulate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{where} holds a control character" in err
-    assert "\x1b" not in err and "\x07" not in err
+    assert f"{where} {words}" in err
+    assert not re.search("[\x1b\x07\u202e]", err)
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "FOLDER/a\x1b]0;owned\x07\x1b[2Jb.yaml"],        # a path: title, clear screen
+    ["simulate", TINY, "--trace", "FOLDER/t\u202e.json.txt"],      # reversed in an error
+    ["simulate", TINY, "--trace-steps", "x" * 100_000],            # argparse's own error
+    ["simulate", TINY, "--set", "policy.N=" + "y" * 100_000],      # the loader's
+    ["simulate", TINY, "--gantt", "FOLDER/" + "z" * 100_000 + ".jpg"],
+], ids=["escape in a path", "bidi in a path", "long trace steps", "long set value",
+        "long gantt path"])
+def test_what_an_error_echoes_reaches_the_terminal_as_plain_short_text(tmp_path, capsys,
+                                                                       argv):
+    """Issue 40 point 5: a path with ESC was echoed raw; thirteen options echoed a
+    100,000-character bad value in full. Every error line shows a control or bidirectional
+    character as its escape and cuts a long value."""
+    argv = [a.replace("FOLDER", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tg simulate: error:") and "Traceback" not in err
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", err), ascii(err[:300])
+    assert len(err) < 2000, len(err)
 
 
 def test_a_control_character_in_a_request_id_is_refused(tmp_path, capsys):

@@ -15,7 +15,7 @@ import warnings
 
 from taskgraph.cli.parsing import check_outputs, parser
 from taskgraph.errors import LongRunWarning, TgError
-from taskgraph.files import command_inputs, exit_on_termination
+from taskgraph.files import command_inputs, exit_on_termination, printable
 
 
 @contextlib.contextmanager
@@ -24,7 +24,8 @@ def announced(command: str):
     stderr as soon as it is known, before the work, whether or not stderr is a terminal."""
     def show(message, category, *rest, previous=warnings.showwarning):
         if issubclass(category, LongRunWarning):
-            print(f"tg {command}: note: {message}", file=sys.stderr, flush=True)
+            print(f"tg {command}: note: {printable(str(message))}", file=sys.stderr,
+                  flush=True)
         else:
             previous(message, category, *rest)
     with warnings.catch_warnings():
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except TgError as err:
-        print(f"tg {args.command}: error: {err}", file=sys.stderr)
+        print(f"tg {args.command}: error: {printable(str(err))}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:       # a file being written is left as it was (atomic_path)
         print(f"tg {args.command}: interrupted.", file=sys.stderr)

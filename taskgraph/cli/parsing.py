@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """Usage errors as one line, as every other bad input is (argparse adds the usage)."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {files.printable(message)} (see {self.prog} --help)\n")
 
 
 def _summary(name: str, func: Callable) -> tuple[str, str]:

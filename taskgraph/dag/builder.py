@@ -50,7 +50,7 @@ from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, KINDS, PAGED, SEND_AFTER, SENDS,
                              SHARDED, TP_PARTS, WEIGHT_SECTIONS, Read)
-from taskgraph.specs import Scenario
+from taskgraph.specs import ModelSpec, Scenario
 
 
 class TaskKey(NamedTuple):
@@ -286,6 +286,23 @@ class Plan:
         return slots * self._gpu_of_group(layer, self.group_of(index)) + turn % slots
 
 
+def check_shardable(m: ModelSpec, gpus: int) -> None:
+    """Tensor parallelism gives each GPU an equal block of query heads with their KV heads (or,
+    with more GPUs than KV heads, a copy of one, as vLLM does), of each expert's intermediate
+    rows and of the vocabulary; a GPU count that leaves a remainder is refused, not priced
+    (exec/tensor.py executes the even splits)."""
+    if m.n_kv % gpus and gpus % m.n_kv:
+        raise ScheduleError(
+            f"Tensor parallelism splits model.n_kv = {m.n_kv} KV heads over hardware.gpu.count "
+            f"= {gpus} GPUs: the count must divide them or be a multiple of them (each GPU a "
+            "copy of one); choose another GPU count.")
+    for field, value in (("n_q", m.n_q), ("h_i", m.h_i), ("V", m.V)):
+        if value % gpus:
+            raise ScheduleError(
+                f"Tensor parallelism splits model.{field} = {value} evenly over "
+                f"hardware.gpu.count = {gpus} GPUs; choose a GPU count that divides it.")
+
+
 def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Plan:
     """Bind a schedule (the scenario's own by default) and check it can run the policy."""
     if schedule is None:
@@ -317,6 +334,8 @@ def make_plan(scenario: Scenario, schedule: str | Schedule | None = None) -> Pla
         raise ScheduleError(
             f"Schedule {s.name} ({s.title}) runs on one GPU; hardware.gpu.count is {gpus}. "
             "Choose a one-GPU machine, or a schedule with the FFN on the GPUs.")
+    if s.parallel == "tensor" and gpus > 1:
+        check_shardable(scenario.model, gpus)
     if s.grouped and gpus > 1:
         if p.n_micro % gpus:
             raise ScheduleError(

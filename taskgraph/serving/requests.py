@@ -86,8 +86,13 @@ def _csv_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
         raise TgError(f"Request file '{path}': the header row lacks "
                       f"{', '.join(sorted(missing))}{has}; a request list starts with a row "
                       "like id,prompt_len,gen_len.")
-    for i, row in enumerate(reader, start=2):
-        yield i, row
+    line = 1
+    try:
+        for line, row in enumerate(reader, start=2):
+            yield line, row
+    except csv.Error as err:       # a field past csv's 131,072-character limit, a stray NUL
+        raise TgError(f"Request file '{path}', line {line + 1}: not a CSV row tg reads "
+                      f"({str(err)[:120]}); a request is id,prompt_len,gen_len.") from None
 
 
 def _jsonl_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
