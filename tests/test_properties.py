@@ -48,8 +48,13 @@ def scenarios(draw):
         (schedule in ("S4", "PP") or expert_level) and L == 1) else 1
     # Tensor parallelism over 2 or 4 GPUs, for every schedule whose FFN runs on the GPUs;
     # pipeline stages of at least one layer, and one group of micro-batches per stage.
+    tensor = schedule not in ("PP", "DS")
     gpus = 1 if schedule == "S5" or expert_level else draw(st.sampled_from(
-        [g for g in (1, 1, 2, 4) if schedule != "PP" or g <= L]))
+        [g for g in (1, 1, 2, 4)
+         if (schedule != "PP" or g <= L) and (not tensor or n_q % g == 0)]))
+    if tensor:       # even shards of the expert width and the vocabulary (check_shardable)
+        model["h_i"] -= model["h_i"] % gpus
+        model["V"] -= model["V"] % gpus
     if schedule == "DS":               # one micro-batch per GPU
         n_micro = gpus
     elif schedule == "PP":
