@@ -146,6 +146,23 @@ def test_hardware_limit_by_hand():
     assert 0 < summary["hardware_limit_fraction"] <= 1
 
 
+def test_sliding_window_layers_leave_room_for_more_sequences_in_the_hardware_limit():
+    """gpt-oss keeps 128 tokens in half its layers: counted step by step, a request's decode
+    holds what those layers keep (min(context, window)) and what the others do (the whole
+    context), and the KV capacity holds that many times more sequences than if every layer
+    kept its whole context."""
+    sc = load_scenario("scenarios/gpt-oss-120b-4090.yaml")
+    m, p, g = sc.model, sc.workload.context_prompt, sc.workload.gen_len
+    every_layer = sum(m.L * (p + t) for t in range(g))
+    kept = sum(min(p + t, m.window(l) or p + t) for t in range(g) for l in range(m.L))
+    assert m.sliding_window == 128 and 0 < len(m.sliding_layers) < m.L
+    full = sc.model_copy(update={"model": m.model_copy(update={"sliding_window": None,
+                                                              "sliding_layers": None})})
+    assert hardware_limit_tok_s(sc) == pytest.approx(hardware_limit_tok_s(full) * every_layer
+                                                     / kept)
+    assert hardware_limit_tok_s(sc) > 1.5 * hardware_limit_tok_s(full)
+
+
 def test_policy_auto_runs_the_search(tmp_path, capsys):
     path = tmp_path / "auto.yaml"
     path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"

@@ -4,7 +4,8 @@ However well a schedule overlaps, a machine cannot decode faster than
 ``T_max = min(PME * M / delta, T_GPU)``. Every decode step must stream the model over the link:
 ``delta = model bytes / link bandwidth`` seconds (all the GPUs' links, or what they share
 upstream or of host memory, if less). The KV capacity ``M`` (tokens) caps how many
-sequences share that cost. ``PME = 2(p+g) / ((2p+g) g)`` converts capacity into generated tokens
+sequences share that cost; sliding-window layers keep at most their window, so it holds more
+sequences of a model that has them (:func:`_window_gain`). ``PME = 2(p+g) / ((2p+g) g)`` converts capacity into generated tokens
 over a request's life, given the average prompt ``p`` and generation ``g``; for a request list
 it is the same ratio summed over the requests, ``sum 2(p+g) / sum (2p+g) g`` (each request's own
 lengths, or the longest prompt and generation for every one when padded), which equals the
@@ -46,8 +47,28 @@ def hardware_limit_tok_s(scenario: Scenario) -> float:
     if free <= 0:
         free = ((hw.cpu.memory_gb - hw.cpu.reserve_gb)
                 + (hw.gpu.memory_gb - hw.gpu.reserve_gb) * hw.gpu.count) * GB - m.model_bytes
-    capacity_tokens = max(free, 0.0) / (m.L * m.kv_bytes_per_token)   # full windows
+    # tokens of context every layer holds; sliding-window layers hold fewer, so more fit
+    capacity_tokens = max(free, 0.0) / (m.L * m.kv_bytes_per_token) * _window_gain(m, p, g)
     # the FLOPs of a token's layers: twice the parameters they use (the LM head aside)
     active_params = m.params["active"] - m.V * m.h
     t_gpu = hw.gpu.tflops * 1e12 * hw.gpu.flops_eff * hw.gpu.count / (2 * active_params)
     return min(pme * capacity_tokens / delta, t_gpu)
+
+
+def _window_gain(m, p: np.ndarray, g: np.ndarray) -> float:
+    """How many times more sequences a KV cache holds because sliding-window layers keep only
+    their window: every layer's tokens over a request's decode, summed over the requests, over
+    what the layers really keep (each at min(context, window) at each step). 1 without
+    windows."""
+    if m.sliding_window is None:
+        return 1.0
+
+    def held(w: float | None) -> float:
+        """Sum over the requests and their decode steps t < g of min(p + t, w)."""
+        below = g if w is None else np.clip(w - p, 0, g)   # steps with less context than w
+        rest = 0.0 if w is None else (g - below) * w
+        return float((below * p + below * (below - 1) / 2 + rest).sum())
+
+    full = held(None)
+    return m.L * full / sum(full if w is None else held(w)
+                            for w in (m.window(l) for l in range(m.L)))
