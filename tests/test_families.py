@@ -93,7 +93,7 @@ FAMILIES = {
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPT_LENS = [7, 3, 5, 6]
 STEPS = 3
-SCHEDULES = {"S1": {"r_w": 0.3}, "S3": {}, "S4": {}, "DS": {}, "S5": {},
+SCHEDULES = {"S1": {"r_w": 0.3}, "S2": {}, "S3": {}, "S4": {}, "DS": {}, "S5": {},
              "EP": {"experts_gpu": 2}, "EC": {"experts_gpu": 2},
              "ECP": {"experts_gpu": 2, "prefetch": 0.5}}
 
