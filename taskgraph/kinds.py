@@ -154,7 +154,7 @@ def Prefill(work: Any, tokens: Number, prefill: bool) -> Work:
     t = load.prompt_tokens
     ffn = work.ffn(t)
     flops = (2 * t * m.qkv_params + 2 * t * m.o_params + ffn.flops
-             + load.prompt_sq * (m.prefill_pair_flops // 2))    # causal: half the pairs
+             + work.causal_squares(t, load.prompt_sq) * (m.prefill_pair_flops // 2))
     return Work(flops=flops,
                 bytes=m.qkv_bytes + m.o_bytes + ffn.bytes
                 + b * t * (4 * m.h + m.kv_width))
@@ -174,7 +174,8 @@ def PreAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, new = work.model, work.model.dtype_bytes, work.load.admitted
     mu = work.load.seqs + new
     return Work(flops=2 * mu * m.qkv_params
-                + work.load.admitted_sq * (m.prefill_pair_flops // 2),  # admitted prompts'
+                + work.causal_squares(new, work.load.admitted_sq)       # admitted prompts'
+                * (m.prefill_pair_flops // 2),
                 bytes=m.qkv_bytes + b * mu * (m.h + m.q_width + m.kv_width))
 
 
@@ -255,7 +256,7 @@ def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
 def PrefillAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
     return Work(flops=2 * tokens * m.qkv_params
-                + work.load.prompt_sq * (m.prefill_pair_flops // 2),
+                + work.causal_squares(tokens, work.load.prompt_sq) * (m.prefill_pair_flops // 2),
                 bytes=m.qkv_bytes
                 + b * tokens * (2 * m.h + m.q_width + m.attn_out_width + m.kv_width))
 

@@ -104,6 +104,32 @@ def test_a_sliding_window_caps_what_attention_reads():
     assert report.cpu["KV cache (1 - r_c)"] == 2 * (4 + 14) * per_token
 
 
+@pytest.mark.parametrize("prompts", [[64, 64], [100, 12]], ids=["alike", "ragged"])
+def test_a_sliding_window_caps_the_prompts_attention(prompts):
+    """Prefill's causal attention on a sliding-window layer pairs each prompt token with at most
+    the window's keys. The pairs the simulator prices over those of a full layer match the
+    mask's own entries counted one by one (key j of query i attends if 0 <= i - j < window, as
+    transformers' sliding-window mask has it): exact for prompts alike; a ragged micro-batch is
+    priced at its square-weighted mean length, 5.7% over the count for a 100- and a 12-token
+    prompt (one longer and one shorter than the window: the worst case of that mean)."""
+    window = 16
+    model = dict(h=256, h_i=512, L=2, n_q=8, n_kv=2, E=8, k=2, V=512, sliding_window=window,
+                 sliding_layers=[0])
+    sc = tiny(model=model, schedule="S4", policy={"N": 2, "mu": 2, "r_w": 1.0, "r_c": 0.0},
+              workload={"prompt_len": 100, "max_prompt_len": 100, "gen_len": 2})
+    plan = make_plan(sc)
+    sliding, full = (plan.works[plan.layer_classes[l]] for l in (0, 1))
+    tokens, squares = sum(prompts), sum(p * p for p in prompts)
+
+    def masked(w):        # the mask's entries over the prompts, less the diagonal's half
+        return sum(sum(min(i + 1, w) for i in range(p)) - p / 2 for p in prompts)
+
+    priced = sliding.causal_squares(tokens, squares) / 2
+    assert full.causal_squares(tokens, squares) / 2 == pytest.approx(masked(10**9))
+    assert priced == pytest.approx(masked(window), rel=0 if len(set(prompts)) == 1 else 0.06)
+    assert priced < 0.6 * full.causal_squares(tokens, squares) / 2
+
+
 def test_every_transfer_and_read_is_priced_at_the_formats_bytes():
     model = {**DEEPSEEKISH, "precision": {"experts": "q4_k", "attention": "q8_0"}}
     full, quant = _plan("EC", experts_gpu=2), _plan("EC", model=model, experts_gpu=2)

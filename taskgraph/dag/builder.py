@@ -196,12 +196,13 @@ class Plan:
         return self.routing.held(self.scenario.policy, self.scenario.model)
 
     @cached_property
-    def layer_classes(self) -> tuple[tuple[bool, int], ...]:
-        """Each layer's class: whether it is dense, and how many experts EP holds on the GPU in
-        it. A class's layers do the same work, the routing's mean over them (a placement of
-        whole layers, llama.cpp's, gives some layers every expert and others none)."""
+    def layer_classes(self) -> tuple[tuple[bool, int, int | None], ...]:
+        """Each layer's class: whether it is dense, how many experts EP holds on the GPU in it,
+        and its attention's window (None: every token). A class's layers do the same work, the
+        routing's mean over them (a placement of whole layers, llama.cpp's, gives some layers
+        every expert and others none)."""
         m = self.scenario.model
-        return tuple((m.is_dense(l), len(self.held[l]) if self.held else 0)
+        return tuple((m.is_dense(l), len(self.held[l]) if self.held else 0, m.window(l))
                      for l in range(self.L))
 
     @cached_property
@@ -214,7 +215,7 @@ class Plan:
                 for dense in (False, True)}
 
     @cached_property
-    def works(self) -> dict[tuple[bool, int], TaskWork]:
+    def works(self) -> dict[tuple[bool, int, int | None], TaskWork]:
         """What the tasks of each class of layers (:attr:`layer_classes`) work on."""
         s, routing = self.scenario, self.routing
         prefetches = any(op.kind == "ExpertAhead" for op in self.schedule.decode)
@@ -224,7 +225,7 @@ class Plan:
             layers = np.array([l for l, c in enumerate(self.layer_classes) if c == cls])
             out[cls] = TaskWork(s.model, s.policy, s.workload, self.layouts[cls[0]], tp=self.tp,
                                 routing=routing, ffn=self.schedule.ffn, prefetches=prefetches,
-                                held=None if on is None else (on, layers))
+                                held=None if on is None else (on, layers), window=cls[2])
         return out
 
     @cached_property

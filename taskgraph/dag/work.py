@@ -122,9 +122,10 @@ class TaskWork:
     def __init__(self, model: ModelSpec, policy: PolicySpec, workload: WorkloadSpec,
                  layout: WeightLayout, load: Load | None = None, tp: int = 1,
                  routing: Routing | None = None, ffn: str = "gpu", prefetches: bool = False,
-                 held: tuple[np.ndarray, np.ndarray] | None = None):
+                 held: tuple[np.ndarray, np.ndarray] | None = None, window: int | None = None):
         self.model, self.policy, self.workload, self.layout, self.tp = (model, policy, workload,
                                                                         layout, tp)
+        self.window = window        # the layers attend within their last `window` tokens
         # EP: which experts the GPU holds, (L, E), and the layers whose work this is (a class
         # of layers holding as many: taskgraph.dag.builder.Plan.layer_classes)
         self.held = held
@@ -137,7 +138,22 @@ class TaskWork:
 
     def with_load(self, load: Load) -> "TaskWork":
         return TaskWork(self.model, self.policy, self.workload, self.layout, load, self.tp,
-                        self.routing, self.ffn_place, self.prefetches, self.held)
+                        self.routing, self.ffn_place, self.prefetches, self.held, self.window)
+
+    def causal_squares(self, tokens: Number, squares: Number) -> Number:
+        """What causal attention over prompts of `tokens` tokens, their lengths' squares summing
+        to `squares`, computes, in squares: P^2 a prompt, twice its query-key pairs less half
+        the diagonal's. In a sliding-window layer a prompt of P > w tokens pairs each token with
+        at most w keys: 2wP - w^2 + w - P instead of P^2 (the same count of the mask), the
+        prompts taken as alike at their square-weighted mean length (exact when they are)."""
+        if self.window is None:
+            return squares
+        w = self.window
+        tokens, squares = np.asarray(tokens, float), np.asarray(squares, float)
+        mean = np.divide(squares, tokens, out=np.zeros_like(squares), where=tokens > 0)
+        inside = np.divide(w * w - w, mean, out=np.zeros_like(mean), where=mean > 0)
+        out = np.where(mean <= w, squares, tokens * (2 * w - 1 - inside))
+        return float(out) if out.ndim == 0 else out
 
     def of(self, kind: str, *, prefill: bool = False) -> Work:
         """A task's work: its kind's, one GPU's shard of it under tensor parallelism."""

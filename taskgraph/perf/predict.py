@@ -99,7 +99,7 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     for layer, count in _layer_classes(m):
         layout = WeightLayout(m, r_w, 1 if streamed else 0,
                               streams_experts=schedule.ffn == "gpu", dense=m.is_dense(layer))
-        work = TaskWork(m, policy, w, layout, tp=tp)
+        work = TaskWork(m, policy, w, layout, tp=tp, window=m.window(layer))
         seen = np.minimum(contexts, m.window(layer) or np.inf)
         decode, layer_s, prefill = _layer_time(scenario, schedule, work, cost, n, n_pages, layer,
                                                seen, streamed)
