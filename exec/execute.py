@@ -123,7 +123,8 @@ def _recorded_routing(ref: Any, m: ModelSpec, slots: list | None, lens: Any, P: 
     pre = ref.prefill_experts                                   # [L, N, P, k]
     step0 = torch.cat([pre[:, i, :P if lens is None else int(lens[i])] for i in seqs], dim=1)
     steps = [step0] + [step[:, seqs] for step in ref.decode_experts]     # each [L, tokens, k]
-    return RoutingTrace(m.E, m.k, m.L, tuple(step.numpy() for step in steps))
+    return RoutingTrace(m.E, m.k, m.L, tuple(step.numpy() for step in steps),
+                        tuple(l for l in range(m.L) if m.is_dense(l)))
 
 
 def _write_outputs(summary: dict[str, Any], path: str) -> None:
@@ -251,10 +252,6 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     t0 = time.perf_counter()
     dev = _device(device, zero_copy, check, record_routing)
     batch_ = batch_of(scenario, schedule, weights_path, prompts_path, batch, shared)
-    if record_routing and batch_.scenario.model.dense_count:
-        raise TgError("--record-routing records every layer's router: a model with dense layers "
-                      "(model.dense_layers) has layers without one, which a routing trace "
-                      "cannot say yet.")
     if batch_.overflow is not None:
         return _execute_prompts(batch_.scenario, schedule, device, weights_path, seed, progress,
                                 zero_copy, check, profile, processes, batch_.warnings,

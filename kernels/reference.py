@@ -63,8 +63,10 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
     # each layer routes once per call below (prefill_layer, post_attention): the experts are
     # the layers' in order
     seen = routes_seen if record else lambda: nullcontext([])
-    pre = torch.empty(m.L, N, P, m.k, dtype=torch.long) if record else None
-    dec = torch.empty(steps, m.L, N, m.k, dtype=torch.long) if record else None
+    # a dense layer routes nothing: its rows stay -1 (RoutingTrace.dense)
+    moe = [l for l in range(m.L) if not m.is_dense(l)]
+    pre = torch.full((m.L, N, P, m.k), -1, dtype=torch.long) if record else None
+    dec = torch.full((steps, m.L, N, m.k), -1, dtype=torch.long) if record else None
     for j in range(0, N, mu):
         rows = slice(j, j + mu)
         lens = lens_all[rows]
@@ -77,7 +79,7 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                 x, K[l][:, :P], V[l][:, :P] = prefill_layer(x, w.norms[l], views[l], m, rope,
                                                             lens if ragged else None)
         if record:
-            pre[:, rows] = torch.stack(experts).reshape(m.L, mu, P, m.k)
+            pre[moe, rows] = torch.stack(experts).reshape(len(moe), mu, P, m.k)
         out = lm_head(x[torch.arange(mu), lens - 1], w.final_norm, w.lm_head, m.rms_norm_eps,
                       w.head_bias)
         tokens[rows, 0] = out.argmax(-1)
@@ -95,7 +97,7 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                                             views[l])
                     x = post_attention(x, attn, w.norms[l][1], views[l], m)
             if record:
-                dec[s - 1, :, rows] = torch.stack(experts)
+                dec[s - 1, moe, rows] = torch.stack(experts)
             out = lm_head(x, w.final_norm, w.lm_head, m.rms_norm_eps, w.head_bias)
             tokens[rows, s] = out.argmax(-1)
             hidden[rows] = x

@@ -265,6 +265,11 @@ def _routing_trace(scenario: Scenario, source: str, base_dir: Path):
             raise TgError(f"Invalid scenario {source}: {field} was recorded from a model with "
                           f"{name} = {got}; this scenario's model has {name} = {want}. Record "
                           "it from this model (`tg execute --record-routing FILE`).")
+    dense = tuple(l for l in range(m.L) if m.is_dense(l))
+    if trace.dense and trace.dense != dense:
+        raise TgError(f"Invalid scenario {source}: {field} was recorded from a model whose "
+                      f"dense layers are {list(trace.dense)}; this scenario's model has "
+                      f"{list(dense)}. Record it from this model.")
     return trace
 
 

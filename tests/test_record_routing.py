@@ -257,3 +257,64 @@ def test_a_run_that_stops_writes_no_routing(tmp_path, monkeypatch, capsys):
     assert main(["execute", TINY, "--record-routing", str(rec)]) == 2
     assert "a kernel failed" in capsys.readouterr().err and not rec.exists()
     assert not list(tmp_path.iterdir())          # no partial file either
+
+
+def test_a_model_with_dense_layers_records_its_routers_and_replays(tmp_path, capsys):
+    """DeepSeek-V3 with a dense first layer (transformers' own random checkpoint): the trace
+    names the dense layer and holds -1 there (no router to record), each MoE layer's experts
+    are those transformers' router picks (read with a hook on its gate), and the simulator
+    replays the file (its expert cache on the recorded routing)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v3", hidden_size=64, intermediate_size=112, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=8, vocab_size=128,
+        max_position_embeddings=64, initializer_range=0.15, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                t.normal_(0, 0.3)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    prompt = torch.randint(1, 128, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": prompt}) + "\n")
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"model: {{hf_config: {ckpt / 'config.json'}, dtype_bytes: 4}}\n"
+                    "hardware: t4\nworkload: {prompt_len: 8, gen_len: 3}\n"
+                    "policy: {N: 1, mu: 1, experts_gpu: 2}\nschedule: EC\n")
+    rec = tmp_path / "routing.json"
+    assert main(["execute", str(scen), "--weights", str(ckpt), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                 "--record-routing", str(rec), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_match"]
+    doc = json.loads(rec.read_text())
+    trace = trace_from_dict(doc, "x")
+    assert doc["dense_layers"] == [0] and trace.dense == (0,)
+    assert (trace.experts[0][0] == -1).all()
+
+    picked = {}
+    hooks = [model.model.layers[l].mlp.gate.register_forward_hook(
+        lambda mod, args, out, l=l: picked.__setitem__(l, out[2])) for l in (1, 2)]
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    for hook in hooks:
+        hook.remove()
+    for l in (1, 2):
+        assert [set(t) for t in trace.experts[0][l].tolist()] == \
+            [set(t) for t in picked[l].tolist()], f"layer {l}"
+
+    replay = tmp_path / "replay.yaml"
+    replay.write_text(scen.read_text().replace(
+        "workload: {prompt_len: 8, gen_len: 3}",
+        f"workload: {{prompt_len: 7, gen_len: 3, routing: {{kind: trace, trace: {rec}}}}}"))
+    assert main(["simulate", str(replay), "--json"]) == 0
+    experts = json.loads(capsys.readouterr().out)["experts"]
+    assert experts["hit_rate_by_layer"][0] is None
+    assert all(0 <= h <= 1 for h in experts["hit_rate_by_layer"][1:])

@@ -46,12 +46,14 @@ DRAWN_TOKENS = 4_096
 @dataclass(frozen=True)
 class RoutingTrace:
     """Router decisions of a run: for each recorded step (0: prefill, then decode steps), each
-    layer's experts per token, ``experts[step]`` an int array of shape (L, tokens, k)."""
+    layer's experts per token, ``experts[step]`` an int array of shape (L, tokens, k). A dense
+    layer (`dense`) has no router: its rows hold -1."""
 
     E: int
     k: int
     L: int
     experts: tuple[np.ndarray, ...]
+    dense: tuple[int, ...] = ()
     # what is computed from the trace once, whichever plan asks (a comparison builds many)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -59,8 +61,13 @@ class RoutingTrace:
     def decode(self) -> tuple[np.ndarray, ...]:
         return self.experts[1:]
 
+    @property
+    def moe_layers(self) -> list[int]:
+        return [l for l in range(self.L) if l not in self.dense]
+
     def to_dict(self) -> dict:
         return {"format": FORMAT, "E": self.E, "k": self.k, "L": self.L,
+                **({"dense_layers": list(self.dense)} if self.dense else {}),
                 "steps": [e.tolist() for e in self.experts]}
 
 
@@ -77,6 +84,13 @@ def trace_from_dict(obj: object, where: str) -> RoutingTrace:
                 or obj[name] < 1:
             raise TgError(f"{where}: '{name}' must be a positive integer.")
     E, k, L = obj["E"], obj["k"], obj["L"]
+    dense = obj.get("dense_layers", [])
+    if not isinstance(dense, list) or any(
+            not isinstance(l, int) or isinstance(l, bool) or not 0 <= l < L for l in dense) \
+            or len(set(dense)) != len(dense) or len(dense) >= L:
+        raise TgError(f"{where}: 'dense_layers' must list distinct layer numbers below L = {L}, "
+                      "not every layer.")
+    moe = [l for l in range(L) if l not in dense]
     steps = obj.get("steps")
     if not isinstance(steps, list) or len(steps) < 2:
         raise TgError(f"{where}: 'steps' must list the prefill and at least one decode step.")
@@ -93,14 +107,17 @@ def trace_from_dict(obj: object, where: str) -> RoutingTrace:
         if a.ndim != 3 or a.shape[0] != L or a.shape[2] != k or a.shape[1] < 1:
             raise TgError(f"{where}: steps[{i}] must be {L} layers x tokens x {k} expert ids, "
                           f"not shape {list(a.shape)}.")
-        if a.min() < 0 or a.max() >= E:
+        if dense and (a[dense] != -1).any():
+            raise TgError(f"{where}: steps[{i}] chooses experts in a dense layer "
+                          f"(dense_layers); their rows hold -1.")
+        if a[moe].min() < 0 or a[moe].max() >= E:
             raise TgError(f"{where}: steps[{i}] holds an expert id outside 0..{E - 1}.")
-        ordered = np.sort(a, axis=2)
+        ordered = np.sort(a[moe], axis=2)
         if (ordered[:, :, 1:] == ordered[:, :, :-1]).any():
             raise TgError(f"{where}: steps[{i}] chooses one expert twice for a token; a router "
                           f"chooses {k} different experts.")
         experts.append(a)
-    return RoutingTrace(E, k, L, tuple(experts))
+    return RoutingTrace(E, k, L, tuple(experts), tuple(sorted(dense)))
 
 
 class Routing:
@@ -139,10 +156,10 @@ class Routing:
         if spec.kind == "trace":
             trace = scenario.routing_trace
             if "q" not in trace.memo:
-                counts = np.zeros((trace.L, trace.E))
-                for step in trace.experts:
-                    for layer in range(trace.L):
-                        counts[layer] += np.bincount(step[layer].ravel(), minlength=trace.E)
+                counts = np.ones((trace.L, trace.E))      # a dense layer's: uniform, unused
+                for layer in trace.moe_layers:
+                    counts[layer] = sum(np.bincount(step[layer].ravel(), minlength=trace.E)
+                                        for step in trace.experts)
                 trace.memo["q"] = counts / counts.sum(axis=1, keepdims=True) * trace.k
             return cls(trace.memo["q"], m.k, trace=trace, seed=spec.seed)
         if spec.kind == "uniform":
@@ -195,7 +212,7 @@ class Routing:
         if len(sizes) != 1:
             return {}
         counts = [len(np.unique(step[layer])) for step in self.trace.decode
-                  for layer in range(self.trace.L)]
+                  for layer in self.trace.moe_layers]
         return {sizes.pop(): float(np.mean(counts))}
 
     # --- experts held on the GPU -----------------------------------------------------------
@@ -302,7 +319,9 @@ class Routing:
         if capacity >= self.E:
             return np.ones(self.L)
         if self._replays_trace(tokens):
-            return np.array([_hit_rate(list(self._trace_steps(layer)), capacity, eviction,
+            dense = set(self.trace.dense)       # no router there: 0, and never reported
+            return np.array([0.0 if layer in dense else
+                             _hit_rate(list(self._trace_steps(layer)), capacity, eviction,
                                        self.popular(capacity)[layer], warmup=1)
                              for layer in range(self.L)])
         layers = 1 if self.uniform_layers else self.L      # every layer alike: replay one
