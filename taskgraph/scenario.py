@@ -23,10 +23,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from taskgraph import presets
-from taskgraph.dag.routing import trace_from_dict
+from taskgraph.dag.routing import trace_from_json
 from taskgraph.dag.schedules import EXPERT_FIELDS, PLACED, PLACEMENT_MEANS, SCHEDULES
 from taskgraph.errors import TgError
-from taskgraph.files import plain_text, read_json, read_text
+from taskgraph.files import plain_text, read_text
 from taskgraph.local import local_hardware
 from taskgraph.model_files import model_from_gguf, model_from_hf_config
 from taskgraph.serving.requests import generate_requests, read_requests, summary
@@ -257,7 +257,7 @@ def _routing_trace(scenario: Scenario, source: str, base_dir: Path):
     if where is None:
         return None
     field = f"workload.routing.trace '{where}'"
-    trace = trace_from_dict(read_json(_resolve_path(where, base_dir), "workload.routing.trace"),
+    trace = trace_from_json(read_text(_resolve_path(where, base_dir), "workload.routing.trace"),
                             field)
     m = scenario.model
     for name, got, want in (("E", trace.E, m.E), ("k", trace.k, m.k), ("L", trace.L, m.L)):

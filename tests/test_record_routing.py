@@ -11,6 +11,7 @@ router records near-uniform counts; and a trace of another model's shape is one 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -318,3 +319,62 @@ def test_a_model_with_dense_layers_records_its_routers_and_replays(tmp_path, cap
     experts = json.loads(capsys.readouterr().out)["experts"]
     assert experts["hit_rate_by_layer"][0] is None
     assert all(0 <= h <= 1 for h in experts["hit_rate_by_layer"][1:])
+
+
+def _trace_doc(L=3, tokens=5, steps=4, E=8, k=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"format": "tg-routing/1", "E": E, "k": k, "L": L,
+            "steps": [np.array([[rng.choice(E, k, replace=False) for _ in range(tokens)]
+                                for _ in range(L)]).tolist() for _ in range(steps)]}
+
+
+@pytest.mark.parametrize("indent, separators, steps_first", [
+    (None, (",", ":"), False), (2, (", ", ": "), True), ("\t", (" ,", " : "), False)])
+def test_a_trace_is_read_step_by_step_as_json_reads_it(indent, separators, steps_first):
+    """The streamed reader gives what json's own gives, however the file is laid out."""
+    from taskgraph.dag.routing import trace_from_json
+
+    doc = _trace_doc()
+    if steps_first:
+        doc = {"steps": doc["steps"], **{k: v for k, v in doc.items() if k != "steps"}}
+    text = "\n " + json.dumps(doc, indent=indent, separators=separators) + " \n"
+    streamed, whole = trace_from_json(text, "t"), trace_from_dict(json.loads(text), "t")
+    assert (streamed.E, streamed.k, streamed.L) == (whole.E, whole.k, whole.L)
+    assert all(np.array_equal(a, b) for a, b in zip(streamed.experts, whole.experts))
+    assert len(streamed.experts) == len(whole.experts) == 4
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"format": "tg-routing/1", "steps": [[[[0, 1]]]] "E": 2}', "not valid JSON"),
+    ('{"format": "tg-routing/1", "E": 8, "k": 2, "L": 1, "steps": [[[[0, 1]]], [[[0, 1.5]]]]}',
+     "steps[1] must hold integer expert ids, not fractional numbers"),
+    ('{"format": "tg-routing/1", "E": 8, "k": 2, "L": 1, "steps": [[[[0, 1]]], [[[0], [1, 2]]]]}',
+     "steps[1] is not an array of expert ids"),
+    ('{"format": "tg-routing/1", "E": 8, "k": 2, "L": 1, "steps": []} x', "not valid JSON"),
+    ('[1, 2]', "is not a routing trace"),
+])
+def test_a_bad_trace_read_step_by_step_is_one_clear_error(text, words):
+    from taskgraph.dag.routing import trace_from_json
+    from taskgraph.errors import TgError
+
+    with pytest.raises(TgError, match=re.escape(words)):
+        trace_from_json(text, "workload.routing.trace 't.json'")
+
+
+def test_a_traces_memory_is_a_small_multiple_of_its_text():
+    """Issue 40 point 6: a 120 MB trace took 2.7 GB (its nested lists, ~22x). Read step by step
+    into 2-byte ids, the reader's peak allocation is under the text's own size (the arrays a
+    third of it), wherever tracemalloc counts it."""
+    import tracemalloc
+
+    from taskgraph.dag.routing import trace_from_json
+
+    text = json.dumps(_trace_doc(L=16, tokens=64, steps=60), separators=(",", ":"))
+    tracemalloc.start()
+    try:
+        trace = trace_from_json(text, "t")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert trace.experts[0].dtype == np.int16
+    assert peak < len(text), (peak, len(text))
