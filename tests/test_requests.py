@@ -62,17 +62,26 @@ def test_algorithm2_stays_balanced(requests, ubs, n_ub):
 
 
 @settings(max_examples=150, deadline=None)
-@given(requests_st, st.integers(1, 8), st.integers(1, 6), st.integers(20, 400))
-def test_packing_the_queue_is_algorithm2_batch_after_batch(requests, ubs, n_ub, cache):
+@given(requests_st, st.integers(1, 8), st.integers(1, 6), st.integers(20, 400),
+       st.sampled_from([1024, 3, 1]))
+def test_packing_the_queue_is_algorithm2_batch_after_batch(requests, ubs, n_ub, cache, block):
     """`pack` finds the batches in one sort; they must be exactly what Algorithm 2 gives run
     on the queue batch after batch, carrying over what each batch rejects (the paper's loop),
-    caches tight enough that requests are skipped included."""
+    caches tight enough that requests are skipped included; whatever the blocks its scan for
+    the next request that fits goes by (a few requests each, so that queues this size span
+    many)."""
+    from taskgraph.serving import requests as module
+
     queue = [r for r in requests if r.tokens <= cache]
     expected = []
     while queue:
         batch, queue = algorithm2(queue, ubs, n_ub, cache)
         expected.append([[r.id for r in mb.requests] for mb in batch])
-    got = pack(requests, ubs, n_ub, cache).batches
+    before, module._BLOCK = module._BLOCK, block
+    try:
+        got = pack(requests, ubs, n_ub, cache).batches
+    finally:
+        module._BLOCK = before
     assert [[[r.id for r in mb.requests] for mb in b] for b in got] == expected
 
 

@@ -308,6 +308,9 @@ def pack(requests: list[Request], ubs: int, n_ub: int, cache_tokens: int,
                    False)
 
 
+_BLOCK = 1024       # requests per block of _algorithm2_batches' scan
+
+
 def _algorithm2_batches(queue: list[Request], ubs: int, n_ub: int, cache_tokens: int
                         ) -> list[list[MicroBatch]]:
     """:func:`algorithm2` batch after batch until the queue is empty, the same batches in
@@ -315,11 +318,33 @@ def _algorithm2_batches(queue: list[Request], ubs: int, n_ub: int, cache_tokens:
     over keeps its order, so the queue is sorted once (longest prompt first, stable); placed
     requests are skipped through a "next unplaced" forest; and where a request does not fit the
     target micro-batch (which stays the target until something is placed), the next that does is
-    found with one vectorised scan."""
+    found by a scan of blocks: the rest of this block, then the first later block whose least
+    unplaced request fits (the blocks' minima kept as requests are placed), then within it. A
+    whole-queue scan each time took minutes for a million requests in small micro-batches."""
     reqs = sorted(queue, key=lambda r: -r.prompt_len)                     # stable
     n = len(reqs)
-    tokens = np.array([r.tokens for r in reqs], dtype=np.float64)       # placed: inf
+    blocks = max(1, -(-n // _BLOCK))
+    tokens = np.full(blocks * _BLOCK, np.inf)                           # placed: inf
+    tokens[:n] = [r.tokens for r in reqs]
+    least = tokens.reshape(blocks, _BLOCK).min(axis=1)      # each block's least unplaced
     nxt = list(range(n + 1))
+
+    def first_fit(i: int, room: float) -> int:      # the first index >= i that fits (n: none)
+        b = i // _BLOCK
+        hit = np.flatnonzero(tokens[i:(b + 1) * _BLOCK] <= room)
+        if hit.size:
+            return i + int(hit[0])
+        later = np.flatnonzero(least[b + 1:] <= room)
+        if not later.size:
+            return n
+        start = (b + 1 + int(later[0])) * _BLOCK
+        return start + int(np.flatnonzero(tokens[start:start + _BLOCK] <= room)[0])
+
+    def place(i: int) -> None:
+        b, was = i // _BLOCK, tokens[i]
+        tokens[i] = np.inf
+        if was == least[b]:
+            least[b] = tokens[b * _BLOCK:(b + 1) * _BLOCK].min()
 
     def unplaced(i: int) -> int:            # the first unplaced index >= i (n: none)
         while nxt[i] != i:
@@ -337,12 +362,11 @@ def _algorithm2_batches(queue: list[Request], ubs: int, n_ub: int, cache_tokens:
             target = mbs[heap[0][1]]
             room = cache_tokens - target.tokens
             if tokens[i] > room:
-                fits = np.flatnonzero(tokens[i:] <= room)
-                if not fits.size:
+                i = first_fit(i, room)
+                if i == n:
                     break
-                i += int(fits[0])
             target.add(reqs[i])
-            tokens[i] = np.inf
+            place(i)
             nxt[i] = i + 1
             left -= 1
             if len(target.requests) == ubs:
