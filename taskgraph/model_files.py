@@ -379,14 +379,16 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
             return None
         numbers = got if isinstance(got, list) else [got]
         whole = name.endswith(("_count", "_length", "_rank", "sliding_window", "vocab_size",
-                               "count_kv"))
+                               "count_kv", "nextn_predict_layers"))
         kind = (int,) if whole else (int, float)
         if not numbers or any(isinstance(x, bool) or not isinstance(x, kind) for x in numbers):
             raise TgError(f"GGUF file '{path}': {name} must be "
                           f"{'a whole number' if whole else 'a number'}, not {str(got)[:40]!r}.")
         return got
 
-    L = key(Keys.LLM.BLOCK_COUNT, required=True)
+    # llama.cpp loads a model's NextN (MTP) layers after the ones that run, and skips them
+    # (GLM-4.5's converter counts them in block_count)
+    L = key(Keys.LLM.BLOCK_COUNT, required=True) - (key(Keys.LLM.NEXTN_PREDICT_LAYERS) or 0)
     E = key(Keys.LLM.EXPERT_COUNT, required=True)
     if not E:
         raise TgError(f"GGUF file '{path}': {arch} with no experts is no MoE.")
@@ -409,6 +411,9 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
     head_dim = key(Keys.Attention.KEY_LENGTH)
     if head_dim and head_dim != h // fields["n_q"] and family != "deepseek_v3":
         fields["head_dim"] = head_dim
+    rotated = key(Keys.Rope.DIMENSION_COUNT)        # RoPE's part of a head (GLM-4.5's half)
+    if rotated and family != "deepseek_v3" and rotated != (head_dim or h // fields["n_q"]):
+        fields["rope_partial"] = rotated / (head_dim or h // fields["n_q"])
     dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0) or 0
     if dense:
         fields.update(dense_layers=tuple(range(dense)),
@@ -421,7 +426,9 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
     if key(Keys.LLM.EXPERT_GATING_FUNC) == 2:        # llama.cpp: 1 softmax, 2 sigmoid
         fields["router"] = "sigmoid"
     norm = value(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch))       # a boolean
-    if norm is not None:
+    if arch in ("qwen2moe", "olmoe"):      # llama.cpp's graphs never renormalise these gates
+        fields["renormalize"] = False
+    elif norm is not None or arch in ("deepseek2", "glm4moe"):    # read there, false if absent
         fields["renormalize"] = bool(norm)
     scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
     if scale:
@@ -438,7 +445,9 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
         v_len = (key(Keys.Attention.VALUE_LENGTH_MLA)
                  or key(Keys.Attention.VALUE_LENGTH, required=True))
         fields.pop("head_dim", None)
-        fields.update(attention="mla", kv_lora_rank=kv_lora,
+        # llama.cpp ropes deepseek2 on neighbouring pairs (LLAMA_ROPE_TYPE_NORM) of weights its
+        # converter leaves as DeepSeek's: rope_interleave
+        fields.update(attention="mla", kv_lora_rank=kv_lora, rope_interleave=True,
                       q_lora_rank=key(Keys.Attention.Q_LORA_RANK) or None,
                       qk_rope_head_dim=rope, qk_nope_head_dim=k_len - rope, v_head_dim=v_len,
                       n_kv=fields["n_q"])
@@ -450,7 +459,15 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
     if family == "gpt_oss":
         fields["attention_sinks"] = True
     fields["precision"] = _gguf_precision(reader)
-    fields["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    names = {t.name for t in reader.tensors}
+    fields["tie_word_embeddings"] = "output.weight" not in names
+    # What tg says of Phi-3.5-MoE's and GLM-4.5's attention, as their tensors show it
+    if family in ("phimoe", "glm4_moe"):
+        fields["attention_bias"] = "blk.0.attn_q.bias" in names
+    if family == "phimoe":
+        fields["lm_head_bias"] = "output.bias" in names
+    if family == "glm4_moe":
+        fields["qk_norm"] = "blk.0.attn_q_norm.weight" in names
     name = value(Keys.General.NAME) or path.stem
     return dict(name=str(name), **fields)
 
