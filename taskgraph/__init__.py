@@ -9,8 +9,20 @@ the `tg` verbs of the same names do and return typed results whose ``to_dict()``
 
 __version__ = "0.1.0"
 
-from taskgraph.api import (batch, calibrate, catalog, compare, crossover, execute, fit,  # noqa: E402
-                           graph, load, roofline, search, simulate, sweep, validate)
-
 __all__ = ["load", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
            "batch", "catalog", "validate", "calibrate", "roofline", "graph", "__version__"]
+
+
+def __getattr__(name: str):
+    """The API's functions, imported when first asked for: importing the package stays light,
+    so that `tg`, whose console script imports it, can catch a Ctrl-C while the API (NumPy,
+    SimPy, networkx, pydantic) loads (taskgraph.cli.main)."""
+    if name in __all__:
+        from taskgraph import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'taskgraph' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

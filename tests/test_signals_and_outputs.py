@@ -98,3 +98,26 @@ def test_a_figure_no_machine_has_is_refused_naming_it(capsys, value):
     captured = capsys.readouterr()
     assert value.split("=")[0] in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_ctrl_c_while_tg_loads_is_a_clean_exit(monkeypatch, capsys):
+    """Issue 40 point 2: Ctrl-C in the first second and a half, while the API loads, printed a
+    traceback. The package imports nothing heavy (its functions load when first used), and
+    main() turns an interrupt during the verbs' import into exit 130 with one line. The
+    interrupt is raised where the import happens, as Ctrl-C would raise it there."""
+    class CtrlC:
+        def find_spec(self, name, path=None, target=None):
+            if name == "taskgraph.cli.parsing":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "taskgraph.cli.parsing", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
+    assert main(["simulate", "scenarios/tiny.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert err == "tg: interrupted.\n"
+    # what the console script imports before main() runs is light: not the API
+    out = subprocess.run([sys.executable, "-c", "import sys, taskgraph.cli; "
+                          "print('taskgraph.api' in sys.modules, 'numpy' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -13,7 +13,6 @@ import os
 import sys
 import warnings
 
-from taskgraph.cli.parsing import check_outputs, parser
 from taskgraph.errors import LongRunWarning, TgError
 from taskgraph.files import command_inputs, exit_on_termination, printable
 
@@ -35,6 +34,11 @@ def announced(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:      # the API and every verb: a second or two, in which a Ctrl-C is a clean exit too
+        from taskgraph.cli.parsing import check_outputs, parser
+    except KeyboardInterrupt:
+        print("tg: interrupted.", file=sys.stderr)
+        return 130
     parser_ = parser()
     try:
         args = parser_.parse_args(argv)
