@@ -62,7 +62,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
     refused before the search."""
     from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.files import refuse_input
-    from taskgraph.scenario import _apply_override, load_scenario, scenario_from_dict
+    from taskgraph.scenario import apply_override, load_scenario, scenario_from_dict
     from taskgraph.study.search import resolve_auto_policy
 
     if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
@@ -78,7 +78,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
     elif isinstance(scenario, Mapping):
         doc = json.loads(json.dumps(scenario))          # a deep copy; the caller's stays as given
         for item in items:
-            _apply_override(doc, item)
+            apply_override(doc, item)
         loaded = scenario_from_dict(doc)
     elif isinstance(scenario, (str, Path)):
         loaded = load_scenario(scenario, items)
@@ -102,12 +102,12 @@ def _override_items(overrides: Overrides) -> list[str]:
                           f"in a scenario file ({err}).") from None
     if isinstance(overrides, str):
         return [overrides]
-    from taskgraph.scenario import _short
+    from taskgraph.scenario import shortened
 
     items = list(overrides) if isinstance(overrides, Iterable) else None
     if items is None or not all(isinstance(item, str) for item in items):
         raise TgError(f"overrides are KEY=VALUE strings (a list of them, or one) or a mapping "
-                      f"of keys to values, not {_short(overrides)}.")
+                      f"of keys to values, not {shortened(overrides)}.")
     return items
 
 

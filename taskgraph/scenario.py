@@ -58,7 +58,7 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         raise TgError(f"The scenario file '{str(path)[:200]}' does not exist; the shipped "
                       f"scenarios, which a bare name finds, are {names} (tg catalog lists "
                       "them with the models and machines).")
-    doc = _read_yaml(path, what="scenario file")
+    doc = read_yaml(path, what="scenario file")
     if not isinstance(doc, dict):
         raise TgError(
             f"Scenario file '{path}' must be a YAML mapping with sections "
@@ -67,7 +67,7 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     pins = _pins(doc, str(path))
     _one_placement_set(overrides)
     for item in overrides:
-        _apply_override(doc, item)
+        apply_override(doc, item)
         key, _, value = item.partition("=")
         key = key.strip()
         if key == "schedule":        # a schedule chosen here is not bound by the file's policy
@@ -110,7 +110,7 @@ def scenario_from_dict(doc: dict[str, Any], *, source: str = "<dict>",
     unknown = [k for k in doc if k not in _SECTIONS]
     if unknown:
         raise TgError(
-            f"Invalid scenario {source}: unknown section {_short(unknown[0])}"
+            f"Invalid scenario {source}: unknown section {shortened(unknown[0])}"
             f"{_near(unknown[0], _SECTIONS)}; a scenario has sections {', '.join(_SECTIONS)}."
         )
     raw = dict(doc)
@@ -221,7 +221,7 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
         where = w["requests"]
         if not isinstance(where, str) or not where.strip():
             raise TgError(f"Invalid scenario {source}: workload.requests must be a file path "
-                          f"(CSV or JSONL), not {_short(where)}.")
+                          f"(CSV or JSONL), not {shortened(where)}.")
         requests = read_requests(_resolve_path(where, base_dir))
     else:
         lengths = w["lengths"]
@@ -230,7 +230,7 @@ def _resolve_requests(raw: dict[str, Any], source: str, base_dir: Path) -> list 
             name = lengths.pop("preset")
             if name not in presets.WORKLOADS:
                 raise TgError(f"Invalid scenario {source}: workload.lengths.preset "
-                              f"{_short(name)} is not a preset{_near(name, presets.WORKLOADS)}; "
+                              f"{shortened(name)} is not a preset{_near(name, presets.WORKLOADS)}; "
                               "known workloads: "
                               f"{', '.join(presets.WORKLOADS)}.")
             p = presets.WORKLOADS[name]
@@ -278,12 +278,12 @@ def _pins(doc: dict[str, Any], source: str) -> dict[str, tuple[str, bool]]:
     policy = doc.get("policy")
     if not isinstance(policy, dict):
         return {}
-    return {str(k): (f"policy.{k}={_short(v)} in {source}", False) for k, v in policy.items()}
+    return {str(k): (f"policy.{k}={shortened(v)} in {source}", False) for k, v in policy.items()}
 
 
 # --- overrides -------------------------------------------------------------------------------
 
-def _apply_override(doc: dict[str, Any], item: str) -> None:
+def apply_override(doc: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise TgError(f"Override '{item}' must look like key.path=value, "
@@ -344,7 +344,7 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
         name = value.pop("preset")
         if not isinstance(name, str) or name not in table:
             raise TgError(
-                f"Invalid scenario {source}: {section} {_short(name)} is not a preset"
+                f"Invalid scenario {source}: {section} {shortened(name)} is not a preset"
                 f"{_near(name, table)}; known "
                 f"{plural}: {', '.join(table)}{elsewhere}."
             )
@@ -354,7 +354,7 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
             where = value.pop(key)
             if not isinstance(where, str) or not where.strip():
                 raise TgError(f"Invalid scenario {source}: {section}.{key} must be a file path, "
-                              f"not {_short(where)}.")
+                              f"not {shortened(where)}.")
             base = _section_file(section, _resolve_path(where, base_dir), seen)
     merged = _merge(base, value)
     return _name_machine(base, merged) if section == "hardware" and "name" not in value \
@@ -378,7 +378,7 @@ def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict
         return model_from_gguf(path) if path.suffix == ".gguf" else model_from_hf_config(path)
     if section in ("hardware", "implementation"):
         what = f"{section} profile"
-        profile = _read_yaml(path, what=what)
+        profile = read_yaml(path, what=what)
         if not isinstance(profile, dict):
             raise TgError(f"The {what} '{path}' must be a YAML mapping.")
         here = path.resolve()
@@ -460,7 +460,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                         key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {_short(key)} appears twice", key_node.start_mark)
+                    None, None, f"the key {shortened(key)} appears twice", key_node.start_mark)
             seen.add(key)
 
     def _refuse_nested_merge(self, value_node, mark) -> None:
@@ -493,7 +493,7 @@ def _read_text(path: Path, what: str) -> str:
     return read_text(path, what)
 
 
-def _read_yaml(path: Path, *, what: str) -> Any:
+def read_yaml(path: Path, *, what: str) -> Any:
     text = _read_text(path, what)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
@@ -508,7 +508,7 @@ def _read_yaml(path: Path, *, what: str) -> Any:
         raise TgError(f"The {what} '{path}' is not valid YAML{where}: {problem}.") from None
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def shortened(value: Any, limit: int = 80) -> str:
     """A value as an error message may echo it: bounded, however deep or large it is."""
     r = reprlib.Repr()
     r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, limit, limit
@@ -542,7 +542,7 @@ def _explain(err: ValidationError, source: str, prefix: tuple[str, ...] = ()) ->
         else:
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and not isinstance(e["input"], dict):
-                msg += f" (got {_short(e['input'])})"
+                msg += f" (got {shortened(e['input'])})"
             field = re.match(r"(\w+(?:\[\d+\])?) (must be an? (?:number|integer), .*)", msg,
                              re.S)
             if field:                   # specs.Spec: a field of the section named, as pydantic's

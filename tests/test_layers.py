@@ -117,3 +117,23 @@ def test_every_subpackage_is_reachable_as_an_attribute():
     for name in sorted({m.split(".")[0] for m in _modules() if "." in m}):
         importlib.import_module(f"taskgraph.{name}")
         assert isinstance(getattr(taskgraph, name), types.ModuleType), name
+
+
+def private_imports(sources: dict[str, str]) -> list[str]:
+    """`from taskgraph.x import _name` in any of `sources` (module -> its text): a name its
+    module keeps to itself, used from outside."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.split(".")[0] == "taskgraph":
+                found += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """Issue 39 point 4: a name with a leading underscore is its module's own."""
+    assert private_imports({m: p.read_text() for m, p in _modules().items()}) == []
+    assert private_imports({"api": "from taskgraph.scenario import _short\n"}) == \
+        ["api imports taskgraph.scenario._short"]

@@ -21,7 +21,7 @@ from taskgraph.perf.cost import CostModel
 from taskgraph.specs import Scenario
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -94,7 +94,7 @@ class Roofline:
 
 def roofline(scenario: Scenario, out: str | Path) -> Path:
     """The Hierarchical Roofline plot of a scenario's attention and MoE FFN (log-log)."""
-    plt = _pyplot()
+    plt = pyplot()
     pts = roofline_points(scenario)
     values = list(pts["intensities"].values()) + list(pts["turning_points"].values())
     lo, hi = min(values) / 10, max(values) * 10
@@ -134,7 +134,7 @@ def save(fig, out: str | Path) -> Path:
         with atomic_path(out) as tmp:
             fig.savefig(tmp)
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
     return out
 
 
@@ -144,7 +144,7 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
     stages work on different layers at once, so for one the chart shows the whole step."""
     from taskgraph.kinds import KINDS, KIND_NAMES
 
-    plt = _pyplot()
+    plt = pyplot()
     windows = []
     for run in runs:
         prog = run.program
@@ -187,7 +187,7 @@ def gantt(runs: list, out: str | Path, step: int = 2, layers: int = 2) -> Path:
 def crossover_plot(c, out: str | Path) -> Path:
     """Throughput and per-token latency of each schedule against batch size (log-log), with
     the batch from which streaming whole layers wins marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (tput, lat) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for name in c.schedules:
         rows = [r for r in c.rows if r["schedule"] == name and "error" not in r]
@@ -217,7 +217,7 @@ def crossover_plot(c, out: str | Path) -> Path:
 def pareto_plot(result, out: str | Path) -> Path:
     """Every policy the search priced, throughput against per-token latency (log-log), its
     Pareto front drawn through them and the objective's limit marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     front = result.front
     ax.scatter([c.token_latency_ms for c in result.priced], [c.tok_s for c in result.priced],

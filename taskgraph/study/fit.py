@@ -603,9 +603,9 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
 def parity_plot(report: FitReport, path: Path) -> Path:
     """Simulated (fitted and leave-one-out) and datasheet-only predictions against measured
     throughput, log-log, with y = x and a ±15% band."""
-    from taskgraph.output.plots import _pyplot, save
+    from taskgraph.output.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     meas = np.array([r.cell.measured_tok_s for r in report.cells])
     fig, ax = plt.subplots(figsize=(6.5, 6), dpi=120)
     x = np.geomspace(meas.min() * 0.5, meas.max() * 5, 20)
@@ -644,9 +644,9 @@ def steps_plot(steps: list[dict[str, Any]], path: Path) -> Path:
     only in generation length) and simulated, one colour per group of runs; a measured step
     that is not positive is left out (the group's note says why), and a file without such runs
     gets a picture that says so."""
-    from taskgraph.output.plots import _pyplot, save
+    from taskgraph.output.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     if not steps:
         ax.text(0.5, 0.5, "no runs that differ only in generation length", ha="center",

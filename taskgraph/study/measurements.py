@@ -27,7 +27,7 @@ from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.files import plain_text
 from taskgraph.perf.memory import check_fits, memory_footprint
-from taskgraph.scenario import _read_yaml, scenario_from_dict
+from taskgraph.scenario import read_yaml, scenario_from_dict
 from taskgraph.specs import Numbers
 
 
@@ -213,7 +213,7 @@ def _quote(value: Any, limit: int = 60) -> str:
 def load_measurements(path: str | Path) -> tuple[str, list[Cell]]:
     """(source, cells) from a measurements file; each error names the cell and the field."""
     path = Path(path)
-    doc = _read_yaml(path, what="measurements file")
+    doc = read_yaml(path, what="measurements file")
     if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list) or not doc["cells"]:
         raise TgError(f"The measurements file '{path}' must be a mapping with a non-empty list "
                       "'cells' (see shared/measurements/ for the format).")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from taskgraph.errors import TgError
 from taskgraph.files import atomic_path, csv_row
-from taskgraph.output.plots import _pyplot, save
+from taskgraph.output.plots import pyplot, save
 from taskgraph.output.report import Shown, sweep_table
 from taskgraph.perf.limits import hardware_limit_tok_s
 from taskgraph.scenario import load_scenario
@@ -149,7 +149,7 @@ def write_sweep(rows: list[dict[str, Any]], vary: list[tuple[str, list[str]]],
 
 
 def _plot(rows, vary, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     x_key, x_vals = vary[0]
     series = vary[1][1] if len(vary) > 1 else [None]
     panels = (("throughput_tok_s", "best throughput (tok/s, predicted)"), ("r_w", "r_w: weights on GPU"),

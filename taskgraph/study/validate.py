@@ -292,9 +292,9 @@ def _speed_shift(kind_errors: list[float]) -> float | None:
 def parity_plot(results: list[PairResult], out: str | Path) -> Path:
     """Predicted vs measured decode-layer latency, one point per pair (the bar: the fastest and
     slowest of its repeats), y = x and a ±10% band."""
-    from taskgraph.output.plots import _pyplot, save
+    from taskgraph.output.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     meas = np.array([r.measured["decode_layer_ms"] for r in results])
     pred = np.array([r.simulated["decode_layer_ms"] for r in results])
     top = max(r.measured_range[1] for r in results)
