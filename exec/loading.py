@@ -175,10 +175,6 @@ def check_computable(m: ModelSpec, context: int) -> None:
                           f"{int(r['original_max_position_embeddings'])}, where LongRoPE takes its "
                           "long factors; tg computes the short ones only. Use shorter prompts "
                           "or fewer steps.")
-    if m.sliding_window is not None and m.sliding_window < context:
-        raise TgError(f"model.sliding_window = {m.sliding_window} is shorter than the context "
-                      f"this run reaches ({context} tokens); tg's attention sees every token, "
-                      "so it would not compute this model. Use shorter prompts or fewer steps.")
 
 
 def torch_dtype(torch, m: ModelSpec, dev: str) -> tuple[Any, list[str]]:

@@ -274,7 +274,7 @@ class Runtime:
         rows = slice(j * self.mu, (j + 1) * self.mu)
         x = self.embed[self.prompts[rows]] if l == 0 else self.x_prefill[j]
         out, k, v = prefill_layer(x, self.norms[l], self._view(s, l, j), self.m, self.rope,
-                                  self.lens[j] if self.ragged else None)
+                                  self.lens[j] if self.ragged else None, self.m.window(l))
         self.x_prefill[j].copy_(out)
         K, V = self._device_kv(s, l, j)
         K[:, :self.P].copy_(k)
@@ -316,7 +316,10 @@ class Runtime:
         qkv = pre_attention(self.x[j], self.norms[l][0], self._view(s, l, j))
         self.qkv[j].copy_(rotate_qkv(qkv, self.lens[j] + (s - 1), self.rope, self.m))
 
-    def _mask(self, lens: torch.Tensor, columns: int) -> torch.Tensor | None:
+    def _mask(self, lens: torch.Tensor, columns: int, l: int) -> torch.Tensor | None:
+        window = self.m.window(l)
+        if window is not None and window < columns:
+            return decode_mask(lens, self.P, columns, window)
         return decode_mask(lens, self.P, columns) if self.ragged else None
 
     @runs("D1")
@@ -330,7 +333,7 @@ class Runtime:
         K, V = self.k_cache[l][j], self.v_cache[l][j]
         K[:, pos], V[:, pos] = k, v
         self.attn_host[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
-                                                 self._mask(self.lens_host[j], pos + 1),
+                                                 self._mask(self.lens_host[j], pos + 1, l),
                                                  self._host_views[l]))
 
     @runs("D2")
@@ -350,7 +353,7 @@ class Runtime:
         K, V = self._device_kv(s, l, j)
         K[:, pos], V[:, pos] = k, v
         self.attn[j].copy_(decode_attention(q, K[:, :pos + 1], V[:, :pos + 1],
-                                            self._mask(self.lens[j], pos + 1),
+                                            self._mask(self.lens[j], pos + 1, l),
                                             self._view(s, l, j)))
 
     @runs("PostAttn")
@@ -398,7 +401,8 @@ class Runtime:
         if l == 0:               # the residual stream starts at the prompts' embeddings
             self.x_prefill[j].copy_(self.embed[self.prompts[rows]])
         attn, k, v = prefill_attention(self.x_prefill[j], self.norms[l][0], self._view(s, l, j),
-                                       self.m, self.rope, self.lens[j] if self.ragged else None)
+                                       self.m, self.rope, self.lens[j] if self.ragged else None,
+                                       self.m.window(l))
         self.attn_prefill[j].copy_(attn)
         K, V = self._device_kv(s, l, j)
         K[:, :self.P].copy_(k)

@@ -585,19 +585,20 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, layer_norm: torch.Tensor
 
 
 def prefill_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], W: LayerView,
-                  m: ModelSpec, rope: Rope, lens: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  m: ModelSpec, rope: Rope, lens: torch.Tensor | None = None,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer over whole prompts: x [B, P, h] -> (x, k, v) with k, v [B, P, n_kv, d], k
     rotated. Prompts shorter than P (`lens` [B]) are right-padded: their padding columns are
-    masked out of every real token's attention and their outputs are ignored."""
+    masked out of every real token's attention and their outputs are ignored. A sliding
+    `window` limits each token to the last `window` positions."""
     B, P, _ = x.shape
-    attn, k, v = prefill_attention(x, norms[0], W, m, rope, lens)
+    attn, k, v = prefill_attention(x, norms[0], W, m, rope, lens, window)
     out = post_attention(x.reshape(B * P, m.h), attn, norms[1], W, m)
     return out.reshape(B, P, m.h), k, v
 
 
 def prefill_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView, m: ModelSpec,
-                      rope: Rope, lens: torch.Tensor | None = None
+                      rope: Rope, lens: torch.Tensor | None = None, window: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, QKV and causal attention over whole prompts: x [B, P, h] -> (attention output
     [B*P, q_dim], k, v [B, P, n_kv, d], k rotated), padding masked as in prefill_layer."""
@@ -605,10 +606,17 @@ def prefill_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView, m
     positions = torch.arange(P, device=x.device)
     q, k, v = split_qkv(rotate_qkv(pre_attention(x, layer_norm, W), positions, rope, m), m)
     mask = None
-    if lens is not None:
+    if window is not None and window >= P:
+        window = None                   # the window holds every prompt token
+    if lens is not None or window is not None:
         cols = torch.arange(P, device=x.device)
         causal = cols[None, :] <= cols[:, None]                          # [P, P]
-        mask = (causal[None] & (cols[None, None, :] < lens[:, None, None]))[:, None]
+        if window is not None:
+            causal &= cols[None, :] > cols[:, None] - window
+        mask = causal[None].expand(B, P, P)
+        if lens is not None:
+            mask = mask & (cols[None, None, :] < lens[:, None, None])
+        mask = mask[:, None]
     if m.attention == "mla":
         return mla_attention(q, k, W, mask, causal=True).reshape(B * P, -1), k, v
     if "sinks" in W.extras:
@@ -618,12 +626,19 @@ def prefill_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView, m
     return attn.transpose(1, 2).reshape(B * P, m.q_dim), k, v
 
 
-def decode_mask(lens: torch.Tensor, P: int, columns: int) -> torch.Tensor:
+def decode_mask(lens: torch.Tensor, P: int, columns: int, window: int | None = None
+                ) -> torch.Tensor:
     """Which of the first `columns` cache columns each sequence attends to in decode: its own
     prompt (columns below its length, of the P reserved for prompts) and every generated token
-    (columns P and up). [B, columns] bool."""
-    cols = torch.arange(columns, device=lens.device)
-    return (cols[None, :] < lens[:, None]) | (cols[None, :] >= P)
+    (columns P and up); in a sliding-window layer only the last `window` positions up to the
+    new token's (column `columns` - 1), as transformers' mask has it (key position > query
+    position - window). [B, columns] bool."""
+    cols = torch.arange(columns, device=lens.device)[None, :]
+    mask = (cols < lens[:, None]) | (cols >= P)
+    if window is not None:
+        position = torch.where(cols < P, cols, lens[:, None] + cols - P)
+        mask &= position > (lens[:, None] + columns - 1 - P) - window
+    return mask
 
 
 def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, eps: float,

@@ -77,7 +77,8 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
         with seen() as experts:
             for l in range(m.L):
                 x, K[l][:, :P], V[l][:, :P] = prefill_layer(x, w.norms[l], views[l], m, rope,
-                                                            lens if ragged else None)
+                                                            lens if ragged else None,
+                                                            m.window(l))
         if record:
             pre[moe, rows] = torch.stack(experts).reshape(len(moe), mu, P, m.k)
         out = lm_head(x[torch.arange(mu), lens - 1], w.final_norm, w.lm_head, m.rms_norm_eps,
@@ -93,7 +94,10 @@ def _forward(w: ModelWeights, prompts: torch.Tensor, mu: int, steps: int,
                                      rope, m)
                     q, k, v = split_qkv(qkv, m)
                     K[l][:, pos], V[l][:, pos] = k, v
-                    attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1], mask,
+                    window = m.window(l)
+                    attn = decode_attention(q, K[l][:, :pos + 1], V[l][:, :pos + 1],
+                                            decode_mask(lens, P, pos + 1, window)
+                                            if window is not None and window <= pos else mask,
                                             views[l])
                     x = post_attention(x, attn, w.norms[l][1], views[l], m)
             if record:

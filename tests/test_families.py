@@ -83,6 +83,11 @@ FAMILIES = {
                      head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                      first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                      routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True),
+    # gpt-oss with a window of 4 tokens, shorter than every prompt but one and every context:
+    # its sliding layers attend to the last 4 positions, in prefill and in decode
+    "gpt_oss-window": dict(hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, num_local_experts=6,
+                           num_experts_per_tok=2, sliding_window=4, num_hidden_layers=2),
     # a dense first layer (mlp_only_layers) of its own intermediate size before MoE layers
     "qwen2_moe-dense": dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
                             shared_expert_intermediate_size=80, num_attention_heads=4,
@@ -186,8 +191,6 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
 
     with pytest.raises(TgError, match="dbrx is simulated, not executed"):
         check_computable(ModelSpec(**MODELS["dbrx"]), 64)
-    with pytest.raises(TgError, match="sliding_window = 128 is shorter than the context"):
-        check_computable(ModelSpec(**{**MODELS["gpt-oss-20b"], "precision": {}}), 200)
     with pytest.raises(TgError, match="model.precision.experts = q4_k"):
         check_computable(ModelSpec(**{**MODELS["qwen3-30b-a3b"],
                                       "precision": {"experts": "q4_k"}}), 64)

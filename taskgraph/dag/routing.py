@@ -168,7 +168,7 @@ def _stacked(layers: list) -> object:
     """A step's layers as one array where they are arrays of one shape and kind; else as read."""
     if layers and all(isinstance(a, np.ndarray) and a.dtype.kind in "iu" for a in layers) \
             and len({a.shape for a in layers}) == 1:
-        return np.stack(layers).astype(np.result_type(*layers))
+        return np.stack(layers)
     return layers
 
 
