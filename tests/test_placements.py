@@ -249,3 +249,23 @@ def test_deepseeks_dense_layers_and_shared_experts_as_llama_cpp_counts_them():
                                    sc.model) == {3, 4}
     with pytest.raises(ValueError, match="shexp"):
         cpu_layers_of_overrides([r"shexp=CPU"], sc.model)
+
+
+def test_compare_across_batch_sizes_places_ep_as_the_scenario_does():
+    """`compare --batch-sizes` chose experts_gpu for EP whatever the scenario said; a
+    scenario placing whole layers (llama.cpp's --n-cpu-moe) now gets the fewest CPU layers
+    that fit at each batch size, and EC, which caches experts, keeps experts_gpu."""
+    rows = api.crossover("scenarios/gpt-oss-120b-4090.yaml", ["EP", "EC"], [1, 4],
+                         overrides={"policy.cpu_moe": 20}).rows
+    ep = [r for r in rows if r["schedule"] == "EP"]
+    ec = [r for r in rows if r["schedule"] == "EC"]
+    assert all("cpu_moe" in r["policy"] and "experts_gpu" not in r["policy"] for r in ep)
+    assert all(r["experts"]["llama_cpp"].endswith(f"--n-cpu-moe {r['policy']['cpu_moe']}")
+               for r in ep)
+    assert all(r["policy"]["experts_gpu"] > 0 for r in ec)
+    # the fewest CPU layers: one fewer does not fit
+    for r in ep:
+        fewer = {**r["policy"], "cpu_moe": r["policy"]["cpu_moe"] - 1}
+        with pytest.raises(TgError, match="does not fit in GPU memory"):
+            simulate_scenario(load_scenario("scenarios/gpt-oss-120b-4090.yaml", [
+                f"policy={json.dumps(fewer)}", "schedule=EP"]))

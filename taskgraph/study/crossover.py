@@ -4,7 +4,9 @@ At each batch size N every schedule runs the policy a user would give it on this
 micro-batches of at most the scenario's ``mu`` (at least the schedule's minimum count of them),
 and then, greedily while the GPU's memory holds them, every non-expert weight resident (``r_w``),
 the whole KV cache on the GPU where attention runs there (``r_c``), and as many experts a layer
-on the GPU as fit (``experts_gpu``, EP and EC). At a fixed batch keeping more on the GPU never
+on the GPU as fit (``experts_gpu``, EP and EC), or, where the scenario places EP's experts by
+a budget over all layers or by whole layers (``experts_total``, ``cpu_moe``), the most of that
+placement that fits. At a fixed batch keeping more on the GPU never
 costs time in this model, so the greedy choice is each schedule's best of that kind; the GPU is
 filled to its physical memory less the reserve, as an explicit policy may be. Each point is
 simulated, and the result says at which batch the throughput-schedules (CGOPipe and FlexGen)
@@ -56,8 +58,12 @@ class PointJob:
 
     def run(self) -> dict[str, Any]:
         row = {"schedule": self.schedule, "N": self.N}
+        policy = self.scenario.policy
+        # EP's experts placed as the scenario places them; EC's cache as many a layer
+        placed = next((f for f in ("experts_total", "cpu_moe") if getattr(policy, f) is not None
+                       and SCHEDULES[self.schedule].reads(f)), "experts_gpu")
         try:
-            sc = policy_for(self.scenario, self.schedule, self.N)
+            sc = policy_for(self.scenario, self.schedule, self.N, placed=placed)
             s = simulate_scenario(sc, self.schedule).summary
         except (MemoryFitError, ScheduleError) as err:
             return {**row, "error": str(err)}
