@@ -63,10 +63,45 @@ def parse_overrides(patterns, field: str = "policy.override_tensor"
             raise ValueError(f"{where} puts tensors in {buffer!r}; tg's expert-level schedules "
                              f"run on one GPU: the buffer must be one of {', '.join(BUFFERS)}")
         try:
-            out.append((re.compile(pattern), buffer))
+            compiled = re.compile(pattern)
         except re.error as e:
             raise ValueError(f"{where} is not a regular expression: {e}") from None
+        if _nested_repeat(pattern):
+            raise ValueError(f"{where} repeats a repeat (such as '(a+)+'), which Python's "
+                             "regular expressions can take hours to match; write it without "
+                             "the nesting (llama.cpp's own are like 'blk\\.[0-9]+\\.ffn_.*_exps')")
+        out.append((compiled, buffer))
     return out
+
+
+def _nested_repeat(pattern: str) -> bool:
+    """Whether a repeated part of `pattern` holds a repeat itself ('(a+)+', '(a*b?)*'): the
+    shape whose backtracking grows exponentially with the name's length. Read from the parse
+    tree Python's own compiler builds (re._parser, the module sre_parse was)."""
+    from re import _parser       # Python's own parser of the patterns matched here
+
+    repeats = {_parser.MAX_REPEAT, _parser.MIN_REPEAT, getattr(_parser, "POSSESSIVE_REPEAT", None)}
+
+    def walk(items, inside: bool) -> bool:
+        for op, arg in items:
+            if op in repeats:
+                low, high, sub = arg
+                if inside and high > 1:
+                    return True
+                if walk(sub, inside or high > 1):
+                    return True
+            elif op in (_parser.SUBPATTERN,):
+                if walk(arg[-1], inside):
+                    return True
+            elif op is _parser.BRANCH:
+                if any(walk(branch, inside) for branch in arg[1]):
+                    return True
+            elif op in (_parser.ASSERT, _parser.ASSERT_NOT):
+                if walk(arg[1], inside):
+                    return True
+        return False
+
+    return walk(_parser.parse(pattern), False)
 
 
 def cpu_layers_of_overrides(patterns, model: Any) -> frozenset[int]:

@@ -200,6 +200,9 @@ def _sets(run_with: str) -> list[str]:
     (["policy.override_tensor=exps=CUDA1"], "CUDA1"),
     (["policy.override_tensor=blk\\.(1=CPU"], "not a regular expression"),
     (["policy.override_tensor=exps"], "PATTERN=BUFFER"),
+    # nested repeats: '([a-z_.0-9]+)+X' took hours on a 40-character name (never run here)
+    (["policy.override_tensor=(b+)+x=CPU"], "repeats a repeat"),
+    (["policy.override_tensor=blk\\.(1|2+)*\\.ffn_.*_exps=CPU"], "repeats a repeat"),
 ])
 def test_bad_placements_are_refused_naming_the_field(sets, field):
     with pytest.raises(TgError, match=re.escape(field)):
