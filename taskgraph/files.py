@@ -20,7 +20,7 @@ import zlib
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from taskgraph.errors import TgError
 
@@ -97,15 +97,19 @@ def read_json(path: str | Path, what: str) -> Any:
     """A JSON input read as every text input is (:func:`read_text`); a document JSON cannot
     hold (bad syntax, a number of more than 4,300 digits, nesting deeper than Python's stack)
     is one error naming the file."""
-    text = read_text(path, what)
+    return parsed_json(read_text(path, what), f"{what} '{path}'")
+
+
+def parsed_json(text: str, what: str, parse: Callable[[str], Any] = json.loads) -> Any:
+    """`parse(text)` (json's own, or a reader built on its decoder), what JSON cannot hold one
+    error naming `what`."""
     try:
-        return json.loads(text)
+        return parse(text)
     except json.JSONDecodeError as err:
-        raise TgError(f"The {what} '{path}' is not valid JSON: {err.msg} at line {err.lineno}."
-                      ) from None
+        raise TgError(f"The {what} is not valid JSON: {err.msg} at line {err.lineno}.") from None
     except (ValueError, RecursionError):
-        raise TgError(f"The {what} '{path}' holds a number of more than 4,300 digits or nests "
-                      "deeper than JSON can be read.") from None
+        raise TgError(f"The {what} holds a number of more than 4,300 digits or nests deeper "
+                      "than JSON can be read.") from None
 
 
 def _umask() -> int:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from taskgraph.errors import TgError
+from taskgraph.files import parsed_json
 from taskgraph import placement
 from taskgraph.specs import ModelSpec, PolicySpec, Scenario
 
@@ -81,15 +82,7 @@ def trace_from_json(text: str, where: str) -> RoutingTrace:
     made an array of 2-byte ids as soon as it is read: the nested lists of a whole trace took
     ~20x its text (a 120 MB file, 2.7 GB); one layer's lists at a time take little, and the
     arrays a third of the text."""
-    try:
-        doc = _streamed_steps(text)
-    except json.JSONDecodeError as err:
-        raise TgError(f"The {where} is not valid JSON: {err.msg} at line {err.lineno}."
-                      ) from None
-    except (ValueError, RecursionError):
-        raise TgError(f"The {where} holds a number of more than 4,300 digits or nests deeper "
-                      "than JSON can be read.") from None
-    return trace_from_dict(doc, where)
+    return trace_from_dict(parsed_json(text, where, _streamed_steps), where)
 
 
 def _ids(rows: object) -> object:
