@@ -176,15 +176,22 @@ def _execute(program: Program, runtime: Runtime, device: Device, delay, progress
     threads = [threading.Thread(target=contextvars.copy_context().run, args=(run.stream, sid),
                                 daemon=True, name=f"tg-{program.streams[sid]}")
                for sid in run.mine]
-    for th in threads:
-        th.start()
     interrupted = False
     try:
+        for th in threads:
+            th.start()
         _wait(threads, run.stop)
     except KeyboardInterrupt:
         interrupted = True
         run.stop.set()
         _wait(threads, run.stop)
+    except SystemExit:
+        # SIGTERM or SIGHUP (files.exit_on_termination): the streams stop before the process
+        # exits; torch aborts the process ("terminate called without an active exception")
+        # when it exits with a stream's thread still inside an op.
+        run.stop.set()
+        _wait(threads, run.stop)
+        raise
     return run.result(interrupted)
 
 

@@ -36,6 +36,7 @@ from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime
+from taskgraph.files import Terminated
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.kinds import COLLECTIVES, KIND_NAMES, SENDS
 from taskgraph.sim.engine import SimRun
@@ -334,7 +335,7 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
     except _Terminated:
         if ranks is not None:
             _wind_down(ranks.processes, tmp, grace_s=0.0)
-        raise SystemExit(128 + signal.SIGTERM) from None
+        raise Terminated(signal.SIGTERM) from None
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous_term)

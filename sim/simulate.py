@@ -137,12 +137,13 @@ def announce_long_run(scenario: Scenario, plan, tasks: int) -> None:
         return
     warnings.warn(LongRunWarning(
         f"{scenario.name} ({plan.schedule.name}) has {tasks:,} tasks to simulate "
-        f"({plan.G:,} decode steps of {plan.L} layers): at least {_minutes(least)} at the "
+        f"({plan.G:,} decode steps of {plan.L} layers): at least {in_words(least)} at the "
         f"simulator's best pace ({TASKS_PER_S:,} tasks a second). Ctrl-C stops it and keeps "
         "what ran; workload.gen_len sets the steps."), stacklevel=3)
 
 
-def _minutes(seconds: float) -> str:
+def in_words(seconds: float) -> str:
+    """A long run's time as a person reads it: minutes, or hours past an hour and a half."""
     if seconds < 5400:
         return f"{seconds / 60:.0f} minutes"
     return f"{seconds / 3600:.1f} hours"

@@ -354,6 +354,14 @@ def plain_text(value: Any, context: str) -> None:
             stack += [(v, f"{at}[{i}]") for i, v in enumerate(item)]
 
 
+class Terminated(SystemExit):
+    """A signal ended the run: exit status 128 + the signal, and the CLI says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+
 @contextmanager
 def exit_on_termination() -> Iterator[None]:
     """SIGTERM and SIGHUP end the run as an exit (status 128 + the signal) raised where it is,
@@ -362,7 +370,7 @@ def exit_on_termination() -> Iterator[None]:
     died where it stood, leaving a 1.3 GB partial trace. Only the main thread may set handlers:
     elsewhere this does nothing."""
     def stop(signum, _frame):
-        raise SystemExit(128 + signum)
+        raise Terminated(signum)
 
     signals = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
     main = threading.current_thread() is threading.main_thread()

@@ -296,3 +296,27 @@ def test_micro_batches_past_their_last_step_are_skipped(schedule, gpus):
     assert (tokens[0:2, 2:] == 0).all()
     assert torch.equal(tokens[2:4], ref.tokens[2:4])
     assert (tokens[4:6] == 0).all()
+
+
+def test_a_termination_stops_every_stream_before_the_process_exits():
+    """SIGTERM during `tg execute --prompts` of 2,000 prompts aborted the process ("terminate
+    called without an active exception", rc -6): the exit raised in the main thread left the
+    stream threads inside torch ops. Now they are stopped and waited for first."""
+    import os
+    import signal
+    import threading
+
+    from taskgraph.files import Terminated, exit_on_termination
+
+    sent = threading.Event()
+
+    def terminate_once(gid):              # from a stream's thread, as the signal would come
+        if not sent.is_set():
+            sent.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 0.001
+
+    with exit_on_termination(), pytest.raises(Terminated) as end:
+        _run("S1", 8, 2, 0.0, 0.0, steps=20, delay=terminate_once)
+    assert end.value.code == 128 + signal.SIGTERM and end.value.signal_name == "SIGTERM"
+    assert not [t for t in threading.enumerate() if t.name.startswith("tg-")]

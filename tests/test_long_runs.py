@@ -248,3 +248,44 @@ def test_the_command_line_says_so_off_a_terminal_at_once():
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+def test_off_a_terminal_a_long_run_prints_its_progress_and_time_left(monkeypatch, capsys):
+    """Off a terminal (a log, a pipe, --json) there is no bar: a run past a minute says how far
+    it is and how long it may take still, once a minute; a short one says nothing."""
+    from taskgraph.output import report
+
+    now = [100.0]
+    monkeypatch.setattr(report.time, "monotonic", lambda: now[0])
+    with report.progress_bar(True, "simulating", "segments") as tick:    # stderr: captured
+        for done, at in [(10, 130.0), (20, 170.0), (30, 175.0), (60, 290.0)]:
+            now[0] = at
+            tick(done, 200)
+    lines = capsys.readouterr().err.splitlines()
+    # 70 s for 20 of 200: 10:30 left at that pace; 190 s for 60: 7:23 left
+    assert lines == ["tg: simulating: 20 of 200 segments in 0:01:10, about 0:10:30 left",
+                     "tg: simulating: 60 of 200 segments in 0:03:10, about 0:07:23 left"]
+
+
+def test_a_fit_of_hours_says_so_before_it_chooses_its_parameters(tmp_path, monkeypatch):
+    """A fit cell of 10 million steps made a fit of hours, and each simulation's note named
+    only its own share (and came after 24 s of choosing parameters)."""
+    import yaml
+
+    from taskgraph.study import fit
+
+    cells = yaml.safe_load(open("scenarios/measurements/small-batch-fiddler-artifact.yaml"))
+    cells["cells"] = cells["cells"][:2]
+    cells["cells"][0]["gen_len"] = 10_000_000
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(cells))
+
+    def entered(*args, **kwargs):
+        raise _Entered
+    monkeypatch.setattr(fit, "free_parameters", entered)
+    from taskgraph.study.measurements import load_measurements
+
+    _, loaded = load_measurements(tmp_path / "m.yaml")
+    with pytest.warns(taskgraph.errors.LongRunWarning,
+                      match=r"each of its 2 cells 5 times.*at least 1\.\d hours"):
+        with pytest.raises(_Entered):
+            fit.run_fit("m", loaded)

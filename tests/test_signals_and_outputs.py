@@ -25,16 +25,20 @@ def test_termination_while_a_trace_is_written_leaves_no_partial_file(tmp_path, s
     proc = subprocess.Popen(
         [sys.executable, "-m", "taskgraph.cli", "simulate", TINY, "--set",
          "workload.gen_len=20000", "--trace", str(out / "t.json"), "--trace-steps", "all"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: any(".partial" in p.name for p in out.iterdir()) or
                  proc.poll() is not None, 300, "the trace's partial file")
         assert proc.poll() is None, "the run ended before it could be stopped"
         proc.send_signal(sig)
-        assert proc.wait(timeout=60) == 128 + sig
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig
     finally:
         proc.kill()
     assert list(out.iterdir()) == []
+    # one line that says why it stopped (it said nothing)
+    assert err.strip().splitlines()[-1] == f"tg simulate: stopped by {signal.Signals(sig).name}."
+
 
 
 def test_two_outputs_on_one_path_are_refused_before_any_work(tmp_path, capsys):

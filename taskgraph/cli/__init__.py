@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from taskgraph.errors import LongRunWarning, TgError
-from taskgraph.files import command_inputs, exit_on_termination, printable
+from taskgraph.files import Terminated, command_inputs, exit_on_termination, printable
 
 
 @contextlib.contextmanager
@@ -60,3 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:       # a file being written is left as it was (atomic_path)
         print(f"tg {args.command}: interrupted.", file=sys.stderr)
         return 130
+    except Terminated as end:
+        print(f"tg {args.command}: stopped by {end.signal_name}.", file=sys.stderr)
+        return end.code

@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import re
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from rich.console import Console, ConsoleOptions, RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 from rich.text import Text
 
@@ -598,13 +600,15 @@ def _crossover_caption(x: dict[str, Any] | None) -> str:
 @contextmanager
 def progress_bar(show: bool, label: str, unit: str = "segments"
                  ) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr, only for humans at a terminal: yields the `progress(done,
-    total)` callback the API's long calls take, or None."""
+    """Progress on stderr: yields the `progress(done, total)` callback the API's long calls
+    take. For humans at a terminal a rich bar with the time left; elsewhere (a log, a pipe,
+    ``--json``) a line a minute once a run has lasted one (:class:`ProgressLines`)."""
     if not (show and sys.stderr.isatty()):
-        yield None
+        yield ProgressLines(label, unit)
         return
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
+                        TextColumn("left"), TimeRemainingColumn(),
                         console=stderr_console(), transient=True)
     task = progress.add_task(label, total=None)
 
@@ -613,3 +617,29 @@ def progress_bar(show: bool, label: str, unit: str = "segments"
 
     with progress:
         yield tick
+
+
+class ProgressLines:
+    """Progress as a line on stderr at most once every `every_s`, from the first that long on,
+    with the time left at the pace so far: a long run in a log or behind a pipe shows it moves
+    and when it may end, a short one prints nothing."""
+
+    def __init__(self, label: str, unit: str, every_s: float = 60.0) -> None:
+        self.label, self.unit, self.every_s = label, unit, every_s
+        self.start = time.monotonic()
+        self.next = self.start + every_s
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now < self.next or not 0 < done < total:
+            return
+        self.next = now + self.every_s
+        spent = now - self.start
+        print(f"tg: {self.label}: {done:,} of {total:,} {self.unit} in {_clock(spent)}, about "
+              f"{_clock(spent * (total - done) / done)} left", file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, as rich's bar shows times."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from taskgraph import presets
-from taskgraph.errors import TgError
+from taskgraph.errors import LongRunWarning, TgError
 from taskgraph.files import Output, atomic_path, check_outputs, csv_row
 from taskgraph.output.report import Shown, cell_label, fit_table, phases_table
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
@@ -200,7 +201,9 @@ def simulate_cell(cell: Cell, machines, impls) -> dict[str, Any]:
     under tg's model is simulated all the same: it ran."""
     from taskgraph.sim.simulate import simulate_scenario
 
-    s = simulate_scenario(_scenario(cell, machines, impls), over_memory=True).summary
+    with warnings.catch_warnings():      # the fit announces its whole length (_announce)
+        warnings.simplefilter("ignore", LongRunWarning)
+        s = simulate_scenario(_scenario(cell, machines, impls), over_memory=True).summary
     return {k: s[k] for k in ("throughput_tok_s", "prefill_s", "decode_s", "bound_by",
                               "shared")}
 
@@ -487,6 +490,7 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
                       f"least two (or give --no-loo).")
     total = 2 + (len(groups) if loo else 0)
     tick = progress or (lambda done, total: None)
+    _announce(cells, *profiles([], []), loo)          # choosing the parameters predicts cells
     params = free_parameters(cells)
     reports = [CellReport(c, memory=c.memory_note()) for c in cells]
     machines, impls = datasheet_profiles(params)
@@ -511,6 +515,37 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
             for i, x in zip(left, tok_s):
                 reports[i].loo = x
     return report
+
+
+#: Simulations of each cell in a fit: on the presets, after each of the fit's two rounds, and
+#: at the values found; a leave-one-out refit simulates the cells it left out once more.
+SIMULATIONS_PER_CELL = 4
+#: Tasks of a micro-batch in a layer in a step, at the fewest: every schedule has more
+#: (S3 5, DS 6, EC 8 on the calibration files).
+FEWEST_TASKS = 4
+
+
+def _announce(cells: list[Cell], machines, impls, loo: bool) -> None:
+    """Warn (LongRunWarning) before a fit that will take minutes, with the least it will: a
+    cell of 10 million decode steps makes a fit of hours, and each of its simulations alone
+    said only its own share."""
+    from taskgraph.dag.builder import make_plan
+    from taskgraph.sim.simulate import ANNOUNCE_S, TASKS_PER_S, in_words
+
+    # Counted from the plan: compiling every cell to count its tasks exactly took 78 s for
+    # the three calibration files, longer than some fits.
+    plans = [make_plan(_scenario(c, machines, impls)) for c in cells]
+    tasks = [FEWEST_TASKS * (p.G + 1) * p.L * p.n for p in plans]
+    times = SIMULATIONS_PER_CELL + loo
+    least = sum(tasks) * times / TASKS_PER_S
+    if least < ANNOUNCE_S:
+        return
+    big = cells[int(np.argmax(tasks))]
+    warnings.warn(LongRunWarning(
+        f"the fit simulates each of its {len(cells)} cells {times} times, over "
+        f"{sum(tasks) * times:,} tasks in all: at least {in_words(least)} at the simulator's "
+        f"best pace ({TASKS_PER_S:,} tasks a second). The largest cell is {big.id} "
+        f"(over {max(tasks):,} tasks; its workload.gen_len sets its steps). Ctrl-C stops it."), stacklevel=3)
 
 
 def _same_part(refit: Param, full: Param) -> bool:
