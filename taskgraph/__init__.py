@@ -7,17 +7,20 @@ the `tg` verbs of the same names do and return typed results whose ``to_dict()``
 ``--json``; ``load`` reads a scenario.
 """
 
+from taskgraph.errors import TgError      # what every call raises for bad input; imports nothing
+
 __version__ = "0.1.0"
 
 __all__ = ["load", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
-           "batch", "catalog", "validate", "calibrate", "roofline", "graph", "__version__"]
+           "batch", "catalog", "validate", "calibrate", "roofline", "graph", "TgError",
+           "__version__"]
 
 
 def __getattr__(name: str):
     """The API's functions, imported when first asked for: importing the package stays light,
     so that `tg`, whose console script imports it, can catch a Ctrl-C while the API (NumPy,
     SimPy, networkx, pydantic) loads (taskgraph.cli.main)."""
-    if name in __all__:
+    if name in __all__:      # TgError and __version__ are set above: never asked for here
         from taskgraph import api
 
         return getattr(api, name)

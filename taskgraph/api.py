@@ -76,7 +76,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
                           "object with scenario.model_copy(update=...).")
         loaded = scenario
     elif isinstance(scenario, Mapping):
-        doc = json.loads(json.dumps(scenario))          # a deep copy; the caller's stays as given
+        doc = json.loads(_as_json(scenario, "The scenario mapping"))   # the caller's copy stays
         for item in items:
             apply_override(doc, item)
         loaded = scenario_from_dict(doc)
@@ -95,11 +95,7 @@ def _override_items(overrides: Overrides) -> list[str]:
         return []
     if isinstance(overrides, Mapping):
         # JSON is YAML: each value reads back as the same number, string, list or mapping
-        try:
-            return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        except TypeError as err:        # a value no scenario file could hold (a Path, a set)
-            raise TgError(f"overrides: every value is a number, string, list or mapping, as "
-                          f"in a scenario file ({err}).") from None
+        return [f"{k}={_as_json(v, f'overrides[{k!r}]')}" for k, v in overrides.items()]
     if isinstance(overrides, str):
         return [overrides]
     from taskgraph.scenario import shortened
@@ -109,6 +105,20 @@ def _override_items(overrides: Overrides) -> list[str]:
         raise TgError(f"overrides are KEY=VALUE strings (a list of them, or one) or a mapping "
                       f"of keys to values, not {shortened(overrides)}.")
     return items
+
+
+def _as_json(value: Any, what: str) -> str:
+    """`value` as JSON text, or a TgError saying why a scenario file could not hold it."""
+    try:
+        return json.dumps(value)
+    except TypeError as err:        # a Path, a set, bytes
+        raise TgError(f"{what}: every value is a number, string, list or mapping, as in a "
+                      f"scenario file ({err}).") from None
+    except ValueError:
+        raise TgError(f"{what} contains itself (a list or mapping inside itself); a scenario "
+                      "file cannot.") from None
+    except RecursionError:
+        raise TgError(f"{what} nests too deep for a scenario.") from None
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,19 @@ def test_calls_in_two_threads_keep_their_own_inputs(tmp_path):
     files.refuse_input(checkpoint, "--out")        # a later call may write it
 
 
+def _containing_itself() -> dict:
+    doc: dict = {"model": "tiny", "hardware": "t4"}
+    doc["policy"] = doc
+    return doc
+
+
+def _nested(depth: int) -> dict:
+    inner: list = []
+    for _ in range(depth):
+        inner = [inner]
+    return {"model": inner}
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda: tg.search(SCENARIO, top=2.5), "search: top must be an integer, not 2.5"),
     (lambda: tg.execute(SCENARIO, steps=True, device="cpu"),
@@ -392,10 +405,14 @@ def test_calls_in_two_threads_keep_their_own_inputs(tmp_path):
     (lambda: tg.compare(SCENARIO, ["S1", 5]), "schedules must be names such as 'S1', not 5"),
     (lambda: tg.search(SCENARIO, max_token_ms="100"), "max_token_ms must be a number"),
     (lambda: tg.simulate(SCENARIO, schedule=""), "schedule '' is not a schedule; known"),
+    (lambda: tg.simulate(_containing_itself()), "The scenario mapping contains itself"),
+    (lambda: tg.simulate(SCENARIO, overrides={"policy": _containing_itself()}),
+     "overrides['policy'] contains itself"),
+    (lambda: tg.simulate(_nested(100_000)), "The scenario mapping nests too deep"),
 ])
 def test_api_arguments_are_checked_as_the_command_lines_are(call, words):
     """Issue 40 point 4: search(top=2.5) never returned; compare(T, ['S1', 5]) and
     search(ray_address=123) raised AttributeError; execute(steps=True) ran one step;
-    simulate(schedule="") ran the file's schedule."""
+    simulate(schedule="") ran the file's schedule; a mapping inside itself raised ValueError."""
     with pytest.raises(TgError, match=re.escape(words)):
         call()

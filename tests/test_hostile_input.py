@@ -128,6 +128,59 @@ def test_bad_input_is_one_clean_error(folder, capsys, monkeypatch, what, argv, t
     assert (folder / "copy.yaml").read_text() == copy
 
 
+#: Options of the command line that the Python API does not take (a result writes its trace
+#: and chart itself: `Simulation.write_trace`, `write_gantt`).
+CLI_ONLY = {"--trace", "--trace-steps", "--gantt"}
+API_CASES = [c for c in CASES if not CLI_ONLY & set(c[1])]
+
+
+def _as_call(argv: list[str]):
+    """The API call a command line makes: `simulate X --set K=V --vary K=V,W --out D
+    --processes` -> ``simulate(X, overrides=[K=V], vary=[K=V,W], out=D, processes=True)``."""
+    import taskgraph as tg
+
+    verb, first, rest = argv[0], argv[1], argv[2:]
+    kwargs: dict = {}
+    while rest:
+        flag, rest = rest[0], rest[1:]
+        name = {"--set": "overrides"}.get(flag, flag[2:].replace("-", "_"))
+        if rest and not rest[0].startswith("--"):
+            value, rest = rest[0], rest[1:]
+            kwargs[name] = [*kwargs[name], value] if name in ("overrides", "vary") and \
+                name in kwargs else ([value] if name in ("overrides", "vary") else value)
+        else:
+            kwargs[name] = True
+    if verb == "sweep":
+        return lambda: tg.sweep(first, kwargs.pop("vary"), **kwargs)
+    return lambda: getattr(tg, verb)(first, **kwargs)
+
+
+@pytest.mark.parametrize("what, argv, text", API_CASES, ids=[c[0] for c in API_CASES])
+def test_the_apis_errors_are_the_command_lines(folder, capsys, monkeypatch, what, argv, text):
+    """The same bad value through the Python API: the same TgError, word for word, before any
+    work, nothing written."""
+    import taskgraph as tg
+    from taskgraph.files import printable
+
+    argv = [a.replace("FOLDER", str(folder)) for a in argv]
+    assert main(argv) == 2
+    said = capsys.readouterr().err.strip()
+    before = _files(folder)
+
+    def simulated(*args, **kwargs):
+        raise AssertionError("a run was simulated before the bad input was refused")
+
+    monkeypatch.setattr("taskgraph.sim.interference.simulate", simulated)
+    with pytest.raises(tg.TgError) as err:
+        _as_call(argv)()
+    assert said == f"tg {argv[0]}: error: {printable(str(err.value))}"
+    assert text in str(err.value) and _files(folder) == before
+
+
+def test_most_of_the_bad_value_table_runs_through_the_api():
+    assert len(API_CASES) >= 15, [c[0] for c in CASES if c not in API_CASES]
+
+
 @settings(max_examples=60, deadline=None)
 @given(doc=st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
