@@ -44,7 +44,12 @@ class Shard:
 
 
 def check_shardable(m: ModelSpec, n: int) -> None:
-    for field, value in (("n_kv", m.n_kv), ("h_i", m.h_i), ("V", m.V)):
+    if m.n_kv % n and n % m.n_kv:
+        raise TgError(
+            f"Tensor-parallel execution splits model.n_kv = {m.n_kv} KV heads over "
+            f"hardware.gpu.count = {n} GPUs: the count must divide them or be a multiple of "
+            "them (each GPU a copy of one); choose another GPU count.")
+    for field, value in (("n_q", m.n_q), ("h_i", m.h_i), ("V", m.V)):
         if value % n:
             raise TgError(
                 f"Tensor-parallel execution splits model.{field} = {value} evenly over "
@@ -52,8 +57,8 @@ def check_shardable(m: ModelSpec, n: int) -> None:
 
 
 def shard_model(m: ModelSpec, n: int) -> ModelSpec:
-    return m.model_copy(update={"n_q": m.n_q // n, "n_kv": m.n_kv // n, "h_i": m.h_i // n,
-                                "head_dim": m.d})
+    return m.model_copy(update={"n_q": m.n_q // n, "n_kv": max(m.n_kv // n, 1),
+                                "h_i": m.h_i // n, "head_dim": m.d})
 
 
 def shard_elements(m: ModelSpec, n: int, g: int) -> torch.Tensor:
@@ -64,7 +69,10 @@ def shard_elements(m: ModelSpec, n: int, g: int) -> torch.Tensor:
         rows, cols = s.shape
         idx = torch.arange(s.offset, s.offset + s.size).view(rows, cols)
         base = s.name.split(".")[0]
-        if base in ("q", "k", "v", "w1", "w3"):        # column-parallel: a block of rows
+        if base in ("k", "v") and n > m.n_kv:          # a copy of the KV head its queries use
+            head = g * m.n_kv // n
+            parts.append(idx[head * m.d:(head + 1) * m.d])
+        elif base in ("q", "k", "v", "w1", "w3"):      # column-parallel: a block of rows
             parts.append(idx[g * rows // n:(g + 1) * rows // n])
         elif base in ("o", "w2"):                      # row-parallel: a block of columns
             parts.append(idx[:, g * cols // n:(g + 1) * cols // n])

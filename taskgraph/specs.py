@@ -381,6 +381,17 @@ class ModelSpec(Spec):
         return 2 * self.h_kv
 
     @property
+    def kv_split(self) -> int:
+        """The most ways tensor parallelism splits the KV cache: by KV head (GQA); MLA's latent,
+        which every query head reads, is held whole by every GPU (vLLM, SGLang). GPUs past
+        this each hold a copy of their heads' part."""
+        return 1 if self.attention == "mla" else self.n_kv
+
+    def kv_copies(self, gpus: int) -> float:
+        """How many times `gpus` GPUs in tensor parallel hold the KV cache over them all."""
+        return gpus / min(gpus, self.kv_split)
+
+    @property
     def prefill_pair_flops(self) -> int:
         """FLOPs of one (query, key) pair of prompt attention (scores and values; MLA's keys
         and values decompressed, as prefill runs it)."""

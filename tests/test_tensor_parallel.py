@@ -71,6 +71,8 @@ def test_shards_split_every_gpu_task_and_the_hosts_work_for_it_evenly(schedule, 
                      "bytes": (gpus - 1) * m.router_bytes if split > 1 else 0.0}
             if split == 3:
                 extra["bytes"] += 2 * m.dtype_bytes * m.q_dim * tokens
+            # more GPUs than tiny's 2 KV heads: each reads a copy of its head's cache
+            extra["bytes_per_ctx"] = whole["bytes_per_ctx"] * (max(gpus / m.n_kv, 1) - 1)
             for field in ("flops", "flops_per_ctx", "bytes", "bytes_per_ctx"):
                 want = whole[field] + extra.get(field, 0.0)
                 assert sum(p[field] for p in parts) == pytest.approx(want, rel=1e-12)
@@ -217,6 +219,8 @@ def test_the_shards_partition_every_split_matrix_and_share_the_router():
     ("S2", 2, 4, 2, 0.0, 0.0, None), ("S3", 2, 6, 3, 0.0, 0.0, None),
     ("S4", 2, 6, 2, 0.25, 0.5, None),
     ("S1", 4, 8, 2, 0.0, 0.0, _KV4), ("S4", 4, 6, 2, 0.5, 0.0, _KV4),
+    # more GPUs than tiny's 2 KV heads: each GPU a copy of the one its queries use (vLLM)
+    ("S1", 4, 8, 2, 0.0, 0.0, None), ("S4", 4, 6, 2, 0.5, 0.5, None),
 ])
 def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
         schedule, gpus, N, mu, r_w, r_c, model):
@@ -271,3 +275,22 @@ def test_one_process_per_gpu_over_gloo_computes_the_reference(schedule, gpus, mo
         both = ~np.isnan(start[edges[:, 1]]) & ~np.isnan(end[edges[:, 0]])
         assert both.sum() > len(edges) / gpus / 2
         assert (start[edges[both, 1]] >= end[edges[both, 0]] - 1e-6).all()
+
+
+@pytest.mark.parametrize("model, copies", [(None, 2), (_KV4, 1)])
+def test_gpus_past_the_kv_heads_each_hold_and_read_a_copy(model, copies):
+    """Four GPUs over tiny's two KV heads: each GPU holds the head its queries use, so the KV
+    cache is held twice over the GPUs and each attention task reads half of it, not a quarter
+    (it was priced split four ways while the executor refused the split)."""
+    from taskgraph.perf.memory import memory_footprint
+
+    def priced(gpus):
+        sc = _tp("S4", gpus, N=8, mu=2, r_c=1.0, model=model)
+        plan = make_plan(sc)
+        attention = plan.work.of("GPUAttn")
+        kv = memory_footprint(plan).gpu["KV cache on GPU (r_c)"]
+        return attention.bytes_per_ctx, kv
+
+    (read1, kv1), (read4, kv4) = priced(1), priced(4)
+    assert read4 == pytest.approx(read1 * copies / 4)
+    assert kv4 == pytest.approx(kv1 * copies)

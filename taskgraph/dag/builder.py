@@ -289,10 +289,10 @@ class Plan:
 
 def check_shardable(m: ModelSpec, gpus: int) -> None:
     """Tensor parallelism gives each GPU an equal block of query heads with their KV heads (or,
-    with more GPUs than KV heads, a copy of one, as vLLM does), of each expert's intermediate
-    rows and of the vocabulary; a GPU count that leaves a remainder is refused, not priced
-    (exec/tensor.py executes the even splits)."""
-    if m.n_kv % gpus and gpus % m.n_kv:
+    with more GPUs than KV heads, a copy of one, as vLLM does; MLA's latent whole), of each
+    expert's intermediate rows and of the vocabulary; a GPU count that leaves a remainder is
+    refused, not priced (exec/tensor.py executes the same splits)."""
+    if m.kv_split % gpus and gpus % m.kv_split:
         raise ScheduleError(
             f"Tensor parallelism splits model.n_kv = {m.n_kv} KV heads over hardware.gpu.count "
             f"= {gpus} GPUs: the count must divide them or be a multiple of them (each GPU a "

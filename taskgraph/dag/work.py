@@ -163,8 +163,11 @@ class TaskWork:
             return work
         n = self.tp
         whole = record.replicated(self, tokens, prefill) if record.replicated else Work()
+        # what is read per token of context is the KV cache: a GPU past the KV heads (or any,
+        # for MLA's latent) reads a copy of its heads' part, not 1/n of it
+        kv_share = self.model.kv_copies(n) / n
         return Work((work.flops - whole.flops) / n + whole.flops, work.flops_per_ctx / n,
-                    (work.bytes - whole.bytes) / n + whole.bytes, work.bytes_per_ctx / n)
+                    (work.bytes - whole.bytes) / n + whole.bytes, work.bytes_per_ctx * kv_share)
 
     # What the FFN's kinds ask.
     def ffn(self, tokens: Number) -> Work:

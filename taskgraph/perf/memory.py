@@ -91,6 +91,8 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     # hold every resident weight and the embedding and LM head too.
     copies = sc.hardware.gpu.count if schedule.grouped else 1
     replicas = sc.hardware.gpu.count if schedule.parallel == "data" else 1
+    # tensor parallelism over more GPUs than KV heads (or over MLA's latent): copies of them
+    kv_copies = m.kv_copies(sc.hardware.gpu.count) if schedule.parallel == "tensor" else 1
     ffn_act = max(2 * m.k * m.h_i + 2 * m.shared_experts * (m.h_shared or 0),
                   2 * (m.h_dense or 0))
     decode_act = b * mu * (6 * m.h + m.kv_width + ffn_act + m.V)
@@ -116,11 +118,12 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
             # the next layer's prefetched experts wait beside this layer's
             gpu["expert prefetch (N x k)"] = float(np.minimum(m.E, N * m.k) * m.expert_bytes)
     if schedule.attention == "gpu":
-        gpu["KV cache on GPU (r_c)"] = r_c * kv_all
+        gpu["KV cache on GPU (r_c)"] = r_c * kv_all * kv_copies
         gpu["KV slots"] = float(schedule.kv_slots * mu * _longest(m, context)
-                                * m.kv_bytes_per_token) * copies
+                                * m.kv_bytes_per_token) * copies * kv_copies
     else:   # prefill's K,V pass through the slots on their way to the CPU cache
-        gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token)
+        gpu["KV slots"] = float(schedule.kv_slots * mu * prompt * m.kv_bytes_per_token
+                                * kv_copies)
     cpu = {
         "weights (1 - r_w)": sum((1 - r_w) * n * e for n, e in extents),
         "KV cache (1 - r_c)": (1 - r_c) * kv_all,
