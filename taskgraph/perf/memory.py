@@ -126,7 +126,7 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
                                 * kv_copies)
     cpu = {
         "weights (1 - r_w)": sum((1 - r_w) * n * e for n, e in extents),
-        "KV cache (1 - r_c)": (1 - r_c) * kv_all,
+        "KV cache (1 - r_c)": (1 - r_c) * kv_all * kv_copies,   # each GPU's heads, for its host
         "hidden-state buffers": 2 * b * N * (2 * m.h + m.kv_width),
     }
     if schedule.staging:
