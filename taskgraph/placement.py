@@ -67,17 +67,19 @@ def parse_overrides(patterns, field: str = "policy.override_tensor"
         except re.error as e:
             raise ValueError(f"{where} is not a regular expression: {e}") from None
         if _nested_repeat(pattern):
-            raise ValueError(f"{where} repeats a repeat (such as '(a+)+'), which Python's "
-                             "regular expressions can take hours to match; write it without "
-                             "the nesting (llama.cpp's own are like 'blk\\.[0-9]+\\.ffn_.*_exps')")
+            raise ValueError(f"{where} repeats a repeat, or alternatives that begin alike "
+                             "(such as '(a+)+', '(a|aa)*'), which Python's regular "
+                             "expressions can take hours to match; write it without the nesting (llama.cpp's own are like 'blk\\.[0-9]+\\.ffn_.*_exps')")
         out.append((compiled, buffer))
     return out
 
 
 def _nested_repeat(pattern: str) -> bool:
-    """Whether a repeated part of `pattern` holds a repeat itself ('(a+)+', '(a*b?)*'): the
-    shape whose backtracking grows exponentially with the name's length. Read from the parse
-    tree Python's own compiler builds (re._parser, the module sre_parse was)."""
+    """Whether a repeated part of `pattern` holds a repeat itself ('(a+)+', '(a*b?)*') or an
+    alternation whose branches can begin alike ('(a|a)*', '(a|aa)*', '(blk|b)+'): the shapes
+    whose backtracking grows exponentially with the name's length ('(a|a)*b' takes 2.6 s on 24
+    characters, twice as long for each one more). Read from the parse tree Python's own
+    compiler builds (re._parser, the module sre_parse was)."""
     from re import _parser       # Python's own parser of the patterns matched here
 
     repeats = {_parser.MAX_REPEAT, _parser.MIN_REPEAT, getattr(_parser, "POSSESSIVE_REPEAT", None)}
@@ -94,6 +96,8 @@ def _nested_repeat(pattern: str) -> bool:
                 if walk(arg[-1], inside):
                     return True
             elif op is _parser.BRANCH:
+                if inside and _branches_overlap(arg[1], _parser):
+                    return True
                 if any(walk(branch, inside) for branch in arg[1]):
                     return True
             elif op in (_parser.ASSERT, _parser.ASSERT_NOT):
@@ -102,6 +106,43 @@ def _nested_repeat(pattern: str) -> bool:
         return False
 
     return walk(_parser.parse(pattern), False)
+
+
+def _branches_overlap(branches, parser) -> bool:
+    """Whether two branches of an alternation may start with the same character (an empty
+    branch, or one whose start is not a plain set of characters, may start with any)."""
+    seen: set[int] = set()
+    for branch in branches:
+        first = _first_characters(branch, parser)
+        if first is None or first & seen:
+            return True
+        seen |= first
+    return False
+
+
+def _first_characters(items, parser, limit: int = 1024) -> set[int] | None:
+    """The characters a sequence of parsed items can start with, or None for any (or for more
+    than `limit` of them: a conservative answer)."""
+    if not items:
+        return None
+    op, arg = items[0]
+    if op is parser.LITERAL:
+        return {arg}
+    if op is parser.SUBPATTERN:
+        return _first_characters(list(arg[-1]) + list(items[1:]), parser, limit)
+    if op in (parser.MAX_REPEAT, parser.MIN_REPEAT) and arg[0] > 0:
+        return _first_characters(arg[2], parser, limit)
+    if op is parser.IN:
+        out: set[int] = set()
+        for member, value in arg:
+            if member is parser.LITERAL:
+                out.add(value)
+            elif member is parser.RANGE and value[1] - value[0] < limit:
+                out.update(range(value[0], value[1] + 1))
+            else:                       # a negation, a category (\w, \d): any, to be safe
+                return None
+        return out if len(out) <= limit else None
+    return None
 
 
 def cpu_layers_of_overrides(patterns, model: Any) -> frozenset[int]:

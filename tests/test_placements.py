@@ -203,10 +203,22 @@ def _sets(run_with: str) -> list[str]:
     # nested repeats: '([a-z_.0-9]+)+X' took hours on a 40-character name (never run here)
     (["policy.override_tensor=(b+)+x=CPU"], "repeats a repeat"),
     (["policy.override_tensor=blk\\.(1|2+)*\\.ffn_.*_exps=CPU"], "repeats a repeat"),
+    # alternatives that begin alike under a repeat: '(a|a)*b' took 2.6 s on 24 characters
+    (["policy.override_tensor=(a|a)*b=CPU"], "repeats a repeat"),
+    (["policy.override_tensor=blk\\.(1|1[0-9])+\\.ffn=CPU"], "begin alike"),
 ])
 def test_bad_placements_are_refused_naming_the_field(sets, field):
     with pytest.raises(TgError, match=re.escape(field)):
         load_scenario(TINY, ["schedule=EP", *sets])
+
+
+@pytest.mark.parametrize("pattern", [
+    "blk\\.(1|3)\\.ffn_(gate|up|down)_exps\\.weight", "blk\\.[0-9]+\\.ffn_.*_exps",
+    "blk\\.([0-9]|1[0-5])\\.ffn_(up|down|gate)_exps", "(0|1|2)+", "(ab|cd)*"])
+def test_the_patterns_llama_cpp_users_write_are_not_taken_for_slow_ones(pattern):
+    from taskgraph.placement import parse_overrides
+
+    assert len(parse_overrides([f"{pattern}=CPU"])) == 1
 
 
 def test_two_placements_in_a_file_are_refused_and_a_set_replaces_the_files(tmp_path):
