@@ -4,14 +4,15 @@ The Python API (:mod:`taskgraph.api`): ``simulate``, ``compare`` (and ``crossove
 across-batch-sizes form), ``search``, ``execute``,
 ``fit``, ``sweep``, ``batch``, ``validate``, ``calibrate``, ``roofline`` and ``graph`` do what
 the `tg` verbs of the same names do and return typed results whose ``to_dict()`` is the verb's
-``--json``; ``load`` reads a scenario.
+``--json``; ``load`` reads a scenario and ``resolve_policy`` gives ``policy: auto`` the
+search's best.
 """
 
 from taskgraph.errors import TgError      # what every call raises for bad input; imports nothing
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
+__all__ = ["load", "resolve_policy", "simulate", "compare", "crossover", "search", "execute", "fit", "sweep",
            "batch", "catalog", "validate", "calibrate", "roofline", "graph", "TgError",
            "__version__"]
 

@@ -53,17 +53,15 @@ __all__ = ["load", "simulate", "compare", "search", "execute", "fit", "sweep", "
 from taskgraph.study.compare import parse_entry  # noqa: E402  (re-exported: the CLI reads entries)
 
 
-def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | None = None,
-         auto: bool = True) -> tuple[Scenario, Any]:
+def load(scenario: ScenarioLike, overrides: Overrides = None,
+         schedule: str | None = None) -> Scenario:
     """The scenario, overridden and validated, with `schedule` (an override like any other, so
-    that its placement replaces the file's) and, with `auto`, ``policy: auto`` replaced by the
-    search's best. Returns it with that search's result (None when the policy was given).
-    Within a :func:`verb`, an output of it that loading read (a profile, a request list) is
-    refused before the search."""
+    that its placement replaces the file's). Loading runs nothing: ``policy: auto`` stays
+    until :func:`resolve_policy`. Within a :func:`verb`, an output of it that loading read (a
+    profile, a request list) is refused."""
     from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.files import refuse_input
     from taskgraph.scenario import apply_override, load_scenario, scenario_from_dict
-    from taskgraph.study.search import resolve_auto_policy
 
     if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
         shown = repr(schedule) if len(repr(schedule)) <= 40 else repr(schedule)[:37] + "..."
@@ -87,7 +85,17 @@ def load(scenario: ScenarioLike, overrides: Overrides = None, schedule: str | No
                       f"{type(scenario).__name__}.")
     for flag, path in _WRITING.get().items():      # a profile, a request list it names
         refuse_input(path, flag)
-    return resolve_auto_policy(loaded) if auto else (loaded, None)
+    return loaded
+
+
+def resolve_policy(scenario: Scenario) -> tuple[Scenario, Any]:
+    """A scenario with ``policy: auto`` given the search's best policy (an expert-level
+    schedule keeps its schedule), with that search's result; one with a policy as it is, with
+    None. The verbs that run one policy (simulate, compare, execute, batch, validate, roofline,
+    graph) call it first; the CLI says what it picked."""
+    from taskgraph.study.search import resolve_auto_policy
+
+    return resolve_auto_policy(scenario)
 
 
 def _override_items(overrides: Overrides) -> list[str]:
@@ -244,7 +252,7 @@ def simulate(scenario: ScenarioLike, *, schedule: str | None = None,
     from taskgraph.serving.queue import simulate_queue
     from taskgraph.sim.simulate import simulate_scenario
 
-    s, _ = load(scenario, overrides, schedule)
+    s, _ = resolve_policy(load(scenario, overrides, schedule))
     if s.requests is None:
         if csv:
             raise TgError("--csv writes each request's finish time; the scenario lists no "
@@ -278,7 +286,7 @@ def compare(scenario: ScenarioLike, schedules: Iterable[str] | str | None = None
     names = _names(schedules)
     # the first schedule named is the scenario's own: its placement replaces the file's
     first = parse_entry(names[0])[0] if names and not isinstance(scenario, Scenario) else None
-    s, _ = load(scenario, overrides, first)
+    s, _ = resolve_policy(load(scenario, overrides, first))
     return run(s, names, check=check, keep_runs=keep_runs, progress=progress,
                keep_steps=keep_steps)
 
@@ -300,7 +308,7 @@ def crossover(scenario: ScenarioLike, schedules: Iterable[str] | str | None = No
     """
     from taskgraph.study.crossover import crossover as run
 
-    s, _ = load(scenario, overrides, auto=False)
+    s = load(scenario, overrides)
     result = run(s, _names(schedules), batch_sizes, _backend(backend, ray_address), progress)
     if plot:
         result.plot(plot)
@@ -341,7 +349,7 @@ def search(scenario: ScenarioLike, *, overrides: Overrides = None, top: int = 10
              "batch": batch}
     overrides = _override_items(overrides) + [f"objective.{k}={v}" for k, v in given.items()
                                               if v is not None]
-    s, _ = load(scenario, overrides, auto=False)      # the search is what `auto` would run
+    s = load(scenario, overrides)      # the search is what `auto` would run
     result = search_scenario(s, top, verify, brute_force, jobs, progress)
     if isinstance(scenario, (str, Path)):
         result.path = str(scenario)
@@ -393,7 +401,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     if steps is not None and steps < 1:
         raise TgError(f"--steps must be at least 1, not {steps}.")
     items = _override_items(overrides) + ([f"workload.gen_len={steps}"] if steps else [])
-    s, _ = load(scenario, items, schedule)
+    s, _ = resolve_policy(load(scenario, items, schedule))
     if s.requests is not None and not prompts:
         if profile:
             raise TgError("--profile traces one batch; run it without a request list (or with "
@@ -505,7 +513,7 @@ def batch(scenario: ScenarioLike, *, overrides: Overrides = None,
     """
     from taskgraph.serving.requests import batching
 
-    s, _ = load(scenario, overrides)
+    s, _ = resolve_policy(load(scenario, overrides))
     result = batching(s)
     if csv:
         result.write_csv(csv)
@@ -540,7 +548,7 @@ def validate(scenario: ScenarioLike, schedules: Iterable[str] | str | None = Non
         names = [n for n, s in SCHEDULES.items() if s.parallel != "pipeline"]
     dev = pick_device(device)
     jobs = _backend(backend, ray_address)
-    s, _ = load(scenario, overrides)
+    s, _ = resolve_policy(load(scenario, overrides))
     result = validate_scenario(s, names, list(mu) if mu else None, repeats, dev, jobs,
                                progress)
     if plot:
@@ -566,7 +574,7 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     from taskgraph.exec.loading import pick_device
 
     dev = pick_device(device)
-    s, _ = load(scenario, overrides, auto=False)
+    s = load(scenario, overrides)
     return calibrate_to(s, str(out), dev, progress)
 
 
@@ -596,7 +604,7 @@ def roofline(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides = 
     from taskgraph.output.plots import roofline as draw
     from taskgraph.output.plots import roofline_points
 
-    s, _ = load(scenario, overrides)
+    s, _ = resolve_policy(load(scenario, overrides))
     draw(s, out)
     return Roofline(out, roofline_points(s))
 
@@ -618,7 +626,7 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
     from taskgraph.dag.builder import build_segment, make_plan
     from taskgraph.output.export import SegmentGraph, write_graph
 
-    plan = make_plan(load(scenario, overrides, schedule)[0])
+    plan = make_plan(resolve_policy(load(scenario, overrides, schedule))[0])
     step = step if step is not None else min(2, plan.G)
     if not 0 <= step <= plan.G:
         raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "

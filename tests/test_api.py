@@ -64,8 +64,7 @@ def test_a_scenario_may_be_a_mapping_or_an_object(capsys):
     by_dict = tg.simulate(doc, overrides=["workload.gen_len=2"])
     assert doc == TINY                                        # the caller's mapping is untouched
     assert by_dict.summary["steps"] == 2
-    scenario, found = tg.load(SCENARIO)
-    assert found is None
+    scenario = tg.load(SCENARIO)
     assert _without_wall_time(tg.simulate(scenario).to_dict()) == _without_wall_time(by_path)
     with pytest.raises(TgError, match="model_copy"):
         tg.simulate(scenario, overrides={"policy.mu": 4})
@@ -416,3 +415,23 @@ def test_api_arguments_are_checked_as_the_command_lines_are(call, words):
     simulate(schedule="") ran the file's schedule; a mapping inside itself raised ValueError."""
     with pytest.raises(TgError, match=re.escape(words)):
         call()
+
+
+def test_loading_runs_no_search_and_resolving_says_what_it_picked(tmp_path, monkeypatch):
+    """Issue 39, point 4: tg.load ran the policy search for `policy: auto`; now loading is
+    loading, and the verbs that run one policy resolve it with tg.resolve_policy."""
+    from taskgraph.study import search
+
+    path = tmp_path / "auto.yaml"
+    path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
+                    "policy: auto\n")
+    searches = []
+    real = search.search
+    monkeypatch.setattr(search, "search", lambda *a, **k: searches.append(1) or real(*a, **k))
+    loaded = tg.load(path)
+    assert loaded.policy_auto and searches == []
+    resolved, found = tg.resolve_policy(loaded)
+    assert searches == [1] and not resolved.policy_auto
+    assert resolved.policy.N == found.best.policy["N"]
+    assert tg.resolve_policy(resolved) == (resolved, None)       # a given policy stays
+    assert tg.simulate(path).summary["policy"]["N"] == resolved.policy.N

@@ -114,12 +114,13 @@ def _load(args: argparse.Namespace, schedule: str | None = None):
     `policy: auto` is replaced by the search's best, which is said. No output may replace a
     file it read."""
     steps = getattr(args, "steps", None)
-    scenario, found = api.load(args.scenario, [*args.overrides, *(
+    scenario = api.load(args.scenario, [*args.overrides, *(
         [f"workload.gen_len={steps}"] if steps is not None else [])],
         schedule or getattr(args, "schedule", None))
     for flag, path in vars(args).items():
         if isinstance(path, Output):
             refuse_input(path, f"--{flag.replace('_', '-')}")
+    scenario, found = api.resolve_policy(scenario)     # before any work: outputs checked
     if found is not None:
         _said(args, found.picked())
     return scenario

@@ -113,8 +113,12 @@ class Candidate:
         return self.simulated_tok_s if self.simulated_tok_s is not None else self.predicted_tok_s
 
     def scenario(self, base: Scenario) -> Scenario:
-        return base.model_copy(update={"policy": PolicySpec(**self.policy),
-                                       "schedule": self.schedule})
+        picked = base.model_copy(update={"policy": PolicySpec(**self.policy),
+                                         "schedule": self.schedule})
+        # a copy keeps the base's private fields: `policy: auto` would be searched again
+        # by every verb it passed through (the CLI's, then the API's)
+        picked._policy_auto = False
+        return picked
 
 
 @dataclass
