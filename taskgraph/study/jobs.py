@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
@@ -161,23 +163,30 @@ def _worker_start(parent: int) -> None:
 def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None) -> list[Any]:
     ray = require_ray()
     check_reachable(address)
-    started = not ray.is_initialized()
-    if started:
-        try:
-            # Workers' log lines would interleave with tg's tables; their errors still arrive
-            # as exceptions from ray.get.
-            # "local": a Ray of its own for this run, even where a cluster is already running
-            # on this machine (ray.init() would join that one)
-            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            raise TgError(f"--ray-address {address or '(local)'}: could not start or join a "
-                          f"Ray cluster ({err}). For an existing cluster run `ray start --head` "
-                          "on one node and pass --ray-address auto on it.") from None
+    stops = _Stops()
+    results: dict[int, Any] = {}
+    try:
+        with stops:
+            if ray.is_initialized():      # a Ray this process joined already: its owner's to stop
+                _ray_jobs(ray, jobs, results, progress, stops)
+            else:
+                with _ray_session(ray, address, stops):
+                    _ray_jobs(ray, jobs, results, progress, stops)
+    except KeyboardInterrupt:
+        signum = stops.received[0] if stops.received else signal.SIGINT
+        _say_interrupted(len(results), len(jobs), _HOW[signum])
+        if signum == signal.SIGINT:
+            raise
+        raise SystemExit(128 + signum) from None
+    return [results[i] for i in range(len(jobs))]
+
+
+def _ray_jobs(ray: Any, jobs: Sequence[Any], results: dict[int, Any],
+              progress: Progress | None, stops: _Stops) -> None:
+    """Each job's result into `results` by its index, as it finishes."""
     task = ray.remote(_run)
     refs = [task.remote(job) for job in jobs]
     index = {ref: i for i, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(jobs)
     pending = list(refs)
     try:
         while pending:
@@ -185,17 +194,208 @@ def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None
             for ref in done:
                 results[index[ref]] = _get(ray, ref)
             if done and progress:
-                progress(len(jobs) - len(pending), len(jobs))
-        return results
-    except BaseException as err:
+                progress(len(results), len(jobs))
+            stops.check()
+    except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)
-        if isinstance(err, KeyboardInterrupt):
-            _say_interrupted(len(jobs) - len(pending), len(jobs))
         raise
+
+
+@contextmanager
+def _ray_session(ray: Any, address: str | None, stops: _Stops) -> Iterator[None]:
+    """Ray started (or a cluster joined) for the run and stopped after it however it ends: a
+    local Ray's processes end with it, and its files (a session folder in the temp dir, which
+    Ray never removes) are kept in a folder of the run's own and removed."""
+    before = _descendants()
+    temp = _temp_folder() if address is None else None
+    adopting = _adopt_orphans(True)
+    try:
+        with _ray_starting(ray, stops):
+            try:
+                # Workers' log lines would interleave with tg's tables; their errors still
+                # arrive as exceptions from ray.get.
+                # "local": a Ray of its own for this run, even where a cluster is already
+                # running on this machine (ray.init() would join that one)
+                ray.init(address=address or "local", include_dashboard=False,
+                         log_to_driver=False, logging_level=logging.WARNING, _temp_dir=temp)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise TgError(f"--ray-address {address or '(local)'}: could not start or join "
+                              f"a Ray cluster ({err}). For an existing cluster run `ray start "
+                              "--head` on one node and pass --ray-address auto on it.") from None
+            finally:
+                stops.install()       # again: a Ray without the names above sets its own
+        yield
     finally:
-        if started:
+        stops.hold()
+        try:
+            ray.shutdown(wait_for_processes=True)
+        except TypeError:         # an older Ray, which cannot wait for them
             ray.shutdown()
+        # Processes the raylet started can outlive it (they are this process's children now)
+        _end_new(before)
+        _adopt_orphans(adopting)
+        if temp:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _temp_folder() -> str:
+    """A folder for a local Ray's files. Its sockets go 64 bytes deeper and their paths may not
+    pass 107 (AF_UNIX): where the temp dir is too deep for that (macOS's is), one in /tmp."""
+    temp = tempfile.mkdtemp(prefix="tg-ray-")
+    if len(os.fsencode(temp)) + 64 <= 107 or not os.path.isdir("/tmp"):
+        return temp
+    os.rmdir(temp)
+    return tempfile.mkdtemp(prefix="tg-ray-", dir="/tmp")
+
+
+@contextmanager
+def _ray_starting(ray: Any, stops: _Stops) -> Iterator[None]:
+    """tg's signal handlers kept through ray.init, which as it starts sets a SIGTERM handler of
+    its own (sys.exit: status 15, or 1 from inside Ray's waits) and has its C++ core add one
+    that prints a stack trace and may abort. A signal that stopped ray.init as it built that
+    core (`connect`) left it half-built, and tg crashed at exit (SIGSEGV): one then waits for
+    `connect` to finish, a second or so. These are Ray's private names; a Ray that lacks one
+    is left as it is."""
+    private = ray._private
+    connect = getattr(private.worker, "connect", None)
+
+    def connect_whole(*args: Any, **kwargs: Any) -> Any:
+        with stops.deferred():
+            return connect(*args, **kwargs)
+
+    changes = [(private.utils, "set_sigterm_handler", lambda handler: None),
+               (private.ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True),
+               (private.worker, "connect", connect_whole)]
+    saved = [(where, name, getattr(where, name)) for where, name, _ in changes
+             if hasattr(where, name)]
+    for where, name, value in changes:
+        if hasattr(where, name):
+            setattr(where, name, value)
+    try:
+        yield
+    finally:
+        for where, name, value in saved:
+            setattr(where, name, value)
+
+
+def _adopt_orphans(on: bool) -> bool:
+    """Makes orphaned descendants of this process its children rather than init's (Linux's
+    child subreaper), so that those left by Ray's raylet can be found and ended; returns
+    whether it was so before."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(was))          # PR_GET_CHILD_SUBREAPER
+        libc.prctl(36, int(on))                     # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+    return bool(was.value)
+
+
+def _descendants() -> dict[int, Any]:
+    """This process's descendants (psutil processes by pid; none where psutil, which Ray
+    brings, is missing)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def _end_new(before: dict[int, Any]) -> None:
+    """Kills the descendants of this process not among `before` and waits for them."""
+    for _ in range(3):          # one being killed may have started another
+        new = [p for pid, p in _descendants().items() if pid not in before]
+        if not new:
+            return
+        import psutil
+
+        for proc in new:
+            try:
+                proc.kill()        # psutil's kill spares a process whose pid was reused
+            except psutil.Error:
+                pass
+        psutil.wait_procs(new, timeout=10)
+
+
+class _Stops:
+    """SIGINT, SIGTERM and SIGHUP while Ray runs. The first stops the run as Ctrl-C does, by
+    KeyboardInterrupt: the only exception Ray passes on from a handler run inside its waits
+    (SystemExit comes out as SystemExit(1), anything else is printed and dropped). One that
+    comes while Ray builds its core or is being shut down is noted and acted on after that,
+    and the others are noted only, so that none cuts short either, or the clean-up."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.main = threading.current_thread() is threading.main_thread()
+        self.before: dict[int, Any] = {}
+        self.held = False
+        self.unraisable = sys.unraisablehook
+
+    def install(self) -> None:
+        if not self.main:
+            return
+        for sig in _STOPS:
+            previous = signal.signal(sig, self.stop)
+            self.before.setdefault(sig, previous)
+
+    def stop(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1 and not self.held:
+            raise KeyboardInterrupt
+
+    def dropped(self, unraisable: Any) -> None:
+        """sys.unraisablehook: a KeyboardInterrupt raised where Python drops it (in an at-fork
+        hook, as Ray starts a process) goes unprinted; `check` acts on its signal."""
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and self.received):
+            self.unraisable(unraisable)
+
+    def hold(self) -> None:
+        self.held = True
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+        self.check()
+
+    def check(self) -> None:
+        """Stops the run for a signal that came while held, or whose KeyboardInterrupt was
+        dropped."""
+        if self.received:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _Stops:
+        self.install()
+        if self.main:
+            sys.unraisablehook = self.dropped
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        for sig, previous in self.before.items():      # None: a handler not set from Python
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        if self.main:
+            sys.unraisablehook = self.unraisable
+        if kind is None:          # one held through the shutdown
+            self.check()
+
+
+_STOPS = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+          if hasattr(signal, name)]
+_HOW = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+if hasattr(signal, "SIGHUP"):
+    _HOW[signal.SIGHUP] = "hung up"
 
 
 def _get(ray: Any, ref: Any) -> Any:
