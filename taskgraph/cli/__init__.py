@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except TgError as err:
         print(f"tg {args.command}: error: {printable(str(err))}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:       # a file being written is left as it was (atomic_path)
-        print(f"tg {args.command}: interrupted.", file=sys.stderr)
+    except KeyboardInterrupt as err:   # a file being written is left as it was (atomic_path)
+        if not getattr(err, "said", False):         # the jobs' runner says how far they got
+            print(f"tg {args.command}: interrupted.", file=sys.stderr)
         return 130
     except Terminated as end:
         print(f"tg {args.command}: stopped by {end.signal_name}.", file=sys.stderr)

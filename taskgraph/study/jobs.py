@@ -108,6 +108,7 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             proc.kill()
         if isinstance(err, KeyboardInterrupt):
             _say_interrupted(finished, len(jobs))
+            err.said = True           # the CLI's own "interrupted." would repeat it
         if isinstance(err, _Terminated):
             _say_interrupted(finished, len(jobs), "terminated")
             raise SystemExit(128 + signal.SIGTERM) from None
@@ -172,10 +173,11 @@ def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None
             else:
                 with _ray_session(ray, address, stops):
                     _ray_jobs(ray, jobs, results, progress, stops)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         signum = stops.received[0] if stops.received else signal.SIGINT
         _say_interrupted(len(results), len(jobs), _HOW[signum])
         if signum == signal.SIGINT:
+            err.said = True
             raise
         raise SystemExit(128 + signum) from None
     return [results[i] for i in range(len(jobs))]
