@@ -545,7 +545,8 @@ def _announce(cells: list[Cell], machines, impls, loo: bool) -> None:
         f"the fit simulates each of its {len(cells)} cells {times} times, over "
         f"{sum(tasks) * times:,} tasks in all: at least {in_words(least)} at the simulator's "
         f"best pace ({TASKS_PER_S:,} tasks a second). The largest cell is {big.id} "
-        f"(over {max(tasks):,} tasks; its workload.gen_len sets its steps). Ctrl-C stops it."), stacklevel=3)
+        f"(over {max(tasks):,} tasks; its workload.gen_len sets its steps). Ctrl-C stops it."),
+        stacklevel=3)
 
 
 def _same_part(refit: Param, full: Param) -> bool:
