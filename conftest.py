@@ -2,11 +2,11 @@
 run and checked."""
 
 from sybil import Sybil
-from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
+from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
-from tests.doc_examples import run_console, setup, teardown
+from tests.doc_examples import PythonBlocks, run_console, setup, teardown
 
 pytest_collect_file = Sybil(
-    parsers=[SkipParser(), CodeBlockParser("console", run_console), PythonCodeBlockParser()],
+    parsers=[SkipParser(), CodeBlockParser("console", run_console), PythonBlocks()],
     patterns=["README.md", "docs/*.md"], setup=setup, teardown=teardown,
 ).pytest()

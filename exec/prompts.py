@@ -15,19 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 from taskgraph.errors import TgError
-from taskgraph.files import atomic_path, read_json, read_text
+from taskgraph.files import atomic_path, plain_text, read_json, read_text
 
 
 class _Line(BaseModel):
+    # strict: JSON's true, 1e1 and "4" are not token ids or counts (one rule for numbers, as in
+    # scenarios: taskgraph/specs.py:Numbers)
     model_config = ConfigDict(extra="forbid")
 
-    id: str | int | None = None
-    prompt: str | None = None
-    prompt_ids: list[int] | None = None
-    max_new_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    id: StrictStr | StrictInt | None = None
+    prompt: StrictStr | None = None
+    prompt_ids: list[StrictInt] | None = None
+    max_new_tokens: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "_Line":
@@ -90,6 +93,7 @@ def read_prompts(path: str | Path, vocab: int, default_new_tokens: int,
         except (ValueError, RecursionError):     # a 5,000-digit number, 10^5 nested arrays
             raise TgError(f"{where} is not a request (a number of more than 4,300 digits, or "
                           "nesting deeper than JSON can be read).") from None
+        plain_text(line.id, f"{where}: id")        # execute lists the ids it ran
         if line.prompt is not None:
             if tokenizer is None:
                 raise TgError(f"{where} gives prompt text, but the checkpoint has no "

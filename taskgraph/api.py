@@ -28,6 +28,7 @@ so the two cannot drift apart (the command line says itself what ``--set``, ``--
 
 from __future__ import annotations
 
+import collections.abc
 import contextvars
 import functools
 import inspect
@@ -152,19 +153,25 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
 
         @functools.wraps(func)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            from taskgraph.files import inputs_of_call
+            from taskgraph.files import inputs_of_call, path_error
 
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:       # the call itself says it the way Python does
                 return func(*args, **kwargs)
             for name, value in given.items():
-                _check_argument(func.__name__, name, value, hints.get(name))
+                if name not in writes:         # an output is named by its flag (_outputs)
+                    _check_argument(func.__name__, name, value, hints.get(name))
             outputs = _outputs(writes, given)
             with inputs_of_call():
                 token = _WRITING.set(outputs)
                 try:
                     return func(*args, **kwargs)
+                except OSError as err:      # a path no check of tg's looked at
+                    error = path_error(err)
+                    if error is None or error.exit_code != TgError.exit_code:
+                        raise
+                    raise error from None
                 finally:
                     _WRITING.reset(token)
 
@@ -183,19 +190,79 @@ _PLAIN = {int: ("an integer", lambda v: isinstance(v, numbers.Integral)
 
 
 def _check_argument(verb_name: str, name: str, value: Any, hint: Any) -> None:
-    """A plain parameter (int, float, str, bool, or one of them or None) of the type its
-    annotation says: a TgError naming it otherwise, not a run that never returns
-    (`search(top=2.5)`) or an AttributeError deep inside."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) \
-        else (hint,)
-    plain = [o for o in options if o is not type(None)]
-    if len(plain) != 1 or plain[0] not in _PLAIN or (value is None and type(None) in options):
+    """An argument of the type its annotation says (a plain int, float, str or bool; a path; a
+    list of them; a mapping; or a union of these): a TgError naming it otherwise, not a run that
+    never returns (`search(top=2.5)`) or a TypeError or AttributeError deep inside
+    (`compare(T, 5)`). Annotations it cannot read (callables) are not checked."""
+    if _fits(value, hint):
         return
-    what, ok = _PLAIN[plain[0]]
-    if not ok(value):
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise TgError(f"{verb_name}: {name} must be {what}, not {shown}.")
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise TgError(f"{verb_name}: {name} must be {_described(hint)}, not {shown}.")
+
+
+# typing's generics as get_origin names them
+_MAPPINGS = (collections.abc.Mapping, dict)
+_LISTS = (collections.abc.Iterable, collections.abc.Sequence, list, tuple)
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) \
+        else (hint,)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` is of type `hint`; True where the hint is not one _described reads."""
+    if any(o is type(None) for o in _options(hint)) and value is None:
+        return True
+    checks = [_fits_one(value, o) for o in _options(hint) if o is not type(None)]
+    return any(c is not False for c in checks)
+
+
+def _fits_one(value: Any, hint: Any) -> bool | None:
+    """Whether `value` is a `hint` (no union); None where the hint is not read here."""
+    if hint in _PLAIN:
+        return _PLAIN[hint][1](value)
+    if hint is Path:
+        return isinstance(value, (str, os.PathLike))
+    origin = typing.get_origin(hint)
+    if origin in _MAPPINGS:
+        return isinstance(value, Mapping)
+    if origin in _LISTS:
+        item = (typing.get_args(hint) or (Any,))[0]
+        if item is str:       # names and KEY=VALUE: the verb says what one should look like
+            return None
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+            return False
+        # a list's items are checked (True is no integer); a generator is not drained
+        return not isinstance(value, (list, tuple)) or all(_fits(v, item) for v in value)
+    if isinstance(hint, type) and hint.__module__.startswith("taskgraph."):
+        return isinstance(value, hint)
+    return None
+
+
+def _described(hint: Any, plural: bool = False) -> str:
+    """What a hint takes, in words: "a path or a list of paths"."""
+    options = [o for o in _options(hint) if o is not type(None)]
+    if Path in options:                     # str | Path is a path
+        options = [o for o in options if o is not str]
+    words = []
+    for option in options:
+        origin = typing.get_origin(option)
+        if option in _PLAIN:
+            words.append(_PLURAL.get(option, "text") if plural else _PLAIN[option][0])
+        elif option is Path:
+            words.append("paths" if plural else "a path")
+        elif origin in _MAPPINGS:
+            words.append("mappings" if plural else "a mapping")
+        elif origin in _LISTS:
+            words.append(f"a list of {_described((typing.get_args(option) or (Any,))[0], True)}")
+        elif isinstance(option, type):
+            words.append(f"{option.__name__}s" if plural else f"a {option.__name__}")
+    return " or ".join(dict.fromkeys(words)) or "something else"
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "text", bool: "true or false"}
 
 
 def output_path(text: str, spec: tuple[str, ...] | Folder):
@@ -484,6 +551,11 @@ def sweep(scenario: str | Path, vary: Mapping[str, Iterable[Any]] | Iterable[str
     from taskgraph.study.sweep import parse_vary
     from taskgraph.study.sweep import sweep as run
 
+    if isinstance(vary, str):
+        vary = [vary]
+    if not isinstance(vary, Iterable):
+        raise TgError(f"vary must be KEY=V1,V2 strings (a list of them, or one) or a mapping "
+                      f"of fields to values, not {str(vary)[:40]!r}.")
     items = ([f"{k}={_values(values)}" for k, values in vary.items()]
              if isinstance(vary, Mapping) else list(vary))
     jobs = _backend(backend, ray_address)
@@ -641,6 +713,9 @@ def _names(schedules: Iterable[str] | str | None) -> list[str] | None:
     """Schedules as a list or comma-separated, as --schedules takes them ("S1" is not S, 1)."""
     if schedules is None:
         return None
+    if not isinstance(schedules, (str, Iterable)):
+        raise TgError(f"schedules must be names such as 'S1' (a list of them, or one string "
+                      f"'S1,S2'), not {str(schedules)[:40]!r}.")
     names = schedules.split(",") if isinstance(schedules, str) else list(schedules)
     wrong = [n for n in names if not isinstance(n, str)]
     if wrong:

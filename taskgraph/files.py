@@ -8,6 +8,7 @@ and two runs writing the same path each leave a valid file: the last to finish w
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -323,6 +324,23 @@ def _csv_cell(value: Any) -> Any:
         return value
     except ValueError:
         return "'" + value
+
+
+#: The system's answers to a path that names no usable file: the user's input.
+_BAD_PATH = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES,
+             errno.ELOOP}
+
+
+def path_error(err: OSError) -> TgError | None:
+    """An OSError about a path where no check of tg's looked (a 100,000-character name) as the
+    one-line error a bad path gets: a TgError where the path is the user's mistake, an error
+    exiting 1 where the machine failed (a full disk); None where the error names no path."""
+    if err.filename is None:
+        return None
+    error = TgError(f"'{os.fsdecode(err.filename)}': {err.strerror or err}.")
+    if err.errno not in _BAD_PATH:
+        error.exit_code = 1
+    return error
 
 
 def plain_text(value: Any, context: str) -> None:

@@ -180,7 +180,9 @@ class ModelSpec(Spec):
     name: str = "custom"
     h: int = Positive
     h_i: int = Positive          # a routed expert's intermediate size
-    L: int = Positive
+    # The deepest MoEs have 61-94 layers; a graph's tasks grow with L, and a million layers
+    # would be built for hours before anything could refuse them.
+    L: int = Field(gt=0, le=1000)
     n_q: int = Positive
     n_kv: int = Positive
     E: int = Positive
@@ -739,7 +741,7 @@ class HardwareSpec(Spec):
     task_gbps: dict[str, float] = Field(default_factory=dict)
     # How long after a task ends a task on another stream waiting for it can start (an event's
     # latency, a thread waking up). `tg calibrate` measures it.
-    handoff_us: float = Field(default=0.0, ge=0.0)
+    handoff_us: float = Field(default=0.0, ge=0.0, le=1e9, allow_inf_nan=False)
     # Tasks slowed down by what overlaps them on other resources (None: not modelled).
     interference: InterferenceSpec | None = None
 
@@ -753,6 +755,8 @@ class HardwareSpec(Spec):
                 raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
             if x < 0 or (x == 0 and info.field_name == "task_gbps"):
                 raise ValueError(f"{kind}: {x} must be {'positive' if x == 0 else 'non-negative'}")
+            if x > 1e9:                 # as every other figure: 1e308 overflows the clock
+                raise ValueError(f"{kind}: {x} must be at most 1e9")
         return value
 
 

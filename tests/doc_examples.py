@@ -17,8 +17,10 @@ counts (whole numbers that are not shares: tasks, steps, a policy's fields) but 
 other figures nor the resource a run is bound by (``gpu-bound``: measured runs; this machine's
 speed is not the README's); ``<!-- skip: next
 "why" -->`` skips it (Sybil's skip); ``<!-- skip: next if(not SLOW, reason="why") -->`` runs it
-only with ``TG_DOCS_SLOW=1`` (what `.ci/run` sets for its second pass). ```` ```python ````
-blocks run as Python, in order, sharing one namespace per document.
+only with ``TG_DOCS_SLOW=1``, and ``TG_DOCS_SLOW=only`` runs those blocks alone (what `.ci/run`
+sets for its second pass: the test command ran the others), with three times the time limit
+(each runs minutes). ```` ```python ```` blocks run as Python, in order, sharing one namespace
+per document.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
 from sybil import Example
+from sybil.parsers.markdown import PythonCodeBlockParser
 
 ROOT = Path(__file__).resolve().parent.parent
 RELATIVE = 0.02
@@ -58,7 +62,8 @@ def setup(namespace: dict) -> None:
         (work / name).symlink_to(ROOT / name)
     for name in ("traces", "profiles"):
         (work / name).mkdir()
-    namespace.update(WORK=work, SLOW=os.environ.get("TG_DOCS_SLOW") == "1",
+    slow = os.environ.get("TG_DOCS_SLOW")
+    namespace.update(WORK=work, SLOW=slow in ("1", "only"), ONLY_SLOW=slow == "only",
                      HOME_DIR=os.getcwd())
     os.chdir(work)          # Python blocks open the same relative paths as console blocks
 
@@ -70,30 +75,62 @@ def teardown(namespace: dict) -> None:
     shutil.rmtree(namespace["WORK"], ignore_errors=True)
 
 
-def _check_for(example: Example) -> str | None:
-    """The ``<!-- check: ... -->`` among the comments just above this block, if any (read from
-    the text, so that a block run on its own is checked as in the whole document)."""
+def _comments(example: Example) -> list[str]:
+    """The bodies of the ``<!-- ... -->`` comments just above this block (read from the text,
+    so that a block run on its own is steered as in the whole document)."""
     text = example.document.text[:example.start].rstrip()
-    how = None
+    bodies = []
     while text.endswith("-->") and "<!--" in text:
         start = text.rfind("<!--")
-        body = text[start + 4:-3].strip()
+        bodies.append(text[start + 4:-3].strip())
+        text = text[:start].rstrip()
+    return bodies
+
+
+def _check_for(example: Example) -> str | None:
+    """The ``<!-- check: ... -->`` above this block, if any."""
+    how = None
+    for body in _comments(example):
         if body.startswith("check:"):
             how = body.removeprefix("check:").strip()
             if how != "text":
                 raise ValueError(f"<!-- {body} -->: the only check is 'text'")
-        text = text[:start].rstrip()
     return how
+
+
+def _slow(example: Example) -> bool:
+    """Whether the block is marked to run only with TG_DOCS_SLOW."""
+    return any(body.startswith("skip: next if(not SLOW") for body in _comments(example))
+
+
+class PythonBlocks(PythonCodeBlockParser):
+    """Python blocks, run as doctests, but not by ``TG_DOCS_SLOW=only`` (none is slow)."""
+
+    def __call__(self, document):
+        for region in super().__call__(document):
+            region.evaluator = _not_only_slow(region.evaluator)
+            yield region
+
+
+def _not_only_slow(evaluator):
+    def evaluate(example: Example):
+        if example.namespace["ONLY_SLOW"]:
+            pytest.skip("TG_DOCS_SLOW=only: the test command ran this block")
+        return evaluator(example)
+    return evaluate
 
 
 def run_console(example: Example) -> None:
     """Run each command of the block and check what it printed against what the block shows."""
     namespace = example.namespace
-    how = _check_for(example)
+    how, slow = _check_for(example), _slow(example)
+    if namespace["ONLY_SLOW"] and not slow:
+        pytest.skip("TG_DOCS_SLOW=only: the test command ran this block")
     for command, shown in _session(str(example.parsed)):
         namespace["RAY_STARTED"] = namespace.get("RAY_STARTED") or command.startswith("ray start")
         proc = subprocess.run(["bash", "-c", command], cwd=namespace["WORK"],
-                              capture_output=True, text=True, timeout=TIMEOUT_S,
+                              capture_output=True, text=True,
+                              timeout=TIMEOUT_S * (3 if slow else 1),
                               env={**os.environ, "COLUMNS": "110", "TERM": "dumb"})
         printed = proc.stdout + proc.stderr
         expect_error = "error:" in shown

@@ -183,7 +183,7 @@ def test_execute_is_tg_execute(capsys):
     assert "tokens identical" in _shown(result)
 
 
-def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
+def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys, monkeypatch):
     queue = {"workload.lengths": {"preset": "mtbench", "count": 20, "seed": 3}}
     batching = tg.batch(SCENARIO, overrides=queue)
     cli = _cli_json(capsys, "batch", SCENARIO, "--set",
@@ -194,6 +194,13 @@ def test_batch_sweep_and_graph_are_their_verbs(tmp_path, capsys):
     cli = _cli_json(capsys, "sweep", SCENARIO, "--vary", "hardware.link.h2d_gbps=8,16",
                     "--out", str(tmp_path / "cli"))
     assert swept.to_dict()["rows"] == cli["rows"] and len(cli["rows"]) == 2
+    # The sweeps below check which points the values given make, not the searches again (a
+    # search a point, seconds each): a point's row is the one searched above, and a point
+    # not swept above (1 and 6, from "16" taken letter by letter) is a KeyError.
+    searched = {(("hardware.link.h2d_gbps", row["hardware.link.h2d_gbps"]),): row
+                for row in cli["rows"]}
+    monkeypatch.setattr("taskgraph.study.sweep.run_sweep",
+                        lambda jobs, *args: [dict(searched[job.point]) for job in jobs])
     # a text is the values as --vary writes them ("16" swept 1 and 6), a number one value
     for values in ("16", 16):
         rows = tg.sweep(SCENARIO, {"hardware.link.h2d_gbps": values},
@@ -402,6 +409,14 @@ def _nested(depth: int) -> dict:
     (lambda: tg.graph(SCENARIO, step=1.5), "graph: step must be an integer, not 1.5"),
     (lambda: tg.search(SCENARIO, ray_address=123), "ray_address must be text, not 123"),
     (lambda: tg.compare(SCENARIO, ["S1", 5]), "schedules must be names such as 'S1', not 5"),
+    # an argument of the wrong kind altogether was a TypeError deep inside
+    (lambda: tg.compare(SCENARIO, 5), "schedules must be names such as 'S1' (a list of them"),
+    (lambda: tg.sweep(SCENARIO, 5, out="x.csv"), "vary must be"),
+    (lambda: tg.fit(5), "fit: measurements must be a path or a list of paths, not 5"),
+    (lambda: tg.fit([5]), "fit: measurements must be a path or a list of paths, not [5]"),
+    (lambda: tg.validate(SCENARIO, mu=[True], device="cpu"),
+     "validate: mu must be a list of integers, not [True]"),
+    (lambda: tg.simulate(5), "simulate: scenario must be a path or a mapping or a Scenario, not 5."),
     (lambda: tg.search(SCENARIO, max_token_ms="100"), "max_token_ms must be a number"),
     (lambda: tg.simulate(SCENARIO, schedule=""), "schedule '' is not a schedule; known"),
     (lambda: tg.simulate(_containing_itself()), "The scenario mapping contains itself"),
@@ -425,9 +440,20 @@ def test_loading_runs_no_search_and_resolving_says_what_it_picked(tmp_path, monk
     path = tmp_path / "auto.yaml"
     path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
                     "policy: auto\n")
-    searches = []
+    searches, done = [], []
     real = search.search
-    monkeypatch.setattr(search, "search", lambda *a, **k: searches.append(1) or real(*a, **k))
+
+    def counted(*args, **kwargs):
+        # a search asked again of the same scenario answers as the first did (seconds each):
+        # what is checked below is that simulate resolves with the search, not the search
+        searches.append(1)
+        for asked, result in done:
+            if asked == (args, kwargs):
+                return result
+        done.append(((args, kwargs), real(*args, **kwargs)))
+        return done[-1][1]
+
+    monkeypatch.setattr(search, "search", counted)
     loaded = tg.load(path)
     assert loaded.policy_auto and searches == []
     resolved, found = tg.resolve_policy(loaded)
@@ -435,3 +461,4 @@ def test_loading_runs_no_search_and_resolving_says_what_it_picked(tmp_path, monk
     assert resolved.policy.N == found.best.policy["N"]
     assert tg.resolve_policy(resolved) == (resolved, None)       # a given policy stays
     assert tg.simulate(path).summary["policy"]["N"] == resolved.policy.N
+    assert searches == [1, 1]

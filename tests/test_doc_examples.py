@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unittest
+
 from tests.doc_examples import _session, compare
 
 PRINTED = """\
@@ -81,3 +83,65 @@ def test_a_measured_run_may_be_bound_by_another_resource_but_a_simulated_one_may
     assert "is not in" in compare(shown, printed.replace("4.45", "2.04").replace("3.55", "1.81")
                                   .replace("79.8", "88.8"))
     assert "is not in" in compare(shown, printed.replace("HRM bound", "HRM limit"), figures=False)
+
+
+PAGE = """\
+```console
+$ echo fast
+fast
+```
+
+<!-- skip: next if(not SLOW, reason="slow") -->
+```console
+$ echo slow
+slow
+```
+
+```python
+>>> 1 + 1
+2
+```
+"""
+
+
+def _outcomes(tmp_path, monkeypatch, slow: str | None) -> list[str]:
+    """Each block of PAGE run as the test command runs a page, with TG_DOCS_SLOW=`slow`."""
+    from _pytest.outcomes import Skipped
+    from sybil import Sybil
+    from sybil.parsers.markdown import CodeBlockParser, SkipParser
+
+    from tests.doc_examples import PythonBlocks, run_console, setup, teardown
+
+    if slow is None:
+        monkeypatch.delenv("TG_DOCS_SLOW", raising=False)
+    else:
+        monkeypatch.setenv("TG_DOCS_SLOW", slow)
+    tmp_path.mkdir()
+    (tmp_path / "page.md").write_text(PAGE)
+    document = Sybil([SkipParser(), CodeBlockParser("console", run_console),
+                      PythonBlocks()]).parse(tmp_path / "page.md")
+    setup(document.namespace)
+    out = []
+    try:
+        for example in document.examples():
+            try:
+                example.evaluate()
+                out.append("ran")
+            except (Skipped, unittest.SkipTest):      # ours; Sybil's skip of a slow block
+                out.append("skipped")
+    finally:
+        teardown(document.namespace)
+    return out[:1] + out[2:]         # the second "example" is the skip comment itself
+
+
+def test_only_slow_runs_the_slow_blocks_alone_and_the_test_command_the_others(
+        tmp_path, monkeypatch):
+    """CI's second pass (TG_DOCS_SLOW=only) ran every block of every page again, 25 minutes
+    of it, for the six slow ones."""
+    slow_only = _outcomes(tmp_path / "a", monkeypatch, "only")
+    both = _outcomes(tmp_path / "b", monkeypatch, "1")
+    plain = _outcomes(tmp_path / "c", monkeypatch, None)
+    # blocks: a console block, a slow one, a Python one
+    assert slow_only == ["skipped", "ran", "skipped"]
+    assert both == ["ran", "ran", "ran"]
+    assert plain == ["ran", "skipped", "ran"]

@@ -97,6 +97,16 @@ def test_more_prompts_than_a_batch_run_batch_by_batch_with_the_same_tokens(tmp_p
     ('{"prompt_ids": []}', "prompt_ids"),
     ('{"prompt_ids": [1, 2], "max_new_tokens": 0}', "max_new_tokens"),
     ('{"prompt_ids": [1, 2], "foo": 1}', "foo"),
+    # JSON's true, 1e1 and "4" are no counts or token ids (one rule for numbers)
+    ('{"prompt_ids": [1, 2], "max_new_tokens": true}', "max_new_tokens"),
+    ('{"prompt_ids": [1, 2], "max_new_tokens": 1e1}', "max_new_tokens"),
+    ('{"prompt_ids": [1, 2], "max_new_tokens": "4"}', "max_new_tokens"),
+    ('{"prompt_ids": [true, false]}', "prompt_ids.0"),
+    ('{"prompt_ids": [1.0, 2.0]}', "prompt_ids.0"),
+    ('{"id": true, "prompt_ids": [1, 2]}', "id"),
+    # execute lists the ids it ran: an escape sequence would reach the terminal
+    ('{"id": "a\\u001b]0;owned\\u0007", "prompt_ids": [1, 2]}', "id holds a control"),
+    ('{"id": "a\\u202eb", "prompt_ids": [1, 2]}', "id holds a control"),
 ])
 def test_a_bad_prompt_line_names_its_field(tmp_path, line, field):
     """Pydantic's ValidationError is a ValueError: the field's message must not be swallowed by

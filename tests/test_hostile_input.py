@@ -80,6 +80,19 @@ CASES = [
                             "workload.gen_len=2", "--out", "FOLDER/sweep"], "twice"),
     ("non-numeric sweep value", ["sweep", TINY, "--vary", "hardware.link.h2d_gbps=16,abc",
                                  "--out", "FOLDER/sweep"], "hardware.link.h2d_gbps"),
+    ("a handoff past every clock", ["simulate", TINY, "--set", "hardware.handoff_us=1e308"],
+     "hardware.handoff_us"),
+    ("a task overhead past every clock", ["simulate", TINY, "--set",
+                                          "hardware.task_overhead_us={D3: 1e308}"],
+     "hardware.task_overhead_us"),
+    # a graph of a million layers was built for hours before anything refused it
+    ("a million layers", ["graph", TINY, "--set", "model.L=1000000", "--out", "FOLDER/g.json"],
+     "model.L"),
+    ("a scenario path longer than the system takes", ["simulate", "FOLDER/" + "a" * 100_000],
+     "File name too long"),
+    ("a checkpoint path longer than the system takes",
+     ["execute", TINY, "--device", "cpu", "--weights", "FOLDER/" + "a" * 100_000],
+     "File name too long"),
 ]
 
 
@@ -560,6 +573,10 @@ def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, caps
     ("passwd.csv", "root:x:0:0:root:/root:/bin/bash\n", "not a list of column names"),
     ("wide.csv", ",".join(f"c{i}" for i in range(300_000)) + "\n", "not a list of column"),
     ("typo.csv", "id,promt_len,gen_len\na,4,2\n", "(it has id, promt_len, gen_len)"),
+    # int() reads these; a person reading the file would not
+    ("underscore.csv", "id,prompt_len,gen_len\na,5_000,2\n", "prompt_len must be a whole"),
+    ("arabic.csv", "id,prompt_len,gen_len\na,\u0664,2\n", "prompt_len must be a whole"),
+    ("quoted.jsonl", '{"prompt_len": "4", "gen_len": 2}\n', "prompt_len must be a whole"),
 ])
 def test_a_request_list_is_read_by_one_careful_reader(tmp_path, capsys, name, content, words):
     """A byte-order mark is read; a huge number, deep nesting or another kind of file is one

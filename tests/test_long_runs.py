@@ -267,6 +267,25 @@ def test_off_a_terminal_a_long_run_prints_its_progress_and_time_left(monkeypatch
                      "tg: simulating: 60 of 200 segments in 0:03:10, about 0:07:23 left"]
 
 
+def test_the_next_run_of_a_comparison_is_timed_from_its_own_start(monkeypatch, capsys):
+    """tg compare simulates its schedules one after another under one progress line; the second
+    schedule's first segment after a 4-minute first one was said to leave 10 hours (CI log):
+    its pace counted the first schedule's time as its own."""
+    from taskgraph.output import report
+
+    now = [0.0]
+    monkeypatch.setattr(report.time, "monotonic", lambda: now[0])
+    with report.progress_bar(False, "simulating", "segments") as tick:
+        for done, at in [(32, 60.0), (129, 240.0), (1, 250.0), (2, 310.0)]:
+            now[0] = at
+            tick(done, 129)
+    lines = capsys.readouterr().err.splitlines()
+    # the second run began at 240 s: 10 s for its first segment (128 left: 21:20), 70 s for two
+    assert lines == ["tg: simulating: 32 of 129 segments in 0:01:00, about 0:03:01 left",
+                     "tg: simulating: 1 of 129 segments in 0:00:10, about 0:21:20 left",
+                     "tg: simulating: 2 of 129 segments in 0:01:10, about 1:14:05 left"]
+
+
 def test_a_fit_of_hours_says_so_before_it_chooses_its_parameters(tmp_path, monkeypatch):
     """A fit cell of 10 million steps made a fit of hours, and each simulation's note named
     only its own share (and came after 24 s of choosing parameters)."""

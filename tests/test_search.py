@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import assume, given, settings
@@ -76,9 +77,16 @@ def test_kv_prefetch_on_its_own_stream_overlaps_the_weight_copy(mu):
     assert pred.decode_layer_ms[0] == pytest.approx(sim["decode_layer_ms"], rel=0.05)
 
 
-def test_search_returns_only_feasible_runnable_policies():
+@pytest.fixture(scope="module")
+def t4_search():
+    """scenarios/t4.yaml and its search's top five (tens of seconds: searched once for the
+    tests that read it)."""
     sc = load_scenario("scenarios/t4.yaml")
-    result = search(sc, top=5, workers=1)
+    return sc, search(sc, top=5)
+
+
+def test_search_returns_only_feasible_runnable_policies(t4_search):
+    sc, result = t4_search
     assert result.best is result.top[0]
     for c in result.top:
         plan = make_plan(c.scenario(sc))
@@ -163,15 +171,26 @@ def test_sliding_window_layers_leave_room_for_more_sequences_in_the_hardware_lim
     assert hardware_limit_tok_s(sc) > 1.5 * hardware_limit_tok_s(full)
 
 
-def test_policy_auto_runs_the_search(tmp_path, capsys):
+def test_policy_auto_runs_the_search(tmp_path, capsys, monkeypatch):
+    from taskgraph.study import search as searching
+
     path = tmp_path / "auto.yaml"
     path.write_text("model: tiny\nhardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
                     "policy: auto\n")
     scenario, found = resolve_auto_policy(load_scenario(path))
     assert found is not None and scenario.policy.N == found.best.policy["N"]
+    # `tg simulate` asks the search the same question: answered as above (seconds a search),
+    # what is checked is that it asks and runs the answer
+    asked = []
+
+    def answered(sc, **kwargs):
+        asked.append(sc)
+        return found if sc == load_scenario(path) else search(sc, **kwargs)
+
+    monkeypatch.setattr(searching, "search", answered)
     assert main(["simulate", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["policy"]["N"] == found.best.policy["N"]
+    assert len(asked) == 1 and out["policy"]["N"] == found.best.policy["N"]
 
 
 def test_search_cli(capsys):
@@ -251,15 +270,15 @@ def test_brute_force_simulates_a_grid_and_reports_hrms_loss():
     assert report["simulated"] == len(simulated)
 
 
-def test_the_roofline_and_the_search_agree_on_where_the_experts_run():
+def test_the_roofline_and_the_search_agree_on_where_the_experts_run(t4_search):
     """The T4 as it is: attention on the CPU, experts on the GPU, and the search's best keeps
     them there. A slow link and a strong host put P1 above the FFN's intensity: the roofline
     sends the experts to the CPU, and the search, pricing whole schedules, picks S5."""
     from taskgraph.output.plots import roofline_points
 
-    t4 = load_scenario("scenarios/t4.yaml")
+    t4, searched = t4_search
     assert roofline_points(t4)["verdicts"] == {"attention": "CPU", "MoE FFN": "GPU"}
-    assert search(t4, top=1).best.policy["F_g"] == 1
+    assert searched.best.policy["F_g"] == 1
     weak = load_scenario("scenarios/t4.yaml", ["hardware.link.h2d_gbps=4",
                                                "hardware.link.d2h_gbps=4",
                                                "hardware.cpu.tflops=6"])
@@ -316,10 +335,10 @@ def test_experts_first_is_a_dimension_of_the_search():
 
 
 def test_a_latency_limit_keeps_only_what_meets_it_and_the_best_of_those_wins():
-    result = search(_t4("objective.max_token_ms=900"), top=10, workers=1)
+    result = search(_t4("objective.max_token_ms=900"), top=10)
     assert result.limits_met and result.top
     assert all(c.token_latency_ms <= 900 for c in result.top)
-    unlimited = search(_t4(), top=1, workers=1).best
+    unlimited = search(_t4(), top=1).best
     assert unlimited.token_latency_ms > 900 > result.best.token_latency_ms
     meeting = [c for c in result.priced if c.token_latency_ms <= 900]
     assert result.best.tok_s >= max(c.tok_s for c in meeting) * (1 - 1e-3)
@@ -333,7 +352,7 @@ def test_lowest_latency_at_a_given_batch():
 
 
 def test_an_unreachable_limit_answers_with_the_closest_and_what_binds(capsys):
-    result = search(_t4("objective.max_token_ms=20"), top=3, workers=1)
+    result = search(_t4("objective.max_token_ms=20"), top=3)
     assert not result.limits_met
     lowest = min(result.priced, key=lambda c: c.token_latency_ms)
     assert result.best.token_latency_ms == lowest.token_latency_ms > 20
@@ -416,8 +435,8 @@ def test_the_pick_is_within_two_percent_of_the_brute_force_best_at_small_batches
     from taskgraph.study.search import brute_force, brute_force_summary
 
     sc = _t4(*overrides)
-    result = verify(sc, search(sc, top=3, workers=1), Backend(workers=1))
-    grid = brute_force(sc, backend=Backend(workers=1))
+    result = verify(sc, search(sc, top=3))
+    grid = brute_force(sc)
     assert {"EP", "EC", "ECP"} <= {c.schedule for c in grid}
     assert len({(c.schedule, tuple(sorted(c.policy.items()))) for c in grid}) == len(grid) > 30
     assert brute_force_summary(result, grid)["loss_vs_best"] <= 0.02
@@ -431,3 +450,26 @@ def test_the_command_the_search_prints_runs_its_pick(batch, capsys):
     ran = json.loads(capsys.readouterr().out)
     assert ran["schedule"] == found["best"]["schedule"]
     assert ran["throughput_tok_s"] == pytest.approx(found["best"]["throughput_tok_s"], rel=0.05)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1.0, 2.0, 3.0, float("nan")]),
+                          st.sampled_from([5.0, 6.0, 7.0, float("nan")])), max_size=12))
+def test_the_pareto_front_is_what_nothing_else_beats(figures):
+    """The front by its definition: a candidate with both figures that no other has at least
+    as fast a token and more throughput or the same throughput and a faster token; of ties,
+    the first. (The front is found with a numpy sort; this is the definition, pair by pair.)"""
+    from taskgraph.study.search import Candidate, pareto_front
+
+    cands = [Candidate(schedule="S1", policy={"i": i}, predicted_tok_s=tok_s,
+                       predicted_layer_ms=1.0, resource="gpu", token_latency_ms=latency,
+                       ttft_s=1.0) for i, (latency, tok_s) in enumerate(figures)]
+    whole = [c for c in cands if not (math.isnan(c.tok_s) or math.isnan(c.token_latency_ms))]
+
+    def beaten(c):
+        return any((o.token_latency_ms <= c.token_latency_ms and o.tok_s > c.tok_s)
+                   or (o.token_latency_ms < c.token_latency_ms and o.tok_s >= c.tok_s)
+                   or (o.token_latency_ms == c.token_latency_ms and o.tok_s == c.tok_s
+                       and whole.index(o) < whole.index(c)) for o in whole if o is not c)
+    expected = sorted((c for c in whole if not beaten(c)), key=lambda c: c.token_latency_ms)
+    assert [c.policy["i"] for c in pareto_front(cands)] == [c.policy["i"] for c in expected]

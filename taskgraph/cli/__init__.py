@@ -14,7 +14,8 @@ import sys
 import warnings
 
 from taskgraph.errors import LongRunWarning, TgError
-from taskgraph.files import Terminated, command_inputs, exit_on_termination, printable
+from taskgraph.files import (Terminated, command_inputs, exit_on_termination, path_error,
+                             printable)
 
 
 @contextlib.contextmanager
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except TgError as err:
         print(f"tg {args.command}: error: {printable(str(err))}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:      # the API turns a bad path into a TgError; this is the rest
+        error = path_error(err)
+        if error is None:
+            raise
+        print(f"tg {args.command}: error: {printable(str(error))}", file=sys.stderr)
+        return error.exit_code
     except KeyboardInterrupt as err:   # a file being written is left as it was (atomic_path)
         if not getattr(err, "said", False):         # the jobs' runner says how far they got
             print(f"tg {args.command}: interrupted.", file=sys.stderr)

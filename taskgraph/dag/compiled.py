@@ -190,19 +190,21 @@ def compile_plan(plan: Plan) -> Program:
     one "middle" template, so a long run compiles a handful of segments."""
     G = plan.G
     horizon = lookahead_steps(plan)
-    templates: list[Template] = []
-    seen: dict[tuple[bool, bool, int], int] = {}
-    streams = plan.streams
-    seg_template = np.empty(G + 1, dtype=np.int64)
-    for d in range(G + 1):
-        key = (d == 0, d == 1, min(G - d, horizon + 1))
-        if key not in seen:
-            seen[key] = len(templates)
-            templates.append(_compile(build_segment(plan, d), d, streams))
-        seg_template[d] = seen[key]
-    sizes = np.array([templates[t].size for t in seg_template])
+    # Each segment's shape as one number (prefill, first step, steps left up to the horizon),
+    # worked out for all G + 1 segments at once: a typo of nine million steps is announced in
+    # a moment, not after a Python loop over every step.
+    d = np.arange(G + 1)
+    shape = np.minimum(G - d, horizon + 1) + (horizon + 2) * ((d == 0) + 2 * (d == 1))
+    shapes, first, seg_shape = np.unique(shape, return_index=True, return_inverse=True)
+    in_order = np.argsort(first)                 # templates numbered by their first segment
+    templates = [_compile(build_segment(plan, int(first[i])), int(first[i]), plan.streams)
+                 for i in in_order]
+    number = np.empty(len(shapes), dtype=np.int64)
+    number[in_order] = np.arange(len(shapes))
+    seg_template = number[seg_shape.reshape(-1)]
+    sizes = np.array([t.size for t in templates])[seg_template]
     seg_base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return Program(plan, streams, templates, seg_template, seg_base, int(sizes.sum()))
+    return Program(plan, plan.streams, templates, seg_template, seg_base, int(sizes.sum()))
 
 
 def _compile(g: nx.DiGraph, d: int, streams: tuple[str, ...]) -> Template:

@@ -611,8 +611,12 @@ def progress_bar(show: bool, label: str, unit: str = "segments"
                         TextColumn("left"), TimeRemainingColumn(),
                         console=stderr_console(), transient=True)
     task = progress.add_task(label, total=None)
+    last = [0]
 
     def tick(done: int, total: int) -> None:
+        if done < last[0]:       # the next run of several (compare's schedules): a new clock
+            progress.reset(task)
+        last[0] = done
         progress.update(task, completed=done, total=total)
 
     with progress:
@@ -622,15 +626,21 @@ def progress_bar(show: bool, label: str, unit: str = "segments"
 class ProgressLines:
     """Progress as a line on stderr at most once every `every_s`, from the first that long on,
     with the time left at the pace so far: a long run in a log or behind a pipe shows it moves
-    and when it may end, a short one prints nothing."""
+    and when it may end, a short one prints nothing. A call whose `done` is below the last
+    one's is the next run of several (compare's schedules), timed from the last one's end:
+    the time left is at that run's pace, not at all the runs' so far."""
 
     def __init__(self, label: str, unit: str, every_s: float = 60.0) -> None:
         self.label, self.unit, self.every_s = label, unit, every_s
         self.start = time.monotonic()
         self.next = self.start + every_s
+        self.last, self.last_at = 0, self.start
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
+        if done < self.last:            # the next run began when the last one last ticked
+            self.start = self.last_at
+        self.last, self.last_at = done, now
         if now < self.next or not 0 < done < total:
             return
         self.next = now + self.every_s

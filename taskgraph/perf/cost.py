@@ -24,6 +24,7 @@ same per-task times the simulator uses, so ``simulated >= bound`` is a theorem, 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,8 @@ class CostModel:
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
         self._pools(hw, pageable)
+        # (resource, kind) -> what `times_of` prices a task at
+        self._rates: dict[tuple[int, int], tuple[bool, Any, Any, Any]] = {}
 
     def _pools(self, hw: HardwareSpec, pageable_weights: bool) -> None:
         """Capacities of the shared pools (bytes/s, inf: not shared) and, per (resource, kind),
@@ -119,6 +122,7 @@ class CostModel:
             f[up, r["peer"]] = senders
             f[down, r["peer"]] = senders
         self.pool_factor = f
+        self.pooled = np.flatnonzero(np.isfinite(self.pool_capacity))   # the pools priced
 
     @property
     def pools_shared(self) -> bool:
@@ -151,6 +155,23 @@ class CostModel:
         if kind is None:
             return max(flops / self.flops_rate[i], nbytes / self.byte_rate[i]) + self.overhead[i]
         return float(self.times(i, flops, nbytes, KIND_INDEX[kind]))
+
+    def times_of(self, resource: int, kind: int, flops: np.ndarray, nbytes: np.ndarray
+                 ) -> np.ndarray:
+        """:meth:`times` for one resource and kind (indexes), their rates looked up once: the
+        same seconds, for the prediction's many small calls."""
+        key = (resource, kind)
+        rates = self._rates.get(key)
+        if rates is None:
+            skinny = bool(self.kind_i_half[kind] > 0)
+            rates = self._rates[key] = (skinny, self.flops_rates(resource, kind),
+                                        self.byte_rates(resource, kind),
+                                        self.fixed(resource, kind))
+        skinny, flops_rate, byte_rate, fixed = rates
+        if skinny:
+            return self.times(resource, flops, nbytes, kind)
+        # no skinniness: `times` divides the bytes by the byte rate times ones
+        return np.maximum(flops / flops_rate, nbytes / byte_rate) + fixed
 
     def times(self, resource: np.ndarray | int, flops: np.ndarray, nbytes: np.ndarray,
               kind: np.ndarray | int) -> np.ndarray:

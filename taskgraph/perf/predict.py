@@ -135,8 +135,10 @@ def _layer_time(scenario: Scenario, schedule: Schedule, work: TaskWork, cost: Co
     m, w, tp = scenario.model, scenario.workload, work.tp
     L = m.L
     decode_ops = _with_collectives(_ops_of(m, schedule.decode, layer), tp)
+    # each kind's decode work, priced once for the layer's total and the parts of it below
+    terms: dict[tuple[str, str], list[tuple[int, np.ndarray]]] = {}
     decode = _per_layer_time(schedule, decode_ops, work, cost, n, n_pages, L, contexts,
-                             prefill=False)                       # (resources, n, steps)
+                             prefill=False, terms=terms)          # (resources, n, steps)
     prefill_ops = _with_collectives(_ops_of(
         m, tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), layer),
         tp)
@@ -151,7 +153,7 @@ def _layer_time(scenario: Scenario, schedule: Schedule, work: TaskWork, cost: Co
     if whole:
         def per_layer(ops) -> np.ndarray:
             return _per_layer_time(schedule, tuple(ops), work, cost, n, n_pages, L, contexts,
-                                   prefill=False)
+                                   prefill=False, terms=terms)
 
         own = _ops_of(m, schedule.decode, layer)
         once = per_layer(op for op in own if op.when == "first")
@@ -212,40 +214,60 @@ def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
 
 
 def _per_layer_time(schedule: Schedule, ops, work: TaskWork, cost: CostModel, n: np.ndarray,
-                    n_pages: np.ndarray, L: int, contexts: np.ndarray, prefill: bool
-                    ) -> np.ndarray:
+                    n_pages: np.ndarray, L: int, contexts: np.ndarray, prefill: bool,
+                    terms: dict | None = None) -> np.ndarray:
     """Seconds each resource works per layer, and each shared pool is drawn on by every GPU's
-    tasks together: array (ROWS, len(n), len(contexts))."""
+    tasks together: array (ROWS, len(n), len(contexts)). `terms` keeps each (kind, when)'s
+    share between calls on the same work, micro-batches and contexts."""
     out = np.zeros((len(ROWS), len(n), len(contexts)))
-    gpus = cost.hardware.gpu.count
-    pooled = np.isfinite(cost.pool_capacity)
+    terms = {} if terms is None else terms
     for op in ops:
-        paged = op.kind in PAGED
-        if paged and not n_pages.any():
-            continue
-        # Launches per layer: every micro-batch (or page), once per layer, or once per
-        # micro-batch per step (the LM head, spread over the step's layers).
-        per = n_pages if paged else n
-        count = {"each": per, "first": np.ones_like(n), "last_layer": n / L}[op.when]
-        r = RESOURCES.index(STREAM_RESOURCE[schedule.streams[op.kind]])
-        wk = work.of(op.kind, prefill=prefill)
-        flops = wk.flops + wk.flops_per_ctx * contexts             # (contexts,)
-        nbytes = wk.bytes + wk.bytes_per_ctx * contexts
-        if paged:   # one page holds 1/n_pages of the streamed bytes
-            nbytes = np.divide.outer(nbytes, np.maximum(n_pages, 1)).T    # (n, contexts)
-            flops = np.broadcast_to(flops, nbytes.shape)
-        t = cost.times(r, flops, nbytes, KIND_INDEX[op.kind])
-        out[r] += count[:, None] * np.broadcast_to(t, (len(n), len(contexts)))
-        if pooled.any():
-            # every GPU runs this task (its shard, or its group's) at once; a collective is one
-            # task whose draw counts every GPU already; a pipeline's sends leave every stage
-            resource = RESOURCES[r]
-            each = gpus if resource in PER_GPU or (resource == "peer" and schedule.grouped) \
-                else 1
-            drawn = cost.pool_bytes(r, KIND_INDEX[op.kind], np.broadcast_to(
-                nbytes, (len(n), len(contexts))))                  # (pools, n, contexts)
-            for p in np.flatnonzero(pooled):
-                out[len(RESOURCES) + p] += (count[:, None] * each * drawn[p]
-                                            / cost.pool_capacity[p])
+        key = (op.kind, op.when)
+        shares = terms.get(key)
+        if shares is None:
+            shares = terms[key] = _op_shares(schedule, op, work, cost, n, n_pages, L, contexts,
+                                             prefill)
+        for row, share in shares:
+            out[row] += share
     return out
 
+
+def _op_shares(schedule: Schedule, op: Op, work: TaskWork, cost: CostModel, n: np.ndarray,
+               n_pages: np.ndarray, L: int, contexts: np.ndarray, prefill: bool
+               ) -> list[tuple[int, np.ndarray]]:
+    """What one op adds per layer: (row of ROWS, seconds (len(n), len(contexts))) for its
+    resource and each shared pool it draws on."""
+    paged = op.kind in PAGED
+    if paged and not n_pages.any():
+        return []
+    # Launches per layer: every micro-batch (or page), once per layer, or once per
+    # micro-batch per step (the LM head, spread over the step's layers).
+    if op.when == "each":
+        count = n_pages if paged else n
+    elif op.when == "first":
+        count = np.ones_like(n)
+    else:                       # "last_layer"
+        count = n / L
+    r = RESOURCES.index(STREAM_RESOURCE[schedule.streams[op.kind]])
+    kind = KIND_INDEX[op.kind]
+    wk = work.of(op.kind, prefill=prefill)
+    flops = wk.flops + wk.flops_per_ctx * contexts                 # (contexts,)
+    nbytes = wk.bytes + wk.bytes_per_ctx * contexts
+    if paged:   # one page holds 1/n_pages of the streamed bytes
+        nbytes = np.divide.outer(nbytes, np.maximum(n_pages, 1)).T    # (n, contexts)
+        flops = np.broadcast_to(flops, nbytes.shape)
+    t = cost.times_of(r, kind, flops, nbytes)
+    shape = (len(n), len(contexts))
+    shares = [(r, count[:, None] * t)]                             # (n, contexts)
+    pooled = cost.pooled
+    if pooled.size:
+        # every GPU runs this task (its shard, or its group's) at once; a collective is one
+        # task whose draw counts every GPU already; a pipeline's sends leave every stage
+        resource = RESOURCES[r]
+        each = cost.hardware.gpu.count if resource in PER_GPU or (
+            resource == "peer" and schedule.grouped) else 1
+        drawn = cost.pool_bytes(r, kind, np.broadcast_to(nbytes, shape))   # (pools, n, ctx)
+        for p in pooled:
+            shares.append((len(RESOURCES) + p,
+                           count[:, None] * each * drawn[p] / cost.pool_capacity[p]))
+    return shares

@@ -54,13 +54,14 @@ def read_requests(path: str | Path) -> list[Request]:
     error naming the file, the line and the field."""
     path = Path(path)
     text = read_text(path, "request file")
-    rows = _jsonl_rows(path, text) if path.suffix == ".jsonl" else _csv_rows(path, text)
+    jsonl = path.suffix == ".jsonl"
+    rows = _jsonl_rows(path, text) if jsonl else _csv_rows(path, text)
     requests = []
     for line, row in rows:
         if len(requests) == MAX_REQUESTS:
             raise TgError(f"Request file '{path}' holds more than {MAX_REQUESTS:,} requests; tg "
                           f"runs at most {MAX_REQUESTS:,} in a list (split it).")
-        requests.append(_request(path, line, row))
+        requests.append(_request(path, line, row, text_is_number=not jsonl))
     if not requests:
         raise TgError(f"Request file '{path}' holds no requests; give one per line with "
                       "prompt_len and gen_len.")
@@ -112,11 +113,11 @@ def _jsonl_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
         yield i, row
 
 
-def _request(path: Path, line: int, row: dict[str, Any]) -> Request:
+def _request(path: Path, line: int, row: dict[str, Any], text_is_number: bool) -> Request:
     lengths = []
     for name in ("prompt_len", "gen_len"):
         value = row.get(name)
-        number = _whole(value)
+        number = _whole(value, text_is_number)
         if number is None or not 0 < number <= _MAX_LEN:
             shown = repr(value)[:40]
             raise TgError(f"Request file '{path}', line {line}: {name} must be a whole number "
@@ -131,20 +132,22 @@ def _short_id(rid: str, limit: int = 60) -> str:
     return rid if len(rid) <= limit else rid[:limit] + f"... ({len(rid):,} characters)"
 
 
-def _whole(value: Any) -> int | None:
-    """A whole number from JSON (int, or a float like 12.0) or CSV text; None otherwise."""
+def _whole(value: Any, text_is_number: bool) -> int | None:
+    """A whole number from JSON (int, or a float like 12.0) or, where every value is text (a
+    CSV cell), decimal digits; None otherwise. A number in quotes in JSON is text, as in every
+    file tg reads, and Python's int() would take "5_000" and Arabic-Indic digits."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
     if isinstance(value, float):
         return int(value) if value.is_integer() else None
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            return None
+    if isinstance(value, str) and text_is_number and _DECIMAL.fullmatch(value.strip()):
+        return int(value)
     return None
+
+
+_DECIMAL = re.compile(r"[0-9]+")
 
 
 def generate_requests(count: int, prompt_mean: float, prompt_max: int, gen_mean: float,

@@ -223,15 +223,18 @@ class GridJob:
             n = n[fits]
             pred = predict_micro_batches(self.scenario, schedule, mu, r_w, r_c, n, cost)
             steps = self.scenario.decode_steps
-            for i in range(len(n)):
+            # as Python numbers once (tolist gives what float() and int() of each would)
+            for n_i, tok_s, layer_ms, binding, decode_s, prefill_s in zip(
+                    n.tolist(), pred.throughput_tok_s.tolist(), pred.decode_layer_ms.tolist(),
+                    pred.binding.tolist(), pred.decode_s.tolist(), pred.prefill_s.tolist()):
                 found.append(Candidate(
                     schedule=name,
-                    policy=_policy(int(n[i]) * mu, mu, schedule, r_w, r_c),
-                    predicted_tok_s=float(pred.throughput_tok_s[i]),
-                    predicted_layer_ms=float(pred.decode_layer_ms[i]),
-                    resource=_RESOURCE_NAMES[ROWS[pred.binding[i]]],
-                    token_latency_ms=float(pred.decode_s[i]) / steps * 1e3,
-                    ttft_s=float(pred.prefill_s[i])))
+                    policy=_policy(n_i * mu, mu, schedule, r_w, r_c),
+                    predicted_tok_s=tok_s,
+                    predicted_layer_ms=layer_ms,
+                    resource=_RESOURCE_NAMES[ROWS[binding]],
+                    token_latency_ms=decode_s / steps * 1e3,
+                    ttft_s=prefill_s))
         return found, considered
 
 
@@ -470,11 +473,16 @@ def _option(value: Any) -> str:
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates no other beats on both throughput and per-token latency, lowest latency
     first (so throughput rises along it)."""
-    front: list[Candidate] = []
-    for c in sorted(candidates, key=lambda c: (c.token_latency_ms, -c.tok_s)):
-        if not front or c.tok_s > front[-1].tok_s:
-            front.append(c)
-    return front
+    latency = np.array([c.token_latency_ms for c in candidates], dtype=float)
+    tok_s = np.array([c.tok_s for c in candidates], dtype=float)
+    # by latency, then throughput, highest first (a stable sort: ties keep their order); on
+    # the front, each that beats the throughput of every one before it. A candidate missing
+    # either figure (NaN) beats nothing and is on no front.
+    order = np.lexsort((-tok_s, latency))
+    order = order[~(np.isnan(latency) | np.isnan(tok_s))[order]]
+    ranked = tok_s[order]
+    best_before = np.maximum.accumulate(np.concatenate(([-np.inf], ranked[:-1])))
+    return [candidates[i] for i in order[ranked > best_before].tolist()]
 
 
 def _order(objective: ObjectiveSpec) -> Callable[[Candidate], tuple]:
