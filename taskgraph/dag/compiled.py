@@ -15,8 +15,11 @@ stream only the last launched is kept: stream order implies the rest.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from functools import cached_property
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from functools import cached_property, partial
+from typing import Callable
 
 import networkx as nx
 import numpy as np
@@ -29,9 +32,12 @@ from taskgraph.kinds import KIND_NAMES, PAGED
 
 @dataclass
 class Template:
-    """One compiled segment shape."""
+    """One compiled segment shape. Its arrays are shared by every program of that shape
+    (:func:`compile_plan` keeps them), so they are read-only."""
 
-    graph: nx.DiGraph
+    # The segment's networkx graph, built again where asked for (an export, a test): kept, a
+    # 36,000-task segment's graph would outweigh its arrays many times over.
+    build: Callable[[], nx.DiGraph] | None
     kind: np.ndarray          # index into KIND_NAMES
     stream: np.ndarray        # index into Program.streams
     resource: np.ndarray      # index into RESOURCES (the kind of resource; see Program.device)
@@ -48,6 +54,10 @@ class Template:
     @property
     def size(self) -> int:
         return len(self.kind)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        return self.build()
 
 
 @dataclass
@@ -197,8 +207,8 @@ def compile_plan(plan: Plan) -> Program:
     shape = np.minimum(G - d, horizon + 1) + (horizon + 2) * ((d == 0) + 2 * (d == 1))
     shapes, first, seg_shape = np.unique(shape, return_index=True, return_inverse=True)
     in_order = np.argsort(first)                 # templates numbered by their first segment
-    templates = [_compile(build_segment(plan, int(first[i])), int(first[i]), plan.streams)
-                 for i in in_order]
+    structure = _structure(plan)
+    templates = [_template(plan, structure, int(shapes[i]), int(first[i])) for i in in_order]
     number = np.empty(len(shapes), dtype=np.int64)
     number[in_order] = np.arange(len(shapes))
     seg_template = number[seg_shape.reshape(-1)]
@@ -207,7 +217,49 @@ def compile_plan(plan: Plan) -> Program:
     return Program(plan, plan.streams, templates, seg_template, seg_base, int(sizes.sum()))
 
 
-def _compile(g: nx.DiGraph, d: int, streams: tuple[str, ...]) -> Template:
+#: Compiled templates by the plan's structure and the segment's shape, most recently used last:
+#: a sweep over a machine's rates, a fit's rounds or its cells that differ only in how many
+#: tokens they generate compile each shape once (a 4xT4 tensor-parallel step: 36,000 tasks,
+#: 10 s). Bounded by the tasks they hold (~300 bytes a task).
+_TEMPLATES: OrderedDict[tuple[str, int], Template] = OrderedDict()
+TEMPLATE_TASKS = 500_000
+
+
+def _structure(plan: Plan) -> str | None:
+    """Everything a segment's tasks, their work and their dependencies are built from: the
+    model, the policy, the workload but its length (a template is a step's shape, the same
+    however many steps follow; tests/test_compiled.py holds it to that), the schedule and the
+    number of GPUs. Not the machine's rates and sizes, which price tasks and never shape them.
+    None where the run carries what no text names (requests, a routing trace, pinned experts):
+    its templates are compiled afresh."""
+    sc = plan.scenario
+    if (plan.load is not None or sc.requests is not None or sc.routing_trace is not None
+            or sc.experts_kept is not None):
+        return None
+    workload = sc.workload.model_dump(mode="json")
+    del workload["gen_len"]
+    return json.dumps([sc.model.model_dump(mode="json"), sc.policy.model_dump(mode="json"),
+                       workload, repr(plan.schedule), sc.hardware.gpu.count], sort_keys=True)
+
+
+def _template(plan: Plan, structure: str | None, shape: int, d: int) -> Template:
+    """The template of segment `d` (of shape `shape`), compiled or kept; its graph is this
+    plan's segment `d` either way."""
+    build = partial(build_segment, plan, d)
+    if structure is None:
+        return _compile(build, d, plan.streams)
+    key = (structure, shape)
+    kept = _TEMPLATES.get(key)
+    if kept is None:
+        kept = _TEMPLATES[key] = _compile(build, d, plan.streams)
+        while sum(t.size for t in _TEMPLATES.values()) > TEMPLATE_TASKS and len(_TEMPLATES) > 1:
+            _TEMPLATES.popitem(last=False)
+    _TEMPLATES.move_to_end(key)
+    return replace(kept, build=build)
+
+
+def _compile(build: Callable[[], nx.DiGraph], d: int, streams: tuple[str, ...]) -> Template:
+    g = build()
     prev_len = g.graph["prev_len"]
     own = sorted((data["order"], name) for name, data in g.nodes(data=True)
                  if not data["external"])
@@ -244,4 +296,6 @@ def _compile(g: nx.DiGraph, d: int, streams: tuple[str, ...]) -> Template:
     ints = ("kind", "stream", "resource", "step_rel", "layer", "index")
     arrays = {c: np.array(v, dtype=np.int64 if c in ints else np.float64)
               for c, v in cols.items()}
-    return Template(graph=g, deps=deps, by_stream=by_stream, **arrays)
+    for a in arrays.values():
+        a.flags.writeable = False
+    return Template(build=build, deps=deps, by_stream=by_stream, **arrays)

@@ -238,6 +238,8 @@ class FitResult:
     converged: bool
     message: str
     corrections: np.ndarray          # simulated / predicted, per cell, at the values
+    # The last round's simulations, at the values (none with rounds=0)
+    simulations: list[dict[str, Any]] = field(default_factory=list)
 
 
 def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
@@ -274,6 +276,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
 
     x = np.log([p.start for p in params])
     converged, message = True, "converged"
+    sims: list[dict[str, Any]] = []
     for _ in range(max(rounds, 1)):
         best = solve(x)
         x = best.x
@@ -283,10 +286,11 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
             break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
-        corrections = _throughputs(simulate_cells(cells, machines, impls, backend)) / pred
+        sims = simulate_cells(cells, machines, impls, backend)
+        corrections = _throughputs(sims) / pred
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
-    return FitResult(np.exp(x), converged, message, corrections)
+    return FitResult(np.exp(x), converged, message, corrections, sims)
 
 
 @dataclass
@@ -494,14 +498,15 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     params = free_parameters(cells)
     reports = [CellReport(c, memory=c.memory_note()) for c in cells]
     machines, impls = datasheet_profiles(params)
+    _compile_here(cells, machines, impls)
     for r, sim in zip(reports, simulate_cells(cells, machines, impls, backend)):
         r.datasheet = float(sim["throughput_tok_s"])
     tick(1, total)
     result = fit(cells, params, backend=backend)
     if not result.converged:
         raise TgError(f"The fit did not converge ({result.message}); nothing was written.")
-    machines, impls = profiles(params, result.values)
-    for r, sim in zip(reports, simulate_cells(cells, machines, impls, backend)):
+    # the last round simulated every cell at the values found
+    for r, sim in zip(reports, result.simulations):
         r.simulated = float(sim["throughput_tok_s"])
         r.bound_by, r.shared = sim["bound_by"], sim["shared"]
     tick(2, total)
@@ -517,9 +522,22 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     return report
 
 
-#: Simulations of each cell in a fit: on the presets, after each of the fit's two rounds, and
-#: at the values found; a leave-one-out refit simulates the cells it left out once more.
-SIMULATIONS_PER_CELL = 4
+def _compile_here(cells: list[Cell], machines, impls) -> None:
+    """Compile every cell's task graph in this process, once, before the fit's rounds start
+    their workers: forked, each inherits the templates (taskgraph.dag.compiled keeps them;
+    the fit changes rates, never shapes) instead of compiling them again in every round: a
+    4xT4 cell's take 14 s, a third of its simulation. Ray's workers compile their own."""
+    from taskgraph.dag.builder import make_plan
+    from taskgraph.dag.compiled import compile_plan
+
+    for c in cells:
+        compile_plan(make_plan(_scenario(c, machines, impls)))
+
+
+#: Simulations of each cell in a fit: on the presets, and after each of the fit's two rounds
+#: (the last at the values found); a leave-one-out refit simulates the cells it left out once
+#: more.
+SIMULATIONS_PER_CELL = 3
 #: Tasks of a micro-batch in a layer in a step, at the fewest: every schedule has more
 #: (S3 5, DS 6, EC 8 on the calibration files).
 FEWEST_TASKS = 4
