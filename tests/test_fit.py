@@ -13,6 +13,7 @@ import yaml
 from taskgraph import presets
 from taskgraph.cli import main
 from taskgraph.errors import TgError
+from taskgraph.study import fit as fit_module
 from taskgraph.study.fit import free_parameters, profiles, run_fit, simulated_tok_s
 from taskgraph.study.measurements import Cell, load_many, load_measurements
 
@@ -444,3 +445,41 @@ def test_a_field_given_flat_and_nested_and_a_file_given_twice_are_refused(tmp_pa
     path.write_text(yaml.safe_dump({"precison": "bf16", "cells": [_cell(), _cell(id="d")]}))
     assert main(["fit", str(path), "--out", str(tmp_path / "o")]) == 2
     assert "'precison' at its top" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["scenarios/t4.yaml", "scenarios/4xt4-8x22b.yaml",
+                                  "scenarios/gpt-oss-120b-4090.yaml"])
+def test_lengths_predicted_at_once_are_each_predicted_alone(path):
+    """The fit predicts cells that differ only in length from the longest (predict_lengths):
+    every figure equal but for rounding (numpy sums a step's rows in another order where a run
+    has one step), on one GPU, four in tensor parallel with a shared host, and sliding-window
+    layers."""
+    from taskgraph.dag.schedules import SCHEDULES
+    from taskgraph.perf.predict import predict, predict_lengths
+    from taskgraph.scenario import load_scenario
+
+    lengths = [1, 7, 50, 128]
+    longest = load_scenario(path, ["workload.gen_len=128"])
+    together = predict_lengths(longest, SCHEDULES[longest.schedule], lengths)
+    for length, got in zip(lengths, together):
+        alone = load_scenario(path, [f"workload.gen_len={length}"])
+        want = predict(alone, SCHEDULES[alone.schedule])
+        for name in ("n", "throughput_tok_s", "prefill_s", "decode_s", "decode_layer_ms",
+                     "hrm_layer_ms", "binding"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12,
+                                       atol=0, err_msg=f"{name} at {length} tokens")
+
+
+def test_a_fit_groups_only_cells_alike_but_in_length():
+    _, cells = load_measurements("scenarios/measurements/moe-lightning-multi-gpu.yaml")
+    groups = fit_module._alike(cells)
+    assert sorted(i for g in groups for i in g) == list(range(len(cells)))
+    for g in groups:
+        docs = [cells[i].scenario_doc(cells[i].machine, cells[i].implementation_name)
+                for i in g]
+        assert len({c["workload"]["gen_len"] for c in docs}) == len(g)
+        for d in docs:
+            del d["name"], d["workload"]["gen_len"]
+        assert all(d == docs[0] for d in docs)
+    # the 2xT4 and 4xT4 MoE-Lightning runs: gen 32, 64, 128, 256 each
+    assert sorted(len(g) for g in groups)[-2:] == [4, 4]

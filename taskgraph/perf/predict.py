@@ -70,10 +70,25 @@ def predict(scenario: Scenario, schedule: Schedule, cost: CostModel | None = Non
                                  np.array([p.n_micro]), cost)
 
 
+def predict_lengths(scenario: Scenario, schedule: Schedule, lengths: list[int],
+                    cost: CostModel | None = None) -> list[Predictions]:
+    """The scenario's own policy generating each of `lengths` tokens, from one prediction of
+    the longest: a decode step's time depends on its context alone, so a shorter run's steps
+    are the longer one's first (equal to predicting each length alone, but for rounding)."""
+    p = scenario.policy
+    return _predict(scenario, schedule, p.mu, p.r_w, p.r_c, np.array([p.n_micro]), cost,
+                    lengths)
+
+
 def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: float,
                           r_c: float, n: np.ndarray, cost: CostModel | None = None
                           ) -> Predictions:
     """Predictions for batches of ``n * mu`` sequences in ``n`` micro-batches, for every n."""
+    return _predict(scenario, schedule, mu, r_w, r_c, n, cost, [scenario.decode_steps])[0]
+
+
+def _predict(scenario: Scenario, schedule: Schedule, mu: int, r_w: float, r_c: float,
+             n: np.ndarray, cost: CostModel | None, lengths: list[int]) -> list[Predictions]:
     cost = cost or cost_model(scenario, schedule.name)
     m, w = scenario.model, scenario.workload
     batches = np.asarray(n, dtype=float)
@@ -84,39 +99,44 @@ def predict_micro_batches(scenario: Scenario, schedule: Schedule, mu: int, r_w: 
     gpus = scenario.hardware.gpu.count
     groups = gpus if schedule.grouped else 1
     n = batches / groups
-    G, L = scenario.decode_steps, m.L
+    L = m.L
     streamed = r_w < 1.0
     n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
     policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
                                         F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
     tp = gpus if schedule.parallel == "tensor" else 1
-    contexts = w.context_prompt + np.arange(1, G + 1, dtype=float)
-    decode_s = prefill_s = hrm_s = 0.0
-    decode_rows = 0.0
+    contexts = w.context_prompt + np.arange(1, max(lengths) + 1, dtype=float)
     # Layers alike in what their tasks do (MoE or dense, full or sliding-window attention),
     # each priced once and counted as often as the model has them.
+    layers = []
     for layer, count in _layer_classes(m):
         layout = WeightLayout(m, r_w, 1 if streamed else 0,
                               streams_experts=schedule.ffn == "gpu", dense=m.is_dense(layer))
         work = TaskWork(m, policy, w, layout, tp=tp, window=m.window(layer))
         seen = np.minimum(contexts, m.window(layer) or np.inf)
-        decode, layer_s, prefill = _layer_time(scenario, schedule, work, cost, n, n_pages, layer,
-                                               seen, streamed)
-        decode_s = decode_s + count * layer_s.sum(axis=1)
-        prefill_s = prefill_s + count * prefill.max(axis=0)
-        hrm_s = hrm_s + count * decode.max(axis=0).sum(axis=1)
-        decode_rows = decode_rows + count * decode
-    total = prefill_s + decode_s
-    return Predictions(
-        n=batches.astype(int),
-        throughput_tok_s=batches * mu * G / total,
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        decode_layer_ms=decode_s / (G * L) * 1e3,
-        hrm_layer_ms=hrm_s / (G * L) * 1e3,
-        binding=decode_rows.sum(axis=2).argmax(axis=0),
-    )
+        layers.append((count, *_layer_time(scenario, schedule, work, cost, n, n_pages, layer,
+                                           seen, streamed)))
+    out = []
+    for G in lengths:
+        decode_s = prefill_s = hrm_s = 0.0
+        decode_rows = 0.0
+        for count, decode, layer_s, prefill in layers:
+            decode_s = decode_s + count * layer_s[:, :G].sum(axis=1)
+            prefill_s = prefill_s + count * prefill.max(axis=0)
+            hrm_s = hrm_s + count * decode[..., :G].max(axis=0).sum(axis=1)
+            decode_rows = decode_rows + count * decode[..., :G]
+        total = prefill_s + decode_s
+        out.append(Predictions(
+            n=batches.astype(int),
+            throughput_tok_s=batches * mu * G / total,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            decode_layer_ms=decode_s / (G * L) * 1e3,
+            hrm_layer_ms=hrm_s / (G * L) * 1e3,
+            binding=decode_rows.sum(axis=2).argmax(axis=0),
+        ))
+    return out
 
 
 def _layer_classes(model) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ job is deterministic, so the backend never changes the numbers.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -188,11 +189,35 @@ def _scenario(cell: Cell, machines, impls):
 
 
 def predicted_tok_s(cell: Cell, machines, impls) -> float:
-    from taskgraph.dag.schedules import SCHEDULES
-    from taskgraph.perf.predict import predict
+    return predicted_alike([cell], machines, impls)[0]
 
-    return float(predict(_scenario(cell, machines, impls),
-                         SCHEDULES[cell.schedule]).throughput_tok_s[0])
+
+def predicted_alike(cells: list[Cell], machines, impls) -> list[float]:
+    """The predicted throughput of cells that differ only in their length (:func:`_alike`),
+    from one prediction of the longest."""
+    from taskgraph.dag.schedules import SCHEDULES
+    from taskgraph.perf.predict import predict_lengths
+
+    # the lengths as the cells give them (building a scenario for each costs what predicting
+    # it does); a length left to the workload's default, from its scenario
+    lengths = [c.scenario_doc(c.machine, c.implementation_name)["workload"].get("gen_len")
+               for c in cells]
+    if None in lengths:
+        lengths = [_scenario(c, machines, impls).decode_steps for c in cells]
+    longest = _scenario(cells[int(np.argmax(lengths))], machines, impls)
+    return [float(p.throughput_tok_s[0]) for p in predict_lengths(
+        longest, SCHEDULES[cells[0].schedule], lengths)]
+
+
+def _alike(cells: list[Cell]) -> list[list[int]]:
+    """The cells' indices, grouped where they differ only in how many tokens they generate."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(cells):
+        doc = c.scenario_doc(c.machine, c.implementation_name)
+        doc["name"] = None
+        doc["workload"] = {k: v for k, v in doc["workload"].items() if k != "gen_len"}
+        groups.setdefault(json.dumps(doc, sort_keys=True), []).append(i)
+    return list(groups.values())
 
 
 def simulate_cell(cell: Cell, machines, impls) -> dict[str, Any]:
@@ -255,9 +280,26 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
     hi = np.log([p.hi for p in params])
     corrections = np.ones(len(cells)) if corrections is None else np.asarray(corrections)
 
+    # Predictions are most of a refit's time. A cell's reads its machine's and its system's
+    # profiles alone: where a step of the finite differences moves a parameter of other parts,
+    # it is the one made before. Cells that differ only in their length are predicted at once
+    # (predict_lengths).
+    groups = _alike(cells)
+    part = {"hardware": lambda c: c.machine, "implementation": lambda c: c.implementation_name}
+    reads = [[j for j, p in enumerate(params) if part[p.section](cells[g[0]]) in p.targets]
+             for g in groups]
+    made: dict[tuple[int, tuple[float, ...]], list[float]] = {}
+
     def residuals(x: np.ndarray) -> np.ndarray:
-        machines, impls = profiles(params, np.exp(x))
-        pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
+        keys = [(k, tuple(x[js])) for k, js in enumerate(reads)]
+        if any(k not in made for k in keys):
+            machines, impls = profiles(params, np.exp(x))
+            for g, k in zip(groups, keys):
+                if k not in made:
+                    made[k] = predicted_alike([cells[i] for i in g], machines, impls)
+        pred = np.empty(len(cells))
+        for g, k in zip(groups, keys):
+            pred[g] = made[k]
         return np.log(pred * corrections / measured)
 
     def solve(x: np.ndarray):
