@@ -520,12 +520,18 @@ def fit(measurements: str | Path | Sequence[str | Path], *, out: str | Path | No
     """
     import datetime
 
-    from taskgraph.study.fit import run_fit, write_fit
+    from taskgraph.files import Output, check_outputs
+    from taskgraph.study.fit import fit_files, free_parameters, run_fit, write_fit
     from taskgraph.study.measurements import load_many
 
     jobs = _backend(backend, ray_address)
     paths = [measurements] if isinstance(measurements, (str, os.PathLike)) else list(measurements)
     source, cells = load_many(paths)
+    if out is not None:
+        # the profiles the fit writes are named by its parts, known now: a folder where one
+        # would replace a measurements file is refused before the fit, not after it
+        check_outputs({"--out": Output(os.fspath(out), folder=True,
+                                       holds=tuple(fit_files(free_parameters(cells))))}, paths)
     report = run_fit(source, cells, loo=loo, leave_out=leave_out, progress=progress,
                      backend=jobs)
     if out is not None:

@@ -483,3 +483,24 @@ def test_a_fit_groups_only_cells_alike_but_in_length():
         assert all(d == docs[0] for d in docs)
     # the 2xT4 and 4xT4 MoE-Lightning runs: gen 32, 64, 128, 256 each
     assert sorted(len(g) for g in groups)[-2:] == [4, 4]
+
+
+def test_a_fit_that_would_write_a_profile_over_its_measurements_is_refused_before_it_runs(
+        tmp_path, capsys, monkeypatch):
+    """The measurements saved as out/hardware-t4.yaml, the profile a fit of t4 cells writes
+    there: refused before any fitting (it was refused only after the fit)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    measurements = out / "hardware-t4.yaml"
+    measurements.write_text(yaml.safe_dump({"source": "t4 runs", "cells": [
+        _cell(id=f"t4-{n}", policy={"mu": 8, "n_ub": n}, measured_tok_s=8.0 + n)
+        for n in (2, 4)]}))
+    before = measurements.read_text()
+
+    def fitted(*args, **kwargs):
+        raise AssertionError("the fit ran")
+    monkeypatch.setattr(fit_module, "run_fit", fitted)
+    assert main(["fit", str(measurements), "--no-loo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "hardware-t4.yaml" in err and "input" in err, err
+    assert measurements.read_text() == before

@@ -643,6 +643,23 @@ class _LeaveOut:
         return values, [simulated_tok_s(self.cells[i], machines, impls) for i in self.left]
 
 
+#: The plots write_fit draws, after its texts.
+PLOTS = ("parity.png", "steps.png")
+
+
+def _fitted(params: list[Param], section: str) -> list[str]:
+    """The presets of `section` whose parameters a fit of `params` sets: a profile each."""
+    return sorted({t for p in params if p.section == section for t in p.targets})
+
+
+def fit_files(params: list[Param]) -> list[str]:
+    """The files :func:`write_fit` writes into its folder for a fit of `params`: known before
+    the fit, so that a folder that would replace an input is refused before it runs."""
+    return [*(f"hardware-{n}.yaml" for n in _fitted(params, "hardware")),
+            *(f"implementation-{n}.yaml" for n in _fitted(params, "implementation")),
+            "report.json", "cells.csv", *PLOTS]
+
+
 def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     """The fitted profiles (one hardware profile per machine, one implementation profile per
     system, each with its provenance), the report as JSON and CSV, and the parity plot, into
@@ -660,12 +677,11 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
                   f"|error| {s['median_abs_error']:.1%}{loo}")
     machines, impls = profiles(report.params, report.values)
     texts: dict[str, str] = {}
-    for name in sorted({t for p in report.params if p.section == "hardware" for t in p.targets}):
+    for name in _fitted(report.params, "hardware"):
         fitted = ", ".join(".".join(p.path) for p in report.params if name in p.targets)
         texts[f"hardware-{name}.yaml"] = yaml.safe_dump(
             {**machines[name], "fitted": f"{fitted}: {provenance}"}, sort_keys=False)
-    for name in sorted({t for p in report.params if p.section == "implementation"
-                        for t in p.targets}):
+    for name in _fitted(report.params, "implementation"):
         texts[f"implementation-{name}.yaml"] = yaml.safe_dump(
             {**impls[name], "fitted": provenance}, sort_keys=False)
     data = report.to_json()
@@ -681,10 +697,11 @@ def write_fit(report: FitReport, out: str | Path, date: str) -> list[Path]:
     writer.writerows(dict(zip(row, csv_row(row.values()))) for row in rows)
     texts["cells.csv"] = table.getvalue()
     out = Path(out)
+    assert [*texts, *PLOTS] == fit_files(report.params)
     # every file checked before the first is written: a folder in the way of the last must not
     # leave the first ones, a set that does not belong together
     check_outputs({f"--out ({name})": Output(str(out / name))
-                   for name in [*texts, "parity.png", "steps.png"]}, [])
+                   for name in fit_files(report.params)}, [])
     written = []
     for name, text in texts.items():
         with atomic_path(out / name) as tmp:
