@@ -32,6 +32,17 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _templates_compiled_afresh():
+    """Each test compiles its own task graphs: a test that patches the builder (dropping an
+    edge to see a check fail) must not be handed another test's kept templates
+    (taskgraph.dag.compiled keeps them by the plan's structure, which knows nothing of patches)."""
+    from taskgraph.dag import compiled
+
+    compiled._TEMPLATES.clear()
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     heavy = pytest.mark.skip(reason="heavy: use --heavy (.ci/run runs these apart)")
     slow = pytest.mark.skip(reason="long run: use --runslow")

@@ -212,7 +212,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("argv", [
     ["search", "scenarios/t4.yaml", "--verify"],
     ["search", "scenarios/t4.yaml", "--brute-force"],
-    ["fit", "scenarios/measurements/moe-lightning-multi-gpu.yaml", "--out", "OUT/fit"],
+    # a file of one-GPU cells: its fit compiles them in seconds before its workers start
+    ["fit", "scenarios/measurements/small-batch-fiddler-artifact.yaml", "--out", "OUT/fit"],
 ], ids=["search --verify", "search --brute-force", "fit"])
 def test_sigterm_leaves_no_worker_process(tmp_path, argv):
     """SIGTERM used to end tg alone: its pool's workers ran on, orphaned (and one that started
