@@ -10,9 +10,10 @@ a published figure that is checked with a tolerance falls outside it; --write-ba
 
     python bench/fidelity.py [--check] [--write-baseline] [--files a.yaml,b.yaml] [--workers N]
 
-The three fits take about 20 minutes on two cores (the multi-GPU file 16 of them, most of it
-its leave-one-out refits' least squares). --workers 1 runs them in this process alone, beside
-other work (CI runs it beside the test suite).
+--workers 1 runs the fits in this process alone, beside other work: CI runs it so beside the
+test suite, which leaves one of its two cores idle. So run, the three took 32 minutes on a
+2-core machine running the suite (Table 4 161 s, the multi-GPU file 1,640 s: its simulations of
+four T4s and its 16 leave-one-out refits' least squares, the small-batch file 115 s).
 """
 
 from __future__ import annotations
