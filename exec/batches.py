@@ -78,14 +78,14 @@ class Batch:
     """The sequences one run executes: the scenario sized to them, each sequence slot's request
     (``slots``; None in a slot: a filler sequence; ``slots`` None: synthetic prompts of the
     workload's length), the tokenizer that reads and writes their text, what ends a request
-    (``eos()``, read only when outputs are written) and the warnings so far. ``overflow``:
+    (``eos``, read where requests are given: their outputs end there) and the warnings so far. ``overflow``:
     every request of a prompts file holding more than the policy's N sequences, which then run
     N at a time (:func:`_execute_prompts`)."""
 
     scenario: Scenario
     slots: list | None
     tokenizer: Any
-    eos: Callable[[], set[int]]
+    eos: set[int]
     warnings: list[str]
     overflow: list | None = None
 
@@ -113,7 +113,11 @@ def batch_of(scenario: Scenario, schedule: str | None, weights_path: str | None,
     if weights_path and shared is None:     # a batch of many prompts has it applied
         model, warnings = checkpoint_model(scenario.model, weights_path)
         scenario = scenario.model_copy(update={"model": model})
-    eos = (lambda: shared.eos) if shared is not None else (lambda: eos_ids(weights_path))
+    # read before the run, not when its outputs are written: a bad id refused after the run
+    # would cost the run
+    eos = (shared.eos if shared is not None else
+           eos_ids(weights_path, scenario.model.V) if prompts_path or batch is not None
+           else set())
     limit = max_positions(weights_path)
     slots, tokenizer = None, None
     if prompts_path:

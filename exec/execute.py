@@ -255,7 +255,7 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     if batch_.overflow is not None:
         return _execute_prompts(batch_.scenario, schedule, device, weights_path, seed, progress,
                                 zero_copy, check, profile, processes, batch_.warnings,
-                                SharedBatches(batch_.overflow, batch_.tokenizer, batch_.eos()),
+                                SharedBatches(batch_.overflow, batch_.tokenizer, batch_.eos),
                                 record_routing)
     job = _plan(batch_.scenario, schedule, dev, shared)
     w = _load_weights(job, weights_path, seed, shared)
@@ -444,7 +444,7 @@ def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: Inputs
             torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
             for i, r in enumerate(slots) if r is not None)
     if slots is not None:
-        summary["outputs"] = request_outputs(tokens, slots, batch_.tokenizer, batch_.eos())
+        summary["outputs"] = request_outputs(tokens, slots, batch_.tokenizer, batch_.eos)
     return routing
 
 

@@ -134,8 +134,10 @@ def trim(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     return out
 
 
-def eos_ids(folder: str | Path | None) -> set[int]:
-    """End-of-sequence ids from the checkpoint's generation_config.json, else its config.json."""
+def eos_ids(folder: str | Path | None, vocab: int) -> set[int]:
+    """End-of-sequence ids from the checkpoint's generation_config.json, else its config.json,
+    each within the model's `vocab` tokens (one outside could never end a request: every
+    request would run to its max_new_tokens, unnoticed)."""
     if folder is None:
         return set()
     for name in ("generation_config.json", "config.json"):
@@ -150,6 +152,10 @@ def eos_ids(folder: str | Path | None) -> set[int]:
                 if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
                     raise TgError(f"'{path}': eos_token_id must be a token id or a list of "
                                   f"them, not {str(value)[:60]!r}.")
+                bad = [v for v in values if not 0 <= v < vocab]
+                if bad:
+                    raise TgError(f"'{path}': eos_token_id holds {str(bad[0])[:60]}, outside "
+                                  f"the model's vocabulary (0 to {vocab - 1}).")
                 return set(values)
     return set()
 

@@ -549,21 +549,28 @@ def test_two_prompts_with_one_id_are_refused(tmp_path, capsys):
     assert "id '0' was already given on line 1" in capsys.readouterr().err
 
 
-def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("eos, words", [
+    ("two", "eos_token_id must be a token id"),
+    # an id past the vocabulary never ends a request; it was accepted, and read after the run
+    (10**6, "eos_token_id holds 1000000, outside the model's vocabulary"),
+    ([2, -1], "eos_token_id holds -1, outside the model's vocabulary")])
+def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, capsys, eos,
+                                                       words):
     import shutil
 
     folder = tmp_path / "ckpt"
     shutil.copytree(checkpoint, folder)
     config = folder / "generation_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": "two"}))
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": eos}))
     (tmp_path / "p.jsonl").write_text('{"id": "q", "prompt_ids": [1, 2, 3]}\n')
     (tmp_path / "s.yaml").write_text(f"model: {{hf_config: {folder}/config.json}}\n"
                                      "hardware: t4\nworkload: {prompt_len: 8, gen_len: 2}\n"
                                      "policy: {N: 4, mu: 2}\n")
     assert main(["execute", str(tmp_path / "s.yaml"), "--weights", str(folder), "--device",
                  "cpu", "--prompts", str(tmp_path / "p.jsonl")]) == 2
-    err = capsys.readouterr().err
-    assert "eos_token_id must be a token id" in err and "Traceback" not in err
+    captured = capsys.readouterr()
+    assert words in captured.err and "Traceback" not in captured.err
+    assert "throughput" not in captured.out      # refused before the run, not after it
 
 
 @pytest.mark.parametrize("name, content, words", [

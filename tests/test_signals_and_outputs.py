@@ -89,7 +89,7 @@ def test_a_checkpoint_json_file_is_read_by_the_one_reader(tmp_path, name, text):
 
     (tmp_path / name).write_text(text)
     with pytest.raises(TgError, match="4,300 digits"):
-        eos_ids(tmp_path) if name.startswith("generation") else checkpoint_index(tmp_path)
+        eos_ids(tmp_path, 32) if name.startswith("generation") else checkpoint_index(tmp_path)
 
 
 @pytest.mark.parametrize("value", ["hardware.gpu.tflops=1e-320", "hardware.gpu.mem_gbps=5e-324",
