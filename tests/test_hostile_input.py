@@ -576,6 +576,8 @@ def test_an_eos_token_id_that_is_not_an_id_is_refused(checkpoint, tmp_path, caps
 @pytest.mark.parametrize("name, content, words", [
     ("bom.csv", "\ufeffid,prompt_len,gen_len\na,4,2\n", None),
     ("digits.jsonl", '{"prompt_len": ' + "9" * 5000 + ', "gen_len": 2}\n', "4,300 digits"),
+    # int() refuses 4,300 digits with a ValueError that was a traceback (round three)
+    ("digits.csv", "id,prompt_len,gen_len\na,1" + "0" * 5000 + ",2\n", "prompt_len must be a whole"),
     ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", "nesting deeper"),
     ("passwd.csv", "root:x:0:0:root:/root:/bin/bash\n", "not a list of column names"),
     ("wide.csv", ",".join(f"c{i}" for i in range(300_000)) + "\n", "not a list of column"),

@@ -147,7 +147,8 @@ def _whole(value: Any, text_is_number: bool) -> int | None:
     return None
 
 
-_DECIMAL = re.compile(r"[0-9]+")
+# at most 18 digits: a longer number is past every limit (and int() refuses 4,300 digits)
+_DECIMAL = re.compile(r"[0-9]{1,18}")
 
 
 def generate_requests(count: int, prompt_mean: float, prompt_max: int, gen_mean: float,
