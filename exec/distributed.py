@@ -146,15 +146,11 @@ def _worker(rank: int, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
     # Ctrl-C reaches the parent only, which passes it on to each rank once (`_wind_down`): a
     # rank hit twice could die before saving what it measured.
     os.setpgrp()
-    # Started with Ctrl-C blocked (see `execute_processes`): one that reached this rank while
-    # it started is dropped (the parent passes it on), then it listens.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # Started with Ctrl-C ignored (see `_spawn_and_join`); out of the terminal's group, it
+    # listens.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # A rank whose parent is gone has no one to report to. torch's spawn asks for SIGINT then,
-    # which a rank started deaf to it (see `execute_processes`) never heard, and which a rank
-    # blocked on a peer could outlive: SIGKILL instead, and a parent already gone is seen here.
+    # A rank whose parent is gone has no one to report to, and a rank blocked on a peer could
+    # outlive it: SIGKILL then, and a parent already gone is seen here.
     set_pdeathsig = getattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", None)
     if set_pdeathsig is not None:
         set_pdeathsig(signal.SIGKILL)
@@ -289,57 +285,87 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
     """Start a process per rank (`_worker` with `args`) and wait for them all; True if a
     Ctrl-C stopped them (each saved what it measured). A failing rank is a TgError naming
     the first failure; a SIGTERM ends the ranks and then this process."""
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
+    import multiprocessing
 
-    # The ranks start deaf to Ctrl-C: they inherit this thread's signal mask, SIGINT
-    # blocked (a start-up interrupted in an import leaves a traceback); each listens once
-    # it is running (`_worker`). The parent notes a Ctrl-C that comes meanwhile and acts on
-    # it where it can wind the ranks down: ignored, it was lost (delivered to another of
-    # the parent's threads), and the run went on to its end.
+    # Each rank's arguments are pickled before any rank starts, into a file it reads once
+    # running: with torch's reductions (`import torch` registers them) its tensors move into
+    # shared memory once, and each rank gets handles of its own (a handle is served once). A
+    # rank then starts in milliseconds.
+    for rank in range(ranks_n):
+        (tmp / f"rank{rank}.args").write_bytes(
+            multiprocessing.reduction.ForkingPickler.dumps((rank, *args)))
+    # The ranks start deaf to Ctrl-C (a start-up interrupted in an import leaves a
+    # traceback); each listens once it is running (`_worker`), and the parent passes a Ctrl-C
+    # on to each once (`_wind_down`). Deaf means started with SIGINT ignored, which a process
+    # keeps across exec: a blocked signal mask is not kept by multiprocessing's spawn, and under
+    # load ranks died in their imports with KeyboardInterrupt tracebacks. The parent ignores it
+    # too for as long as it starts them (a fork and an exec each): a Ctrl-C in those
+    # milliseconds is lost, and the run goes on to its end.
     main = threading.current_thread() is threading.main_thread()
-    held = main and hasattr(signal, "pthread_sigmask")
     came: list[int] = []
-    interrupted, ranks = False, None
+    interrupted, ranks = False, []
     # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
     # parent with its usual status, its temporary folder removed on the way out.
     previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
-        # A SIGTERM while a rank is spawned is noted too: raised there, it cut the rank's
+        # A SIGTERM while a rank starts is noted too: raised there, it cut the rank's
         # start-up data short and the rank died with a traceback (seen under load).
-        previous = signal.signal(signal.SIGINT, lambda sig, _: came.append(sig)) if main \
-            else None
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         if main:
             signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
         try:
-            ranks = mp.spawn(_worker, args=args, nprocs=ranks_n, join=False)
+            spawn = multiprocessing.get_context("spawn")
+            for rank in range(ranks_n):
+                proc = spawn.Process(target=_rank, args=(str(tmp / f"rank{rank}.args"),),
+                                     name=f"tg-rank{rank}")
+                proc.start()
+                ranks.append(proc)
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
                 signal.signal(signal.SIGTERM, _terminated)
-            if held:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if signal.SIGTERM in came:
-            raise _Terminated
         if came:
-            raise KeyboardInterrupt
-        while not ranks.join():
-            pass
-    except ProcessException:
-        raise TgError(_first_failure(tmp, ranks_n)) from None
+            raise _Terminated
+        _join(ranks, tmp)
     except KeyboardInterrupt:
         interrupted = True
-        if ranks is not None:
-            _wind_down(ranks.processes, tmp)
+        _wind_down(ranks, tmp)
     except _Terminated:
-        if ranks is not None:
-            _wind_down(ranks.processes, tmp, grace_s=0.0)
+        _wind_down(ranks, tmp, grace_s=0.0)
         raise Terminated(signal.SIGTERM) from None
+    except BaseException:
+        _wind_down(ranks, tmp, grace_s=0.0)
+        raise
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous_term)
     return interrupted
+
+
+def _rank(args_path: str) -> None:
+    """A rank's process: its arguments read from the file the parent wrote, then its run."""
+    import pickle
+
+    with open(args_path, "rb") as f:
+        rank, *args = pickle.load(f)
+    _worker(rank, *args)
+
+
+def _join(ranks: list, folder: Path) -> None:
+    """Wait for every rank to end; the first to fail ends the others, and is reported (the
+    earliest failure any rank wrote, not the broken connections it left its peers)."""
+    from multiprocessing.connection import wait
+
+    running = list(ranks)
+    while running:
+        wait([proc.sentinel for proc in running])
+        for proc in [p for p in running if not p.is_alive()]:
+            running.remove(proc)
+            if proc.exitcode != 0:
+                for other in running:
+                    other.kill()
+                    other.join()
+                raise TgError(_first_failure(folder, len(ranks)))
 
 
 def _merged(plan: Plan, program: Any, results: list[dict[str, Any]], wall: float,
