@@ -200,20 +200,27 @@ def compile_plan(plan: Plan) -> Program:
     one "middle" template, so a long run compiles a handful of segments."""
     G = plan.G
     horizon = lookahead_steps(plan)
-    # Each segment's shape as one number (prefill, first step, steps left up to the horizon),
-    # worked out for all G + 1 segments at once: a typo of nine million steps is announced in
-    # a moment, not after a Python loop over every step.
-    d = np.arange(G + 1)
-    shape = np.minimum(G - d, horizon + 1) + (horizon + 2) * ((d == 0) + 2 * (d == 1))
-    shapes, first, seg_shape = np.unique(shape, return_index=True, return_inverse=True)
+
+    def shape(d: np.ndarray) -> np.ndarray:
+        """A segment's shape as one number: prefill, first step, or its steps left up to the
+        horizon."""
+        return np.minimum(G - d, horizon + 1) + (horizon + 2) * ((d == 0) + 2 * (d == 1))
+
+    # Only segments 0 to 2 and the last horizon + 1 can differ; every one between is segment
+    # 2's shape. Worked out on those alone, and the run's arrays filled in whole: a typo of
+    # nine million steps is refused in a moment, not after sorting nine million shapes.
+    edges = np.unique(np.r_[np.arange(min(G, 2) + 1), np.arange(max(G - horizon, 0), G + 1)])
+    shapes, first = np.unique(shape(edges), return_index=True)
     in_order = np.argsort(first)                 # templates numbered by their first segment
     structure = _structure(plan)
-    templates = [_template(plan, structure, int(shapes[i]), int(first[i])) for i in in_order]
-    number = np.empty(len(shapes), dtype=np.int64)
-    number[in_order] = np.arange(len(shapes))
-    seg_template = number[seg_shape.reshape(-1)]
-    sizes = np.array([t.size for t in templates])[seg_template]
-    seg_base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    templates = [_template(plan, structure, int(shapes[i]), int(edges[first[i]]))
+                 for i in in_order]
+    number = dict(zip(shapes[in_order].tolist(), range(len(shapes))))
+    seg_template = np.full(G + 1, number[int(shape(np.array(min(G, 2))))], dtype=np.int64)
+    seg_template[edges] = [number[x] for x in shape(edges).tolist()]
+    sizes = np.array([t.size for t in templates], dtype=np.int64)[seg_template]
+    seg_base = np.zeros(G + 1, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=seg_base[1:])
     return Program(plan, plan.streams, templates, seg_template, seg_base, int(sizes.sum()))
 
 
