@@ -95,3 +95,25 @@ def test_kept_templates_are_read_only_and_bounded(monkeypatch):
     monkeypatch.setattr(compiled, "TEMPLATE_TASKS", program.templates[0].size)
     compile_plan(make_plan(tiny(policy={"N": 8, "mu": 4, "r_w": 0.0, "r_c": 0.0})))
     assert len(compiled._TEMPLATES) == 1           # the most recent; the rest let go
+
+
+@pytest.mark.parametrize("schedule", ["S1", "S4", "EC"])
+def test_every_segment_runs_the_template_of_its_own_graph(schedule):
+    """compile_plan works the segments' shapes out from the first three and the last few (a
+    nine-million-step run is refused in a moment): each segment's template must still be the
+    one its own graph compiles to, at every length from one decode step to several past the
+    schedule's horizon, and the segments' bases must add up their templates' sizes."""
+    policy = {"policy": EXPERT_POLICY[schedule]} if schedule in EXPERT_POLICY else {}
+    for gen_len in range(2, 11):
+        sc = tiny(schedule=schedule, **policy,
+                  workload={"prompt_len": 16, "max_prompt_len": 32, "gen_len": gen_len})
+        program = _fresh(sc, schedule)
+        plan = program.plan
+        assert len(program.seg_template) == plan.G + 1
+        for d, t in enumerate(program.seg_template):
+            own = compiled._compile(lambda: compiled.build_segment(plan, d), d, plan.streams)
+            differ = _same(program.templates[t], own)
+            assert not differ, f"gen_len {gen_len}, segment {d}: template {t} differs in {differ}"
+        sizes = [program.templates[t].size for t in program.seg_template]
+        assert list(program.seg_base) == [sum(sizes[:d]) for d in range(len(sizes))]
+        assert program.total == sum(sizes)
