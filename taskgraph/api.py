@@ -701,14 +701,15 @@ def graph(scenario: ScenarioLike, *, schedule: str | None = None, step: int | No
             step)
         out: output file: .json or .dot
     """
-    from taskgraph.dag.builder import build_segment, make_plan
-    from taskgraph.output.export import SegmentGraph, write_graph
+    from taskgraph.dag.builder import build_segment, make_plan, segment_size
+    from taskgraph.output.export import SegmentGraph, announce_large_graph, write_graph
 
     plan = make_plan(resolve_policy(load(scenario, overrides, schedule))[0])
     step = step if step is not None else min(2, plan.G)
     if not 0 <= step <= plan.G:
         raise TgError(f"--step {step} is outside the run: 0 (prefill) to {plan.G} "
                       "(workload.gen_len decode steps).")
+    announce_large_graph(plan.schedule.name, step, segment_size(plan, step))
     segment = SegmentGraph(build_segment(plan, step), plan.schedule.name, step)
     if out is not None:
         write_graph(segment.graph, out)

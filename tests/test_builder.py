@@ -139,3 +139,21 @@ def test_policies_a_schedule_cannot_run_get_clear_errors():
 def test_task_keys_name_pages_and_micro_batches():
     assert TaskKey(3, "D3", 1, 2).name == "D3[s3,L1,p2]"
     assert TaskKey(3, "PostAttn", 1, 2).name == "PostAttn[s3,L1,m2]"
+
+
+EXPERTS = {"EP": {"experts_gpu": 2}, "EC": {"experts_gpu": 2}, "ECP": {"experts_gpu": 2}}
+
+
+@pytest.mark.parametrize("name,gpus", [(s, 1) for s in SCHEDULES] + [("S1", 2), ("PP", 2)])
+def test_a_segments_size_is_known_before_it_is_launched(name, gpus):
+    """`tg graph` announces a graph of minutes from segment_size, which launches a copy with
+    a few layers: it must count what launching the whole segment counts."""
+    from taskgraph.dag.builder import segment_size
+    from taskgraph.scenario import for_schedule
+
+    sc = tiny(schedule=name, model={"preset": "tiny", "L": 9}, hardware={"preset": "t4", "gpu": {"count": gpus}},
+              workload={"prompt_len": 16, "max_prompt_len": 32, "gen_len": 5},
+              **({"policy": EXPERTS[name]} if name in EXPERTS else {}))
+    plan = make_plan(for_schedule(sc, name)[0])
+    for d in range(plan.G + 1):
+        assert segment_size(plan, d) == len(launch_sequence(plan, d)), f"segment {d}"

@@ -152,6 +152,26 @@ def test_graph_export(tmp_path, capsys):
     assert text.startswith('digraph "S1 segment 0"') and "Prefill[s0,L0,m0]" in text
 
 
+def test_a_graph_of_minutes_is_announced_before_it_is_built(tmp_path, capsys, monkeypatch):
+    """Round three: tg graph of 1,000 layers and 256 micro-batches (1.8 million tasks) built
+    for minutes without a word. Now the estimate comes first, on stderr, then the build (here
+    stopped where it would start)."""
+    import taskgraph.dag.builder as builder
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builder, "build_segment", stop)
+    assert main(["graph", "scenarios/tiny.yaml", "--set", "model.L=1000", "--set",
+                 "policy.N=256", "--set", "policy.mu=1", "--out", str(tmp_path / "g.json")]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert "segment 2 of S1 has about 1,792,256 tasks" in err and "minutes to build" in err
+    assert not (tmp_path / "g.json").exists()
+    monkeypatch.undo()
+    assert main(["graph", "scenarios/tiny.yaml", "--out", str(tmp_path / "g.json")]) == 0
+    assert "to build" not in capsys.readouterr().err      # a small graph is just built
+
+
 def test_the_simulator_does_not_import_torch():
     code = ("import sys, taskgraph.cli, taskgraph.sim.simulate, taskgraph.tracing.writer; "
             "from taskgraph.cli import main; main(['simulate', 'scenarios/tiny.yaml', '--json']);"
