@@ -95,9 +95,15 @@ def test_the_fit_recovers_known_parameters(tmp_path):
         doc["cells"].append(raw)
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(doc))
-    report = run_fit(*load_measurements(path), loo=False)
+    ticks: list[tuple[int, int]] = []
+    report = run_fit(*load_measurements(path), loo=False,
+                     progress=lambda done, total: ticks.append((done, total)))
     for p, v in zip(report.params, report.values):
         assert v == pytest.approx(truth[p.name], rel=0.03), p.name
+    # progress at every step (issue 40: the fit was one step of minutes): each cell's datasheet
+    # simulation, then each round's four least-squares starts and cell simulations
+    total = 3 * len(cells) + 2 * 4
+    assert ticks == [(done, total) for done in range(1, total + 1)]
     assert report.summary()["max_abs_error"] < 0.01
     json.dumps(report.to_json(), allow_nan=False)     # no leave-one-out: nulls, not NaN
 

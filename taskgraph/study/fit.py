@@ -247,10 +247,11 @@ class _Simulate:
         return simulate_cell(self.cell, self.machines, self.impls)
 
 
-def simulate_cells(cells: list[Cell], machines, impls, backend: Backend = LOCAL
-                   ) -> list[dict[str, Any]]:
-    """Every cell simulated on the given profiles, in cell order (:func:`simulate_cell`)."""
-    return run_jobs([_Simulate(c, machines, impls) for c in cells], backend)
+def simulate_cells(cells: list[Cell], machines, impls, backend: Backend = LOCAL,
+                   progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every cell simulated on the given profiles, in cell order (:func:`simulate_cell`);
+    `progress(done, total)` as each finishes."""
+    return run_jobs([_Simulate(c, machines, impls) for c in cells], backend, progress)
 
 
 def _throughputs(sims: list[dict[str, Any]]) -> np.ndarray:
@@ -267,12 +268,19 @@ class FitResult:
     simulations: list[dict[str, Any]] = field(default_factory=list)
 
 
+#: Least-squares starts in each round of a fit (:func:`fit`).
+STARTS = 4
+
+
 def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
-        corrections: np.ndarray | None = None, backend: Backend = LOCAL) -> FitResult:
+        corrections: np.ndarray | None = None, backend: Backend = LOCAL,
+        advance: Callable[[], None] | None = None) -> FitResult:
     """Least squares on log(simulated / measured) over `cells`. The predictor drives the inner
     loop, multiplied by `corrections` (its ratio to the simulation per cell); each of `rounds`
     outer rounds simulates every cell at the new values and updates them. With ``rounds=0`` the
-    given corrections stand (leave-one-out refits reuse the full fit's)."""
+    given corrections stand (leave-one-out refits reuse the full fit's). `advance()` after
+    each least-squares start and each cell simulated (:data:`STARTS` + len(cells) a round)."""
+    advance = advance or (lambda: None)
     from scipy.optimize import least_squares
 
     measured = np.array([c.measured_tok_s for c in cells])
@@ -308,12 +316,14 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
         # (log) bounds: low, middle, high. A rate that binds only in part of its range (a
         # process's copy limited by its threads, or not) is flat elsewhere, so one start
         # cannot find the other regime.
-        for x0 in (x, *(lo + f * (hi - lo) for f in (0.5, 0.15, 0.85))):
+        starts = (x, *(lo + f * (hi - lo) for f in (0.5, 0.15, 0.85)))     # STARTS of them
+        for x0 in starts:
             res = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi),
                                 method="trf", diff_step=1e-4, xtol=1e-8, ftol=1e-10,
                                 max_nfev=400 * len(params))
             if best is None or res.cost < best.cost:
                 best = res
+            advance()
         return best
 
     x = np.log([p.start for p in params])
@@ -328,7 +338,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
             break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
-        sims = simulate_cells(cells, machines, impls, backend)
+        sims = simulate_cells(cells, machines, impls, backend, lambda done, total: advance())
         corrections = _throughputs(sims) / pred
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
@@ -524,8 +534,9 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
             loo: bool = True, backend: Backend = LOCAL, leave_out: str = "cell") -> FitReport:
     """Fit on every cell, report each cell's simulation, its leave-one-out prediction and what
     the unfitted presets simulated. Leave-one-out refits without each `leave_out` in turn (a
-    cell, a measurements file, a machine) and predicts its cells. `progress(done, total)`: the
-    datasheet simulations, the fit, then each leave-one-out refit as it finishes."""
+    cell, a measurements file, a machine) and predicts its cells. `progress(done, total)`: each
+    cell's datasheet simulation, each least-squares start and cell simulation of the fit's
+    rounds, then each leave-one-out refit as it finishes."""
     if leave_out not in LEAVE_OUT:
         raise TgError(f"leave_out = {leave_out!r}: it is one of {', '.join(LEAVE_OUT)}.")
     groups: dict[str, list[int]] = {}
@@ -534,30 +545,36 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     if loo and len(groups) < 2:
         raise TgError(f"Leave-one-out refits without each {leave_out} in turn: it needs at "
                       f"least two (or give --no-loo).")
-    total = 2 + (len(groups) if loo else 0)
+    rounds = 2
+    total = len(cells) + rounds * (STARTS + len(cells)) + (len(groups) if loo else 0)
     tick = progress or (lambda done, total: None)
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        tick(done, total)
     _announce(cells, *profiles([], []), loo)          # choosing the parameters predicts cells
     params = free_parameters(cells)
     reports = [CellReport(c, memory=c.memory_note()) for c in cells]
     machines, impls = datasheet_profiles(params)
     _compile_here(cells, machines, impls)
-    for r, sim in zip(reports, simulate_cells(cells, machines, impls, backend)):
+    datasheet = simulate_cells(cells, machines, impls, backend, lambda k, n: advance())
+    for r, sim in zip(reports, datasheet):
         r.datasheet = float(sim["throughput_tok_s"])
-    tick(1, total)
-    result = fit(cells, params, backend=backend)
+    result = fit(cells, params, rounds, backend=backend, advance=advance)
     if not result.converged:
         raise TgError(f"The fit did not converge ({result.message}); nothing was written.")
     # the last round simulated every cell at the values found
     for r, sim in zip(reports, result.simulations):
         r.simulated = float(sim["throughput_tok_s"])
         r.bound_by, r.shared = sim["bound_by"], sim["shared"]
-    tick(2, total)
     report = FitReport(source, params, result.values, reports, leave_out=leave_out)
     if loo:
         jobs = [_LeaveOut(tuple(cells), tuple(left), tuple(params), tuple(result.corrections))
                 for left in groups.values()]
-        done = run_jobs(jobs, backend, lambda k, n: tick(2 + k, total))
-        for group, left, (values, tok_s) in zip(groups, groups.values(), done):
+        refits = run_jobs(jobs, backend, lambda k, n: advance())
+        for group, left, (values, tok_s) in zip(groups, groups.values(), refits):
             report.loo_values[group] = values
             for i, x in zip(left, tok_s):
                 reports[i].loo = x
