@@ -29,7 +29,6 @@ so the two cannot drift apart (the command line says itself what ``--set``, ``--
 from __future__ import annotations
 
 import collections.abc
-import contextvars
 import functools
 import inspect
 import json
@@ -37,11 +36,11 @@ import numbers
 import os
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from taskgraph.errors import TgError
+from taskgraph.files import Folder
 from taskgraph.specs import Scenario
 
 ScenarioLike = Union[str, Path, Mapping[str, Any], Scenario]
@@ -61,7 +60,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None,
     until :func:`resolve_policy`. Within a :func:`verb`, an output of it that loading read (a
     profile, a request list) is refused."""
     from taskgraph.dag.schedules import SCHEDULES
-    from taskgraph.files import refuse_input
+    from taskgraph.files import refuse_outputs_read
     from taskgraph.scenario import apply_override, load_scenario, scenario_from_dict
 
     if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
@@ -84,8 +83,7 @@ def load(scenario: ScenarioLike, overrides: Overrides = None,
     else:
         raise TgError(f"A scenario is a file path, a mapping or a Scenario, not "
                       f"{type(scenario).__name__}.")
-    for flag, path in _WRITING.get().items():      # a profile, a request list it names
-        refuse_input(path, flag)
+    refuse_outputs_read()          # a profile, a request list the scenario names
     return loaded
 
 
@@ -130,14 +128,6 @@ def _as_json(value: Any, what: str) -> str:
         raise TgError(f"{what} nests too deep for a scenario.") from None
 
 
-@dataclass(frozen=True)
-class Folder:
-    """What a parameter of :func:`verb` names when the function writes a folder there, and the
-    files of fixed names it writes in it."""
-
-    holds: tuple[str, ...] = ()
-
-
 def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
     """A verb of the API, writing files at the parameters `writes` names: a file ending in one
     of the suffixes given (any, if none), or a :class:`Folder`. Each path given is checked
@@ -153,7 +143,7 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
 
         @functools.wraps(func)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            from taskgraph.files import inputs_of_call, path_error
+            from taskgraph.files import checked_outputs, inputs_of_call, path_error, writing
 
             try:
                 given = signature.bind(*args, **kwargs).arguments
@@ -162,9 +152,8 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
             for name, value in given.items():
                 if name not in writes:         # an output is named by its flag (_outputs)
                     _check_argument(func.__name__, name, value, hints.get(name))
-            outputs = _outputs(writes, given)
-            with inputs_of_call():
-                token = _WRITING.set(outputs)
+            outputs = checked_outputs(writes, given)
+            with inputs_of_call(), writing(outputs):
                 try:
                     return func(*args, **kwargs)
                 except OSError as err:      # a path no check of tg's looked at
@@ -172,8 +161,6 @@ def verb(**writes: tuple[str, ...] | Folder) -> Callable[[Callable], Callable]:
                     if error is None or error.exit_code != TgError.exit_code:
                         raise
                     raise error from None
-                finally:
-                    _WRITING.reset(token)
 
         checked.writes = writes
         return checked
@@ -263,39 +250,6 @@ def _described(hint: Any, plural: bool = False) -> str:
 
 
 _PLURAL = {int: "integers", float: "numbers", str: "text", bool: "true or false"}
-
-
-def output_path(text: str, spec: tuple[str, ...] | Folder):
-    """`text` as the path a :func:`verb` writes at a parameter declared `spec`."""
-    from taskgraph.files import Output
-
-    if isinstance(spec, Folder):
-        return Output(text, folder=True, holds=spec.holds)
-    return Output(text, *spec)
-
-
-# The outputs of the verb running (flag -> Output): `load` refuses any that it read.
-_WRITING: contextvars.ContextVar[dict] = contextvars.ContextVar("writing", default={})
-
-
-def _outputs(writes: dict[str, tuple[str, ...] | Folder], given: dict[str, Any]) -> dict:
-    from taskgraph.files import check_outputs
-
-    outputs = {}
-    for name, spec in writes.items():
-        flag, path = f"--{name.replace('_', '-')}", given.get(name)
-        if path is None:
-            continue
-        text = os.fspath(path) if isinstance(path, os.PathLike) else path
-        if not isinstance(text, str):
-            raise TgError(f"{flag} is a path (a str or os.PathLike), not "
-                          f"{type(path).__name__}.")
-        outputs[flag] = output_path(text, spec)
-    # what no output may replace: the inputs the command line names too
-    inputs = [given[k] for k in ("scenario", "measurements", "prompts")
-              if isinstance(given.get(k), (str, os.PathLike))]
-    check_outputs(outputs, inputs)
-    return outputs
 
 
 @verb(csv=(".csv",))

@@ -20,6 +20,7 @@ import threading
 import zlib
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -167,6 +168,65 @@ class Output(str):
         path = super().__new__(cls, text)
         path.suffixes, path.folder, path.holds = suffixes, folder, holds
         return path
+
+
+@dataclass(frozen=True)
+class Folder:
+    """What a parameter of an API verb names when the verb writes a folder there, and the
+    files of fixed names it writes in it (``taskgraph.api.verb``)."""
+
+    holds: tuple[str, ...] = ()
+
+
+def output_path(text: str, spec: tuple[str, ...] | Folder) -> Output:
+    """`text` as the path a verb writes at a parameter declared `spec`: a file ending in one
+    of the suffixes `spec` holds (any, if none), or a :class:`Folder`."""
+    if isinstance(spec, Folder):
+        return Output(text, folder=True, holds=spec.holds)
+    return Output(text, *spec)
+
+
+def checked_outputs(writes: dict[str, tuple[str, ...] | Folder], given: dict[str, Any]
+                    ) -> dict[str, Output]:
+    """The outputs an API call names (its arguments `given`, at the parameters `writes`
+    declares), by the option that names each on the command line, checked before any work
+    (:func:`check_outputs`) against each other and the inputs the call names."""
+    outputs = {}
+    for name, spec in writes.items():
+        flag, path = f"--{name.replace('_', '-')}", given.get(name)
+        if path is None:
+            continue
+        text = os.fspath(path) if isinstance(path, os.PathLike) else path
+        if not isinstance(text, str):
+            raise TgError(f"{flag} is a path (a str or os.PathLike), not "
+                          f"{type(path).__name__}.")
+        outputs[flag] = output_path(text, spec)
+    # what no output may replace: the inputs the command line names too
+    inputs = [given[k] for k in ("scenario", "measurements", "prompts")
+              if isinstance(given.get(k), (str, os.PathLike))]
+    check_outputs(outputs, inputs)
+    return outputs
+
+
+# The outputs of the API call running (flag -> Output): a file its scenario names (a profile,
+# a request list) may not be one of them. Per call, as the inputs are.
+_WRITING: ContextVar[dict[str, Output]] = ContextVar("writing", default={})
+
+
+@contextmanager
+def writing(outputs: dict[str, Output]) -> Iterator[None]:
+    """An API call that will write `outputs` (:func:`checked_outputs`) runs inside this."""
+    token = _WRITING.set(outputs)
+    try:
+        yield
+    finally:
+        _WRITING.reset(token)
+
+
+def refuse_outputs_read() -> None:
+    """A clear error if the running call will write over a file it has read."""
+    for flag, path in _WRITING.get().items():
+        refuse_input(path, flag)
 
 
 def written_in_place(path: Path) -> bool:

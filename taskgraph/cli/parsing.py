@@ -184,9 +184,9 @@ def _trace_args(c: argparse.ArgumentParser) -> None:
                    help="decode steps the trace covers after prefill (default 2; 'all')")
 
 
-def output(spec: tuple[str, ...] | api.Folder) -> Callable[[str], files.Output]:
+def output(spec: tuple[str, ...] | files.Folder) -> Callable[[str], files.Output]:
     """A path the run writes, declared as the API's are (:func:`taskgraph.api.verb`)."""
-    return lambda text: api.output_path(text, spec)
+    return lambda text: files.output_path(text, spec)
 
 
 def positive(text: str) -> int:
