@@ -350,19 +350,29 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 # C0 and C1 control characters but tab and newline, and the bidirectional formatting ones: an
 # escape sequence in a name would reach the terminal of whoever reads the table, and U+202E
 # would show it reversed.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
-                      "\u2066-\u2069]")
+# Newlines and tabs too: a message is one paragraph, and a newline in it came from a value (a
+# path), splitting the message over lines.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 # A run of this many characters without a space in a message is a value, not prose: cut.
 _LONG_RUN = re.compile(r"\S{200,}")
+#: The longest message shown whole (the longest tg writes, listing every preset, is ~700):
+#: a longer one echoes a value with spaces in it, cut in the middle (the field is named at the
+#: start, what to do at the end).
+LONGEST_MESSAGE = 2_000
 
 
 def printable(message: str) -> str:
     """A message as it may reach a terminal: each control or bidirectional character shown as
-    its escape, and each run of 200 or more characters without a space (a 100,000-character bad
-    value, whatever option echoed it) cut to its first 120 and its length."""
+    its escape, each run of 200 or more characters without a space (a 100,000-character bad
+    value, whatever option echoed it) cut to its first 120 and its length, and a message
+    longer than :data:`LONGEST_MESSAGE` to its first 1,000 and last 500 characters."""
     message = _CONTROL.sub(lambda m: ascii(m.group())[1:-1], message)
-    return _LONG_RUN.sub(lambda m: f"{m.group()[:120]}...({len(m.group()):,} characters)",
-                         message)
+    message = _LONG_RUN.sub(lambda m: f"{m.group()[:120]}...({len(m.group()):,} characters)",
+                            message)
+    if len(message) > LONGEST_MESSAGE:
+        message = (f"{message[:1_000]}...({len(message) - 1_500:,} characters)..."
+                   f"{message[-500:]}")
+    return message
 
 
 #: What a spreadsheet runs as a formula when a cell starts with it (OWASP, "CSV Injection").
