@@ -352,6 +352,9 @@ def test_a_trace_is_read_step_by_step_as_json_reads_it(indent, separators, steps
      "steps[1] is not an array of expert ids"),
     ('{"format": "tg-routing/1", "E": 8, "k": 2, "L": 1, "steps": []} x', "not valid JSON"),
     ('[1, 2]', "is not a routing trace"),
+    # a bool is no expert id (round three: [true, false] were experts 1 and 0)
+    ('{"format": "tg-routing/1", "E": 8, "k": 2, "L": 1, "steps": [[[[0, 1]]], [[[true, false]]]]}',
+     "steps[1] must hold integer expert ids, not true/false"),
 ])
 def test_a_bad_trace_read_step_by_step_is_one_clear_error(text, words):
     from taskgraph.dag.routing import trace_from_json
