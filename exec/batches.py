@@ -6,7 +6,7 @@ tensors, and each request's output read back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from taskgraph.errors import TgError
 from taskgraph.exec.loading import checkpoint_model, max_positions, need_torch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,27 +24,34 @@ from taskgraph.exec.loading import (check_computable, check_host_memory, kept_sy
                                     need_torch, pick_device, torch_dtype)
 from taskgraph.files import atomic_path
 from taskgraph.kernels.quant import expert_format
-from taskgraph.output.report import execute_table, warnings_of
+from taskgraph.output.report import Shown, execute_table, warnings_of
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.sim.metrics import summarize
-from taskgraph.sim.simulate import Simulation
+from taskgraph.sim.simulate import trace_run_of
 from taskgraph.specs import ModelSpec, Scenario
-from taskgraph.tracing.writer import TraceRun
+from taskgraph.tracing.writer import Traced, TraceRun
 
 
 class Executed:
     """What an executed run (one batch or a request list's) gives beside its figures: the
-    generated tokens, the router's decisions, and whether it failed."""
+    generated tokens, the router's decisions, and whether it failed. Each kind keeps its own
+    figures (``to_dict()``) and says here how they take a file written or a warning."""
 
-    summary: dict[str, Any]
+    summary: dict[str, Any]      # the JSON of `tg execute`
     routing: Any
     failure: BaseException | None
 
     def write_outputs(self, path: str) -> None:
-        _write_outputs(self.summary, path)
+        """Each request's tokens to `path` (JSON lines), which the figures then name instead
+        of holding them."""
+        raise NotImplementedError
 
     def write_routing(self, path: str | Path) -> None:
-        write_routing(self.routing, path)
+        """The router's decisions to `path`, which the figures then name."""
+        raise NotImplementedError
+
+    def warn(self, text: str) -> None:
+        raise NotImplementedError
 
     def routing_written(self) -> Iterator[Text]:
         """The line saying where the router's decisions went, if they were written."""
@@ -69,29 +76,122 @@ class Executed:
 
 
 @dataclass
-class Execution(Executed, Simulation):
-    """An executed run: the same fields as a simulated one, traced as "measured", with what the
-    PyTorch profiler saw inside it when it ran under ``--profile``."""
+class Batches:
+    """A prompts file run N sequences at a time: what its batches ran, in all (the figures
+    but these are the first batch's)."""
 
+    count: int
+    throughput_tok_s: float
+    makespan_s: float
+    tasks: int
+    interrupted: bool
+
+
+@dataclass
+class Measurements:
+    """What an executed run measured and checked beside its figures: where it ran, the check
+    against the reference forward (None where it was not made: ``check`` off, or the run
+    stopped), each request's tokens, and what it had to say."""
+
+    device: str
+    dtype: str
+    zero_copy: bool
+    cache: dict[str, Any] | None = None     # what EC's expert cache really copied and held
+    max_abs_err: float | None = None
+    tokens_match: bool | None = None
+    outputs: list[dict[str, Any]] | None = None      # each request's tokens (with prompts)
+    requests: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    profiled_ops: int | None = None
+    wall_s: float = 0.0
+    batches: Batches | None = None
+    out: str | None = None           # where the outputs were written instead
+    routing: str | None = None       # where the router's decisions were written
+
+
+@dataclass
+class Execution(Executed, Shown, Traced):
+    """An executed run: the plan and compiled graph it ran, its tasks' measured times (`run`)
+    and the figures a simulation gives of them (`figures`, less the modelled machine's limit),
+    what it measured and checked beside them (`measured`), traced as "measured" with what the
+    PyTorch profiler saw inside it when it ran under ``--profile`` (`ops`)."""
+
+    plan: Plan
+    program: Any
+    memory: Any
+    run: Any
+    figures: dict[str, Any]
+    measured: Measurements
     ops: list = field(default_factory=list)
     weights: Any = None           # what ran: the reference forward can be re-run on them
     # the router's decisions (taskgraph.dag.routing.RoutingTrace), with record_routing
     routing: Any = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of `tg execute`: the figures, with what the run measured."""
+        m, over = self.measured, self.measured.batches
+        out = dict(self.figures)
+        if over is not None:
+            out.update(throughput_tok_s=over.throughput_tok_s, makespan_s=over.makespan_s,
+                       tasks=over.tasks, interrupted=over.interrupted)
+        out.update(wall_s=m.wall_s, device=m.device, dtype=m.dtype, measured=True,
+                   zero_copy=m.zero_copy)
+        if m.cache is not None:
+            out["experts"] = {**out.get("experts", {}), **m.cache}
+        out.update(max_abs_err=m.max_abs_err, tokens_match=m.tokens_match)
+        outputs = {} if m.outputs is None or m.out is not None else {"outputs": m.outputs}
+        if over is None:
+            out.update(outputs)
+        if m.requests is not None:
+            out["requests"] = m.requests
+        out["warnings"] = list(m.warnings)
+        if m.profiled_ops is not None:
+            out["profiled_ops"] = m.profiled_ops
+        if over is not None:
+            out["batches"] = over.count
+            out.update(outputs)
+        if m.out is not None:
+            out["out"] = m.out
+        if m.routing is not None:
+            out["routing"] = m.routing
+        return out
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The JSON of `tg execute` (``to_dict()``), to read: a new dict each time."""
+        return self.to_dict()
+
+    def write_outputs(self, path: str) -> None:
+        from taskgraph.exec.prompts import write_outputs
+
+        write_outputs(path, self.measured.outputs)
+        self.measured.out = path
+
+    def write_routing(self, path: str | Path) -> None:
+        write_routing(self.routing, path)
+        self.measured.routing = str(path)
+
+    def warn(self, text: str) -> None:
+        self.measured.warnings.append(text)
+
     def trace_run(self, label: str = "measured") -> TraceRun:
-        run = super().trace_run(label)
+        run = trace_run_of(self.plan, self.program, self.run, label)
         run.ops = self.ops
         return run
 
+    def trace_runs(self) -> list[TraceRun]:
+        return [self.trace_run()]
+
     def gantt_runs(self) -> list[TraceRun]:
-        return [self.trace_run(f"{self.summary['schedule']} measured")]
+        return [self.trace_run(f"{self.figures['schedule']} measured")]
 
     def views(self):
-        yield execute_table(self.summary)
-        for row in (self.summary.get("outputs") or [])[:5]:
+        summary = self.to_dict()
+        yield execute_table(summary)
+        for row in (summary.get("outputs") or [])[:5]:
             yield Text(f"  {row['id']}: {row.get('text', row['output_ids'])}")
         yield from self.routing_written()
-        yield from warnings_of(self.summary)
+        yield from warnings_of(summary)
 
     @property
     def failure(self) -> BaseException | None:
@@ -127,14 +227,6 @@ def _recorded_routing(ref: Any, m: ModelSpec, slots: list | None, lens: Any, P: 
                         tuple(l for l in range(m.L) if m.is_dense(l)))
 
 
-def _write_outputs(summary: dict[str, Any], path: str) -> None:
-    """Each request's tokens go to `path` (JSON lines) instead of the summary, which names it."""
-    from taskgraph.exec.prompts import write_outputs
-
-    write_outputs(path, summary.pop("outputs"))
-    summary["out"] = path
-
-
 def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
                      weights_path: str | None, seed: int, progress, zero_copy: bool,
                      check: bool, profile: bool, processes: bool, warnings: list[str],
@@ -148,42 +240,36 @@ def _execute_prompts(scenario: Scenario, schedule: str | None, device: str,
     t0 = time.perf_counter()
     requests, per = shared.requests, scenario.policy.N
     starts = range(0, len(requests), per)
-    first, outputs, tokens, makespan, tasks, ran, errors, matches = (None, [], 0.0, 0.0, 0, 0,
-                                                                      [], [])
+    runs: list[Execution] = []
     for b, start in enumerate(starts):
         shared.requests = requests[start:start + per]
-        ex = execute_scenario(scenario, schedule, device, weights_path, seed,
-                              zero_copy=zero_copy, check=check, profile=profile and b == 0,
-                              processes=processes, shared=shared,
-                              record_routing=record_routing and b == 0)
-        s = ex.summary
-        first = first or ex
-        outputs += s.pop("outputs", None) or []
-        tokens += s["throughput_tok_s"] * s["makespan_s"]
-        makespan += s["makespan_s"]
-        tasks += s["tasks"]
-        ran += s["requests"]
-        errors.append(s["max_abs_err"])
-        matches.append(s["tokens_match"])
+        runs.append(execute_scenario(scenario, schedule, device, weights_path, seed,
+                                     zero_copy=zero_copy, check=check,
+                                     profile=profile and b == 0, processes=processes,
+                                     shared=shared, record_routing=record_routing and b == 0))
         if progress:
             progress(b + 1, len(starts))
-        if ex.run.interrupted:      # Ctrl-C, or a task that failed: say so as the first batch
-            first.run.failure = first.run.failure or ex.failure
-            first.summary["interrupted"] = True
+        if runs[-1].run.interrupted:     # Ctrl-C, or a task that failed: say so as the first
+            runs[0].run.failure = runs[0].run.failure or runs[-1].failure
             break
-    summary = first.summary
-    done = None not in matches
-    summary.update(
-        throughput_tok_s=round(tokens / makespan, 6) if makespan else 0.0,
-        makespan_s=round(makespan, 6), tasks=tasks, batches=len(matches),
-        max_abs_err=max(errors) if done else None, tokens_match=all(matches) if done else None,
-        requests=ran, wall_s=round(time.perf_counter() - t0, 3),
-        warnings=warnings + summary["warnings"] + [
-            f"{len(requests):,} prompts ran in {len(matches):,} batches of at most policy.N = "
+    first, figures = runs[0], [ex.figures for ex in runs]
+    checks = [ex.measured for ex in runs]
+    done = None not in [c.tokens_match for c in checks]
+    tokens = sum(f["throughput_tok_s"] * f["makespan_s"] for f in figures)
+    makespan = sum(f["makespan_s"] for f in figures)
+    first.measured = replace(
+        first.measured,
+        batches=Batches(len(runs), round(tokens / makespan, 6) if makespan else 0.0,
+                        round(makespan, 6), sum(f["tasks"] for f in figures),
+                        any(ex.run.interrupted for ex in runs)),
+        max_abs_err=max(c.max_abs_err for c in checks) if done else None,
+        tokens_match=all(c.tokens_match for c in checks) if done else None,
+        requests=sum(c.requests for c in checks), wall_s=round(time.perf_counter() - t0, 3),
+        outputs=[row for c in checks for row in c.outputs or []] if check and done else None,
+        warnings=warnings + first.measured.warnings + [
+            f"{len(requests):,} prompts ran in {len(runs):,} batches of at most policy.N = "
             f"{per} sequences; the timings other than makespan and throughput, and the trace, "
             "are the first batch's."])
-    if check and done:
-        summary["outputs"] = outputs
     return first
 
 
@@ -261,11 +347,11 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     w = _load_weights(job, weights_path, seed, shared)
     inputs = inputs_of(job.plan.scenario, batch_.slots, seed, batch is not None)
     ran = _run(job, w, inputs, zero_copy, profile, processes, progress)
-    summary = _measured(job, ran, zero_copy)
+    measured = _measured(job, ran, zero_copy)
     routing = None
     if check and not ran.run.interrupted:
-        routing = _check(summary, job, ran, w, inputs, batch_, record_routing)
-    return _result(summary, job, ran, w, batch_, routing, profile, t0)
+        routing = _check(measured, job, ran, w, inputs, batch_, record_routing)
+    return _result(measured, job, ran, w, batch_, routing, profile, t0)
 
 
 def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> str:
@@ -384,30 +470,19 @@ def _dispatch(job: _Job, w: Any, inputs: Inputs, runtime: Any,
     return run, runtime
 
 
-def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> dict[str, Any]:
-    """The run's summary, as a simulation's (its timings measured), with where it ran and, for
-    an expert cache, what it copied."""
-    summary = summarize(ran.run, job.memory)
-    # The hardware limit describes the modelled machine, not the one this ran on.
-    del summary["hardware_limit_tok_s"], summary["hardware_limit_fraction"]
-    summary["device"] = job.device
-    summary["dtype"] = str(job.dtype).removeprefix("torch.")
-    summary["measured"] = True
-    summary["zero_copy"] = zero_copy
-    runtime = ran.runtime
-    cache = getattr(runtime, "cache", None)      # a Runtime's (not a run in processes)
-    if job.plan.schedule.ffn == "cache" and cache is not None:
-        # what EC's expert cache really copied and held, beside what the model expects of it
-        summary["experts"] = {**summary.get("experts", {}), **cache.to_dict()}
-    summary["max_abs_err"] = summary["tokens_match"] = None
-    return summary
+def _measured(job: _Job, ran: _Ran, zero_copy: bool) -> Measurements:
+    """Where the run ran and, for an expert cache, what it copied."""
+    cache = getattr(ran.runtime, "cache", None)      # a Runtime's (not a run in processes)
+    return Measurements(job.device, str(job.dtype).removeprefix("torch."), zero_copy,
+                        cache=cache.to_dict() if job.plan.schedule.ffn == "cache"
+                        and cache is not None else None)
 
 
-def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: Inputs,
+def _check(measured: Measurements, job: _Job, ran: _Ran, w: Any, inputs: Inputs,
            batch_: Batch, record_routing: bool) -> Any:
     """The run against the reference forward, on the host, sequentially: the largest logit
     error where each micro-batch ran to its end, and whether the tokens (each request's, in a
-    batch of a request list) are the reference's, into `summary`, with each request's output.
+    batch of a request list) are the reference's, into `measured`, with each request's output.
     Returns the router's decisions with `record_routing`.
 
     The router's decisions are recorded here, not in the run: the reference is one loop over
@@ -430,38 +505,38 @@ def _check(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, inputs: Inputs
         i for i in range(p.N) if last_steps[i // p.mu] == G]
     if not (torch.isfinite(logits[full]).all() and torch.isfinite(ref.logits[full]).all()):
         # argmax over NaN is token 0 in both, which would read as identical
-        raise TgError(f"The run's logits are NaN or infinite (in {summary['dtype']}), so "
+        raise TgError(f"The run's logits are NaN or infinite (in {measured.dtype}), so "
                       "its tokens mean nothing and cannot be compared; the weights are "
                       "finite, so the activations overflowed"
                       + (" (try the checkpoint in float32)." if job.dtype != torch.float32
                          else "."))
-    summary["max_abs_err"] = float((logits[full].float() - ref.logits[full].float())
-                                   .abs().max()) if full else 0.0
+    measured.max_abs_err = float((logits[full].float() - ref.logits[full].float())
+                                 .abs().max()) if full else 0.0
     if last_steps is None:
-        summary["tokens_match"] = bool(torch.equal(tokens, ref.tokens))
+        measured.tokens_match = bool(torch.equal(tokens, ref.tokens))
     else:   # what each request generated
-        summary["tokens_match"] = all(
+        measured.tokens_match = all(
             torch.equal(tokens[i, :r.max_new_tokens], ref.tokens[i, :r.max_new_tokens])
             for i, r in enumerate(slots) if r is not None)
     if slots is not None:
-        summary["outputs"] = request_outputs(tokens, slots, batch_.tokenizer, batch_.eos)
+        measured.outputs = request_outputs(tokens, slots, batch_.tokenizer, batch_.eos)
     return routing
 
 
-def _result(summary: dict[str, Any], job: _Job, ran: _Ran, w: Any, batch_: Batch,
+def _result(measured: Measurements, job: _Job, ran: _Ran, w: Any, batch_: Batch,
             routing: Any, profile: bool, t0: float) -> Execution:
-    """The run's summary completed (requests, warnings, the profiler's op count, wall time)
-    and the executed run."""
-    warnings = batch_.warnings + job.warnings
+    """The executed run: its figures (a simulation's, its times measured; not the modelled
+    machine's limit: it ran on another) and what it measured, completed (requests, warnings,
+    the profiler's op count, wall time)."""
+    measured.warnings = batch_.warnings + job.warnings
     if batch_.slots is not None:
-        summary["requests"] = sum(r is not None for r in batch_.slots)
-    if routing is not None and summary["tokens_match"] is False:
-        warnings.append("the routing recorded is the reference forward's, and the run's tokens "
-                        "differ from it.")
-    summary["warnings"] = warnings
+        measured.requests = sum(r is not None for r in batch_.slots)
+    if routing is not None and measured.tokens_match is False:
+        measured.warnings.append("the routing recorded is the reference forward's, and the "
+                                 "run's tokens differ from it.")
     if profile:
-        summary["profiled_ops"] = len(ran.ops)
-    summary["wall_s"] = round(time.perf_counter() - t0, 3)
-    return Execution(job.plan, job.program, job.memory, ran.run, summary, ran.ops, w, routing)
-
-
+        measured.profiled_ops = len(ran.ops)
+    measured.wall_s = round(time.perf_counter() - t0, 3)
+    figures = summarize(ran.run, job.memory, hardware_limit=False)
+    return Execution(job.plan, job.program, job.memory, ran.run, figures, measured, ran.ops, w,
+                     routing)

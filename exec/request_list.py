@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
-from taskgraph.exec.execute import Executed, Execution, execute_scenario
+from taskgraph.exec.execute import Executed, Execution, execute_scenario, write_routing
 from taskgraph.exec.loading import need_torch
 from taskgraph.output.report import Shown, execute_queue_table, warnings_of
 from taskgraph.specs import Scenario
@@ -25,6 +26,19 @@ class QueueExecution(Executed, Shown, Traced):
 
     def to_dict(self) -> dict[str, Any]:
         return self.summary
+
+    def write_outputs(self, path: str) -> None:
+        from taskgraph.exec.prompts import write_outputs
+
+        write_outputs(path, self.summary.pop("outputs"))
+        self.summary["out"] = path
+
+    def write_routing(self, path: str | Path) -> None:
+        write_routing(self.routing, path)
+        self.summary["routing"] = str(path)
+
+    def warn(self, text: str) -> None:
+        self.summary["warnings"].append(text)
 
     def views(self):
         yield execute_queue_table(self.summary)
@@ -46,7 +60,7 @@ class QueueExecution(Executed, Shown, Traced):
         for b, ex in enumerate(self.batches):
             run = ex.trace_run(f"batch {b} measured")
             run.offset_s = offset
-            offset += ex.summary["makespan_s"]
+            offset += ex.figures["makespan_s"]
             runs.append(run)
         return runs
 
@@ -86,7 +100,7 @@ def execute_queue(scenario: Scenario, device: str = "auto", weights_path: str | 
             progress(b + 1, len(packing.batches))
         if runs[-1].run.interrupted:
             break
-    outputs = [row for ex in runs for row in ex.summary.get("outputs") or []]
+    outputs = [row for ex in runs for row in ex.measured.outputs or []]
     mismatched = _mismatched_alone(outputs, prompts, runs[0].weights) if check else []
     summary = _summary(scenario, packing, runs, outputs, check, mismatched, warnings)
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -125,7 +139,7 @@ def _summary(scenario: Scenario, packing: Any, runs: list[Execution],
              warnings: list[str]) -> dict[str, Any]:
     """The JSON of `tg execute` on a request list: the first batch's names, the list's
     throughput over every batch, what ran and whether each request's tokens are its own."""
-    makespan = sum(ex.summary["makespan_s"] for ex in runs)
+    makespan = sum(ex.figures["makespan_s"] for ex in runs)
     tokens = sum(len(row["output_ids"]) for row in outputs)
     first = runs[0].summary
     summary = {k: first[k] for k in ("scenario", "schedule", "schedule_title", "model",
@@ -139,11 +153,11 @@ def _summary(scenario: Scenario, packing: Any, runs: list[Execution],
                      "batches": len(runs), "generated_tokens": tokens,
                      "padded": packing.padded,
                      "aborted": [r.id for r in packing.aborted]},
-        "tokens_match": all(ex.summary["tokens_match"] for ex in runs) if check else None,
+        "tokens_match": all(ex.measured.tokens_match for ex in runs) if check else None,
         "requests_match_alone": (not mismatched) if check else None,
         "mismatched": mismatched,
         "outputs": outputs,
         "interrupted": any(ex.run.interrupted for ex in runs),
-        "warnings": warnings + sorted({w for ex in runs for w in ex.summary["warnings"]}),
+        "warnings": warnings + sorted({w for ex in runs for w in ex.measured.warnings}),
     })
     return summary

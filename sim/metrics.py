@@ -174,10 +174,12 @@ class Summarizing(Recorder):
                       totals=self.totals.finish())
 
 
-def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
-              ) -> dict[str, Any]:
+def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None,
+              hardware_limit: bool = True) -> dict[str, Any]:
     """The result object of one simulated run (or executed: its times measured). With the
-    `cost` model that priced it, the host's shared pools are reported too."""
+    `cost` model that priced it, the host's shared pools are reported too. `hardware_limit`:
+    the modelled machine's limit and the run's share of it (an executed run leaves them out:
+    it ran on another machine)."""
     prog = run.program
     plan, sc = prog.plan, prog.plan.scenario
     p = sc.policy
@@ -213,7 +215,7 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
     bound_s, binding = hrm_bound(window_busy, max(layers_done, 1))
     layer_s = decode_s / max(layers_done, 1)
     throughput = p.N * steps_done / makespan if makespan else 0.0
-    limit = hardware_limit_tok_s(sc)
+    limit = hardware_limit_tok_s(sc) if hardware_limit else None
     return {
         "scenario": sc.name,
         "schedule": plan.schedule.name,
@@ -229,9 +231,10 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None
                    **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
         "model_size": sc.model.size(),
         "throughput_tok_s": _r(throughput),
-        "hardware_limit_tok_s": _r(limit),
-        # None where the weights leave no room for a KV cache
-        "hardware_limit_fraction": _r(throughput / limit) if limit else None,
+        **({"hardware_limit_tok_s": _r(limit),
+            # None where the weights leave no room for a KV cache
+            "hardware_limit_fraction": _r(throughput / limit) if limit else None}
+           if hardware_limit else {}),
         "prefill_s": _r(prefill_end),
         "decode_s": _r(decode_s),
         "overlap_s": _r(overlap),

@@ -52,13 +52,19 @@ class Simulation(Shown, Traced):
         return [self.trace_run(f"{self.summary['schedule']} simulated")]
 
     def trace_run(self, label: str = "simulated") -> TraceRun:
-        cost = cost_model(self.plan.scenario, self.plan.schedule.name)
-        drawn = self.program.pool_bytes(cost) if cost.pools_shared else ()
-        pools = {POOL_NAMES[p]: drawn[i] for i, p in enumerate(POOLS)
-                 if len(drawn) and np.isfinite(cost.pool_capacity[i])}
-        kept = len(self.program.seg_template) - 1        # decode steps whose times were kept
-        return TraceRun(label, self.program, self.run.start, self.run.end, pools=pools,
-                        kept_steps=kept if kept < self.plan.G else None)
+        return trace_run_of(self.plan, self.program, self.run, label)
+
+
+def trace_run_of(plan: Plan, program: Program, run: Any, label: str) -> TraceRun:
+    """A run's tasks and times (simulated or measured) as a trace draws them, with what each
+    drew from the host's shared pools where they are priced."""
+    cost = cost_model(plan.scenario, plan.schedule.name)
+    drawn = program.pool_bytes(cost) if cost.pools_shared else ()
+    pools = {POOL_NAMES[p]: drawn[i] for i, p in enumerate(POOLS)
+             if len(drawn) and np.isfinite(cost.pool_capacity[i])}
+    kept = len(program.seg_template) - 1        # decode steps whose times were kept
+    return TraceRun(label, program, run.start, run.end, pools=pools,
+                    kept_steps=kept if kept < plan.G else None)
 
 
 #: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a

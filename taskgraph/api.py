@@ -444,11 +444,10 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
     if record_routing is not None:
         if result.routing is not None:
             result.write_routing(record_routing)
-            result.summary["routing"] = str(record_routing)
         elif result.failure is not None or result.summary.get("interrupted"):
-            result.summary["warnings"].append(
-                f"no routing written to {record_routing}: the run stopped before its end, and "
-                "the router's decisions are recorded by the reference forward that follows it.")
+            result.warn(f"no routing written to {record_routing}: the run stopped before its "
+                        "end, and the router's decisions are recorded by the reference forward "
+                        "that follows it.")
         else:       # every finished run records: never an empty file
             raise TgError(f"The run recorded no routing; {record_routing} was not written.")
     return result
