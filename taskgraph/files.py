@@ -350,9 +350,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 # C0 and C1 control characters but tab and newline, and the bidirectional formatting ones: an
 # escape sequence in a name would reach the terminal of whoever reads the table, and U+202E
 # would show it reversed.
-# Newlines and tabs too: a message is one paragraph, and a newline in it came from a value (a
-# path), splitting the message over lines.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# What a name or an id may not hold (a tab or a newline may be in text a user wrote).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                      "\u2066-\u2069]")
+# What a message may not show raw: those, and newlines and tabs, for a message is one paragraph
+# and a newline in it came from a value (a path), splitting the message over lines.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                          "\u2066-\u2069]")
 # A run of this many characters without a space in a message is a value, not prose: cut.
 _LONG_RUN = re.compile(r"\S{200,}")
 #: The longest message shown whole (the longest tg writes, listing every preset, is ~700):
@@ -366,7 +370,7 @@ def printable(message: str) -> str:
     its escape, each run of 200 or more characters without a space (a 100,000-character bad
     value, whatever option echoed it) cut to its first 120 and its length, and a message
     longer than :data:`LONGEST_MESSAGE` to its first 1,000 and last 500 characters."""
-    message = _CONTROL.sub(lambda m: ascii(m.group())[1:-1], message)
+    message = _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], message)
     message = _LONG_RUN.sub(lambda m: f"{m.group()[:120]}...({len(m.group()):,} characters)",
                             message)
     if len(message) > LONGEST_MESSAGE:
