@@ -128,7 +128,9 @@ class Execution(Executed, Shown, Traced):
     routing: Any = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of `tg execute`: the figures, with what the run measured."""
+        """The JSON of `tg execute`: the figures, with what the run measured, its keys in the
+        order they always had (tests/test_execution_result.py): a prompts file's batches and
+        its outputs come last."""
         m, over = self.measured, self.measured.batches
         out = dict(self.figures)
         if over is not None:
