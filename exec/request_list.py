@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from taskgraph.exec.execute import Executed, Execution, execute_scenario, write_routing
+from taskgraph.exec.execute import execute_scenario
+from taskgraph.exec.result import Executed, Execution, write_routing
 from taskgraph.exec.loading import need_torch
 from taskgraph.output.report import Shown, execute_queue_table, warnings_of
 from taskgraph.specs import Scenario

@@ -390,7 +390,7 @@ def execute(scenario: ScenarioLike, *, schedule: str | None = None,
 
     A scenario with a request list runs in the simulator's batches
     (:class:`~taskgraph.exec.request_list.QueueExecution`); otherwise returns an
-    :class:`~taskgraph.exec.execute.Execution`. A task that raised stops the run:
+    :class:`~taskgraph.exec.result.Execution`. A task that raised stops the run:
     ``result.failure`` holds its exception; its trace shows what ran before it. The routing
     recorded is the reference forward's, the one the tokens are checked against:
     ``result.routing`` holds it (:class:`~taskgraph.dag.routing.RoutingTrace`) and

@@ -55,7 +55,8 @@ def test_execute_json_has_the_keys_it_had(case, tmp_path, capsys, monkeypatch):
 
 
 def test_an_execution_contains_its_figures_and_its_measurements():
-    from taskgraph.exec.execute import Execution, Measurements, execute_scenario
+    from taskgraph.exec.execute import execute_scenario
+    from taskgraph.exec.result import Execution, Measurements
     from taskgraph.sim.simulate import Simulation
     from tests.helpers import tiny
 
