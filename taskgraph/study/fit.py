@@ -274,13 +274,14 @@ STARTS = 4
 
 def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
         corrections: np.ndarray | None = None, backend: Backend = LOCAL,
-        advance: Callable[[], None] | None = None) -> FitResult:
+        advance: Callable[[int], None] | None = None) -> FitResult:
     """Least squares on log(simulated / measured) over `cells`. The predictor drives the inner
     loop, multiplied by `corrections` (its ratio to the simulation per cell); each of `rounds`
     outer rounds simulates every cell at the new values and updates them. With ``rounds=0`` the
-    given corrections stand (leave-one-out refits reuse the full fit's). `advance()` after
-    each least-squares start and each cell simulated (:data:`STARTS` + len(cells) a round)."""
-    advance = advance or (lambda: None)
+    given corrections stand (leave-one-out refits reuse the full fit's). `advance(n)` as n more
+    steps are done: each least-squares start and each cell simulated (:data:`STARTS` +
+    len(cells) a round)."""
+    advance = advance or (lambda n: None)
     from scipy.optimize import least_squares
 
     measured = np.array([c.measured_tok_s for c in cells])
@@ -323,7 +324,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
                                 max_nfev=400 * len(params))
             if best is None or res.cost < best.cost:
                 best = res
-            advance()
+            advance(1)
         return best
 
     x = np.log([p.start for p in params])
@@ -338,7 +339,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
             break
         machines, impls = profiles(params, np.exp(x))
         pred = np.array([predicted_tok_s(c, machines, impls) for c in cells])
-        sims = simulate_cells(cells, machines, impls, backend, lambda done, total: advance())
+        sims = simulate_cells(cells, machines, impls, backend, _counted(advance))
         corrections = _throughputs(sims) / pred
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
@@ -550,16 +551,16 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     tick = progress or (lambda done, total: None)
     done = 0
 
-    def advance() -> None:
+    def advance(steps: int) -> None:
         nonlocal done
-        done += 1
+        done += steps
         tick(done, total)
     _announce(cells, *profiles([], []), loo)          # choosing the parameters predicts cells
     params = free_parameters(cells)
     reports = [CellReport(c, memory=c.memory_note()) for c in cells]
     machines, impls = datasheet_profiles(params)
     _compile_here(cells, machines, impls)
-    datasheet = simulate_cells(cells, machines, impls, backend, lambda k, n: advance())
+    datasheet = simulate_cells(cells, machines, impls, backend, _counted(advance))
     for r, sim in zip(reports, datasheet):
         r.datasheet = float(sim["throughput_tok_s"])
     result = fit(cells, params, rounds, backend=backend, advance=advance)
@@ -573,12 +574,24 @@ def run_fit(source: str, cells: list[Cell], progress: Callable[[int, int], None]
     if loo:
         jobs = [_LeaveOut(tuple(cells), tuple(left), tuple(params), tuple(result.corrections))
                 for left in groups.values()]
-        refits = run_jobs(jobs, backend, lambda k, n: advance())
+        refits = run_jobs(jobs, backend, _counted(advance))
         for group, left, (values, tok_s) in zip(groups, groups.values(), refits):
             report.loo_values[group] = values
             for i, x in zip(left, tok_s):
                 reports[i].loo = x
     return report
+
+
+def _counted(advance: Callable[[int], None]) -> Callable[[int, int], None]:
+    """A jobs' progress (done of total; a pool reports jobs that finish together at once) as
+    the steps it advances by."""
+    seen = 0
+
+    def tick(done: int, total: int) -> None:
+        nonlocal seen
+        advance(done - seen)
+        seen = done
+    return tick
 
 
 def _compile_here(cells: list[Cell], machines, impls) -> None:
