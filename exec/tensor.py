@@ -26,7 +26,8 @@ import torch
 from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
 from taskgraph.exec.pages import page_elements
-from taskgraph.exec.runtime import Runtime, runs
+from taskgraph.exec.marks import runs
+from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
