@@ -595,13 +595,13 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
     the profile.
 
     The scenario's model shapes the runs. Returns a
-    :class:`~taskgraph.exec.calibrate.Calibration`.
+    :class:`~taskgraph.study.calibrate.Calibration`.
 
     Args:
         out: hardware profile to write (.yaml)
         device: cpu, cuda, or auto: cuda when this machine has one
     """
-    from taskgraph.exec.calibrate import calibrate_to
+    from taskgraph.study.calibrate import calibrate_to
     from taskgraph.exec.loading import pick_device
 
     dev = pick_device(device)

@@ -237,7 +237,8 @@ def test_a_caches_prefill_does_not_price_its_decode_experts(monkeypatch):
     50 ms longer, as such copies would make them: the fitted cost must still price the decode
     GPUFFN tasks as they ran."""
     from taskgraph.dag.compiled import KIND_NAMES
-    from taskgraph.exec import calibrate, execute
+    from taskgraph.exec import execute
+    from taskgraph.study import calibrate
 
     real, ran = execute.execute_scenario, []
 

@@ -439,7 +439,7 @@ def test_no_output_replaces_a_file_the_run_read(tmp_path, capsys, monkeypatch):
     profile = tmp_path / "p.yaml"
     profile.write_text("preset: t4\n")
     pytest.importorskip("torch")
-    import taskgraph.exec.calibrate as calibration
+    import taskgraph.study.calibrate as calibration
 
     monkeypatch.setattr(calibration, "measure", _never("a microbenchmark"))  # refused before
     monkeypatch.setattr(calibration, "fit_tasks", _never("the executor's runs"))  # measuring

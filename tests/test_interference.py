@@ -106,7 +106,7 @@ def _check_fit_recovers(a_cpu, a_h2d, seed):
     """Synthetic tasks with a known cost and known factors, 10% noise and a few preempted ones:
     the fit finds the factors again."""
     pytest.importorskip("torch")
-    from taskgraph.exec.calibrate import _fit_slowdown, _Samples
+    from taskgraph.study.calibrate import _fit_slowdown, _Samples
 
     rng = np.random.default_rng(seed)
     n = 600

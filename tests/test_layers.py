@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("simulation", ["sim"]),
     ("serving", ["serving.queue"]),
     ("execution", ["exec"]),
-    ("studies", ["study", "exec.calibrate"]),
+    ("studies", ["study"]),
     ("api", ["api", ""]),          # "": the package itself, which re-exports the API
     ("cli", ["cli"]),
 ]
