@@ -281,8 +281,9 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
     given corrections stand (leave-one-out refits reuse the full fit's). `advance(n)` as n more
     steps are done: each least-squares start and each cell simulated (:data:`STARTS` +
     len(cells) a round)."""
-    advance = advance or (lambda n: None)
     from scipy.optimize import least_squares
+
+    advance = advance or (lambda n: None)
 
     measured = np.array([c.measured_tok_s for c in cells])
     lo = np.log([p.lo for p in params])
