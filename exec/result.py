@@ -37,6 +37,7 @@ class Executed:
         raise NotImplementedError
 
     def warn(self, text: str) -> None:
+        """A warning the figures then carry (found after the run: a routing not written)."""
         raise NotImplementedError
 
     def routing_written(self) -> Iterator[Text]:
