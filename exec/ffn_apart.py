@@ -70,9 +70,7 @@ class FFNApart:
                                        self.m, self.rope, self.lens[j] if self.ragged else None,
                                        self.m.window(l))
         self.attn_prefill[j].copy_(attn)
-        K, V = self._device_kv(s, l, j)
-        K[:, :self.P].copy_(k)
-        V[:, :self.P].copy_(v)
+        self._prompt_kv(s, l, j, k, v)
 
     @runs("Route")
     def _Route(self, s: int, l: int, j: int) -> None:

@@ -262,6 +262,11 @@ class Runtime(FFNApart):
         out, k, v = prefill_layer(x, self.norms[l], self._view(s, l, j), self.m, self.rope,
                                   self.lens[j] if self.ragged else None, self.m.window(l))
         self.x_prefill[j].copy_(out)
+        self._prompt_kv(s, l, j, k, v)
+
+    def _prompt_kv(self, s: int, l: int, j: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prompts' K and V of a layer into the cache attention reads (its first P columns:
+        a KV slot, or with zero copy the cache)."""
         K, V = self._device_kv(s, l, j)
         K[:, :self.P].copy_(k)
         V[:, :self.P].copy_(v)
