@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import re
+import typing
 from typing import Callable
 
 from taskgraph import __version__, api, files
@@ -15,16 +17,23 @@ from taskgraph.tracing.writer import Window, require_perfetto
 
 
 class _Parser(argparse.ArgumentParser):
-    """An option's help is, unless given, its API parameter's line in the ``Args:`` section of
-    the `documented` function: one text for ``tg X --help`` and ``help(tg.X)``; a path the
-    function writes is checked as its ``writes`` says (:func:`taskgraph.api.verb`)."""
+    """An option is declared by its API parameter (:func:`taskgraph.api.verb`), in the
+    `documented` function: unless the command line gives its own, its help is the parameter's
+    line in the docstring's ``Args:`` section (one text for ``tg X --help`` and
+    ``help(tg.X)``), a flag is a parameter that defaults to False, a number's type and default
+    are the parameter's, and a path the function writes is checked as its ``writes`` says."""
 
     def __init__(self, *args, documented: Callable | None = None, **kwargs):
         self.documented = _args_section(documented) if documented else {}
         self.writes = getattr(documented, "writes", {})
+        self.parameters = inspect.signature(documented).parameters if documented else {}
+        self.hints = typing.get_type_hints(documented) if documented else {}
         super().__init__(*args, **kwargs)       # which adds --help
 
     def add_argument(self, *args, **kwargs):
+        dest = kwargs.get("dest") or args[-1].lstrip("-").replace("-", "_")
+        if dest in self.parameters and not {"action", "type", "default"} & kwargs.keys():
+            kwargs.update(self._declared(dest))
         action = super().add_argument(*args, **kwargs)
         if action.type is None and action.dest in self.writes:
             action.type = output(self.writes[action.dest])
@@ -33,6 +42,15 @@ class _Parser(argparse.ArgumentParser):
             shown = action.default not in (None, False) and "default" not in text
             action.help = text + (" (default: %(default)s)" if shown else "")
         return action
+
+    def _declared(self, name: str) -> dict:
+        """A flag, or a number's type and default, as the API parameter `name` declares them."""
+        default = self.parameters[name].default
+        if default is False:
+            return {"action": "store_true"}
+        number = [t for t in typing.get_args(self.hints[name]) or [self.hints[name]]
+                  if t in (int, float)]
+        return {"type": number[0], "default": default} if number else {}
 
     def error(self, message: str):
         """Usage errors as one line, as every other bad input is (argparse adds the usage)."""
@@ -60,18 +78,36 @@ def parser() -> argparse.ArgumentParser:
         "on modelled hardware and write Perfetto traces.")
     p.add_argument("--version", action="version", version=f"tg {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
-    def command(name: str, json: bool = True, schedule: bool = False,
-                scenario: str | None = "scenario", default: str | None = None,
-                device: str | None = None, several: bool = False) -> argparse.ArgumentParser:
-        """`tg name`, run by verbs.name; its help and its options' from api.name's docstring."""
+    for name, verb in VERBS.items():
         help, description = _summary(name, getattr(api, name))
         c = sub.add_parser(name, help=help, description=description,
                            documented=getattr(api, name))
-        if default:
-            c.add_argument(scenario, nargs="?", default=default, help="a scenario whose model "
-                           "shapes the executor runs (default: %(default)s)")
-        elif several:
+        verb.declare(c)
+        for option, settings in verb.options.items():
+            c.add_argument(option, **settings)
+        c.set_defaults(func=getattr(verbs, name))
+    return p
+
+
+@dataclasses.dataclass
+class Verb:
+    """How `tg X` takes its scenario and which of the usual options it has; `options` are its
+    own, declared by its API parameter unless given here (_Parser)."""
+
+    options: dict[str, dict] = dataclasses.field(default_factory=dict)
+    json: bool = True
+    schedule: bool = False
+    scenario: str | None = "scenario"
+    default: str | None = None
+    device: str | None = None
+    several: bool = False
+
+    def declare(self, c: argparse.ArgumentParser) -> None:
+        scenario = self.scenario
+        if self.default:
+            c.add_argument(scenario, nargs="?", default=self.default, help="a scenario whose "
+                           "model shapes the executor runs (default: %(default)s)")
+        elif self.several:
             c.add_argument(scenario, nargs="+", help=f"{scenario} YAML file(s)")
         elif scenario:
             c.add_argument(scenario, help=f"{scenario} YAML file (or a shipped scenario's "
@@ -80,108 +116,12 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--set", dest="overrides", action="append", default=[],
                            metavar="KEY=VALUE", help="override a scenario field, e.g. "
                            "policy.mu=36 or hardware.link.h2d_gbps=25 (repeatable)")
-        if schedule:
+        if self.schedule:
             c.add_argument("--schedule", choices=list(SCHEDULES))
-        if json:
+        if self.json:
             c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-        if device:
-            c.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"])
-        c.set_defaults(func=getattr(verbs, name))
-        return c
-
-    c = command("simulate", schedule=True)
-    c.add_argument("--csv", metavar="FILE.csv")
-    _trace_args(c)
-
-    c = command("compare")
-    c.add_argument("--schedules", type=names, help=f"comma-separated, of {','.join(SCHEDULES)} "
-                   "(default: every one that runs on the machine)")
-    c.add_argument("--check", action="store_true")
-    c.add_argument("--batch-sizes", type=integers("default"), metavar="N,N,...|default",
-                   help="compare across batch sizes, each schedule (default S1,S4,S5,EP,EC) at "
-                   "the policy that fills its GPU; 'default': 1,2,4,...,256,504")
-    c.add_argument("--plot", type=output(api.crossover.writes["plot"]), metavar="PNG",
-                   help="with --batch-sizes: draw throughput and per-token latency against "
-                   "batch size")
-    _backend_args(c, "the batch sizes' simulations")
-    _trace_args(c)
-
-    c = command("execute", schedule=True, device="auto")
-    c.add_argument("--steps", type=positive)
-    c.add_argument("--weights", metavar="DIR")
-    c.add_argument("--prompts", metavar="FILE.jsonl")
-    c.add_argument("--out", metavar="FILE.jsonl")
-    c.add_argument("--profile", action="store_true")
-    c.add_argument("--zero-copy", action="store_true")
-    c.add_argument("--processes", action="store_true")
-    c.add_argument("--record-routing", metavar="FILE.json")
-    _trace_args(c)
-
-    c = command("calibrate", default="scenarios/tiny.yaml", device="auto")
-    c.add_argument("--out", required=True)
-
-    c = command("fit", scenario="measurements", several=True)
-    c.add_argument("--out", required=True, metavar="DIR")
-    c.add_argument("--no-loo", dest="loo", action="store_false",
-                   help="skip leave-one-out refits")
-    c.add_argument("--leave-out", choices=["cell", "file", "machine"], default="cell",
-                   help="what each leave-one-out refit leaves out (default: %(default)s)")
-    _backend_args(c)
-
-    c = command("validate", device="auto")
-    c.add_argument("--schedules", type=names)
-    c.add_argument("--mu", type=integers())
-    c.add_argument("--repeats", type=int, default=3)
-    c.add_argument("--plot", metavar="PNG")
-    _backend_args(c, "the simulations (executions measure this machine and run here)")
-    _trace_args(c)
-
-    c = command("search")
-    c.add_argument("--top", type=int, default=10)
-    c.add_argument("--optimize", choices=["throughput", "latency"])
-    c.add_argument("--max-token-ms", type=float, metavar="MS")
-    c.add_argument("--max-ttft-s", type=float, metavar="S")
-    c.add_argument("--batch", type=int, metavar="N")
-    c.add_argument("--plot", metavar="PNG")
-    c.add_argument("--verify", action="store_true")
-    c.add_argument("--brute-force", action="store_true")
-    _backend_args(c, "the simulations of --verify and --brute-force")
-
-    c = command("sweep")
-    c.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...")
-    c.add_argument("--out", required=True)
-    _backend_args(c)
-
-    c = command("batch")
-    c.add_argument("--csv", metavar="FILE.csv")
-
-    command("catalog", scenario=None)
-
-    c = command("roofline")
-    c.add_argument("--out", required=True)
-
-    c = command("graph", json=False, schedule=True)
-    c.add_argument("--step", type=int, default=None)
-    c.add_argument("--out", required=True)
-    return p
-
-
-def _backend_args(c: argparse.ArgumentParser, what: str = "the jobs") -> None:
-    c.add_argument("--backend", choices=["pool", "ray"], default="pool",
-                   help=f"where {what} run: this machine's cores (pool, the default) or Ray")
-    c.add_argument("--ray-address", metavar="ADDRESS", help="the Ray cluster to join: 'auto' "
-                   "(the cluster this node belongs to, after `ray start`) or ray://HOST:10001 "
-                   "(default: a local Ray started for this run)")
-
-
-def _trace_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--gantt", type=output((".png",)), metavar="PNG", help="draw a Gantt chart "
-                   "of two layers of decode step 2 (one row per stream) to PNG")
-    c.add_argument("--trace", type=output((".json", ".json.gz", ".pftrace")), metavar="PATH",
-                   help="write a trace: Chrome JSON (.json, .json.gz) or Perfetto protobuf "
-                   "(.pftrace); Perfetto opens both")
-    c.add_argument("--trace-steps", type=window, default=2, metavar="N|all",
-                   help="decode steps the trace covers after prefill (default 2; 'all')")
+        if self.device:
+            c.add_argument("--device", default=self.device, choices=["auto", "cpu", "cuda"])
 
 
 def output(spec: tuple[str, ...] | files.Folder) -> Callable[[str], files.Output]:
@@ -222,6 +162,72 @@ def window(text: str) -> int | None:
         return Window.parse(text).max_step
     except TgError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _backend(what: str = "the jobs") -> dict[str, dict]:
+    return {"--backend": dict(choices=["pool", "ray"], default="pool",
+                              help=f"where {what} run: this machine's cores (pool, the default) "
+                              "or Ray"),
+            "--ray-address": dict(metavar="ADDRESS", help="the Ray cluster to join: 'auto' (the "
+                                  "cluster this node belongs to, after `ray start`) or "
+                                  "ray://HOST:10001 (default: a local Ray started for this run)")}
+
+
+TRACE = {
+    "--gantt": dict(type=output((".png",)), metavar="PNG", help="draw a Gantt chart of two "
+                    "layers of decode step 2 (one row per stream) to PNG"),
+    "--trace": dict(type=output((".json", ".json.gz", ".pftrace")), metavar="PATH",
+                    help="write a trace: Chrome JSON (.json, .json.gz) or Perfetto protobuf "
+                    "(.pftrace); Perfetto opens both"),
+    "--trace-steps": dict(type=window, default=2, metavar="N|all", help="decode steps the "
+                          "trace covers after prefill (default 2; 'all')")}
+PNG, REQUIRED = dict(metavar="PNG"), dict(required=True)
+
+VERBS = {
+    "simulate": Verb(schedule=True, options={"--csv": dict(metavar="FILE.csv"), **TRACE}),
+    "compare": Verb(options={
+        "--schedules": dict(type=names, help=f"comma-separated, of {','.join(SCHEDULES)} "
+                            "(default: every one that runs on the machine)"),
+        "--check": {},
+        "--batch-sizes": dict(type=integers("default"), metavar="N,N,...|default",
+                              help="compare across batch sizes, each schedule (default "
+                              "S1,S4,S5,EP,EC) at the policy that fills its GPU; 'default': "
+                              "1,2,4,...,256,504"),
+        "--plot": dict(type=output(api.crossover.writes["plot"]), metavar="PNG",
+                       help="with --batch-sizes: draw throughput and per-token latency against "
+                       "batch size"),
+        **_backend("the batch sizes' simulations"), **TRACE}),
+    "execute": Verb(schedule=True, device="auto", options={
+        "--steps": dict(type=positive), "--weights": dict(metavar="DIR"),
+        "--prompts": dict(metavar="FILE.jsonl"), "--out": dict(metavar="FILE.jsonl"),
+        "--profile": {}, "--zero-copy": {}, "--processes": {},
+        "--record-routing": dict(metavar="FILE.json"), **TRACE}),
+    "calibrate": Verb(default="scenarios/tiny.yaml", device="auto", options={"--out": REQUIRED}),
+    "fit": Verb(scenario="measurements", several=True, options={
+        "--out": dict(required=True, metavar="DIR"),
+        "--no-loo": dict(dest="loo", action="store_false", help="skip leave-one-out refits"),
+        "--leave-out": dict(choices=["cell", "file", "machine"], default="cell",
+                            help="what each leave-one-out refit leaves out (default: "
+                            "%(default)s)"),
+        **_backend()}),
+    "validate": Verb(device="auto", options={
+        "--schedules": dict(type=names), "--mu": dict(type=integers()), "--repeats": {},
+        "--plot": PNG,
+        **_backend("the simulations (executions measure this machine and run here)"),
+        **TRACE}),
+    "search": Verb(options={
+        "--top": {}, "--optimize": dict(choices=["throughput", "latency"]),
+        "--max-token-ms": dict(metavar="MS"), "--max-ttft-s": dict(metavar="S"),
+        "--batch": dict(metavar="N"), "--plot": PNG, "--verify": {}, "--brute-force": {},
+        **_backend("the simulations of --verify and --brute-force")}),
+    "sweep": Verb(options={"--vary": dict(action="append", required=True,
+                                          metavar="KEY=V1,V2,..."),
+                           "--out": REQUIRED, **_backend()}),
+    "batch": Verb(options={"--csv": dict(metavar="FILE.csv")}),
+    "catalog": Verb(scenario=None),
+    "roofline": Verb(options={"--out": REQUIRED}),
+    "graph": Verb(json=False, schedule=True, options={"--step": {}, "--out": REQUIRED}),
+}
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -68,36 +68,27 @@ def execute(args: argparse.Namespace) -> int:
     return code
 
 
-def calibrate(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.calibrate, args.scenario, "calibrating"))
+def _plain(verb: Callable, label: str = "", unit: str = "segments", loaded: bool = True
+           ) -> Callable[[argparse.Namespace], int]:
+    """A verb that prints its result: the API's `verb` on the loaded scenario, or (`loaded`
+    False) on the files named, which the API loads itself."""
+    def run(args: argparse.Namespace) -> int:
+        first = _load(args) if loaded else getattr(args, "scenario", None) or args.measurements
+        return _report(args, _call(args, verb, first, label, unit))
+    return run
 
 
-def fit(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.fit, args.measurements, "fitting", "steps"))
-
-
-def validate(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.validate, _load(args), "validating"))
-
-
-def search(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.search, args.scenario, "simulating", "jobs"))
-
-
-def sweep(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.sweep, args.scenario, "sweeping", "jobs"))
-
-
-def batch(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.batch, _load(args)))
+calibrate = _plain(api.calibrate, "calibrating", loaded=False)
+fit = _plain(api.fit, "fitting", "steps", loaded=False)
+validate = _plain(api.validate, "validating")
+search = _plain(api.search, "simulating", "jobs", loaded=False)
+sweep = _plain(api.sweep, "sweeping", "jobs", loaded=False)
+batch = _plain(api.batch)
+roofline = _plain(api.roofline)
 
 
 def catalog(args: argparse.Namespace) -> int:
     return _report(args, api.catalog())
-
-
-def roofline(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, api.roofline, _load(args)))
 
 
 def graph(args: argparse.Namespace) -> int:
