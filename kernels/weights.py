@@ -313,26 +313,62 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
 
     Tensors are read one at a time through memory-mapped ``safe_open`` handles and copied into
     each layer's flat vector; the handles close after every layer, so peak host memory is the
-    weights the run keeps plus one layer's mapped pages, not the checkpoint. A tied checkpoint (``m.tie_word_embeddings``) shares one matrix between
-    embedding and LM head."""
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise TgError("Loading checkpoints needs safetensors: pip install safetensors.") from None
-    folder = Path(path)
-    index = checkpoint_index(folder)
-    handles: dict[Path, Any] = {}
+    weights the run keeps plus one layer's mapped pages, not the checkpoint. A tied checkpoint
+    (``m.tie_word_embeddings``) shares one matrix between embedding and LM head."""
+    checkpoint = _Checkpoint(Path(path), m, dtype)
+    layers, norms, extras = [], [], []
+    experts_q: list | None = [] if expert_format(m) else None
+    for i in range(m.L):
+        flat, quantized, norm, extra = _layer(checkpoint, i)
+        layers.append(flat)
+        norms.append(norm)
+        extras.append(extra)
+        if experts_q is not None:
+            experts_q.append(quantized)
+        checkpoint.close()     # unmap: the pages read stay resident while a handle is open
+    embed = checkpoint.read("model.embed_tokens.weight", (m.V, m.h))
+    if m.tie_word_embeddings:
+        head = embed
+    elif "lm_head.weight" not in checkpoint.index:
+        raise TgError(f"Checkpoint '{path}' has no 'lm_head.weight' and its config does not "
+                      "tie the LM head to the embedding (tie_word_embeddings is false).")
+    else:
+        head = checkpoint.read("lm_head.weight", (m.V, m.h))
+    head_bias = checkpoint.read("lm_head.bias", (m.V,)) if m.lm_head_bias else None
+    final_norm = checkpoint.read_norm("model.norm")
+    checkpoint.close()
+    return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
+                        final_norm=final_norm, lm_head=head, extras=extras,
+                        experts_q=experts_q, head_bias=head_bias)
 
-    def read(name: str, shape: tuple[int, ...], out: torch.Tensor | None = None
-             ) -> torch.Tensor:
-        file = index.get(name)
-        if file is None:
-            raise TgError(f"Checkpoint '{folder}' has no tensor '{name}', which a "
-                          f"{m.architecture} checkpoint holds.")
+
+class _Checkpoint:
+    """A checkpoint's tensors by name, each checked (present, of the model's shape, floating
+    point, finite) as it is read and converted to the run's dtype."""
+
+    def __init__(self, folder: Path, m: ModelSpec, dtype: torch.dtype):
         try:
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            t = handles[file].get_tensor(name)
+            from safetensors import safe_open
+        except ImportError:
+            raise TgError("Loading checkpoints needs safetensors: pip install "
+                          "safetensors.") from None
+        self.open, self.folder, self.model, self.dtype = safe_open, folder, m, dtype
+        self.index = checkpoint_index(folder)
+        self.handles: dict[Path, Any] = {}
+
+    def close(self) -> None:
+        self.handles.clear()
+
+    def read(self, name: str, shape: tuple[int, ...], out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        file = self.index.get(name)
+        if file is None:
+            raise TgError(f"Checkpoint '{self.folder}' has no tensor '{name}', which a "
+                          f"{self.model.architecture} checkpoint holds.")
+        try:
+            if file not in self.handles:
+                self.handles[file] = self.open(str(file), framework="pt")
+            t = self.handles[file].get_tensor(name)
         except Exception as err:      # noqa: BLE001 - safetensors raises several kinds
             raise TgError(f"Checkpoint tensor '{name}' cannot be read from '{file}' (a "
                           f"truncated or corrupt shard?): {str(err)[:200]}") from None
@@ -346,71 +382,59 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
                           f"{str(t.dtype).removeprefix('torch.')}; tg runs float32, bfloat16 or "
                           "float16 weights, not quantized ones (dequantize the checkpoint first).")
         if out is None:       # a copy: a tensor on the mapped file keeps all of it resident
-            out = t.to(dtype, copy=True)
+            out = t.to(self.dtype, copy=True)
         else:
             out.copy_(t.reshape(-1))
         if not _finite(out):     # as it will run: fp32 -> fp16 can overflow
             raise TgError(f"Checkpoint tensor '{name}' in '{file}' holds NaN or infinite values "
-                          f"(as {str(dtype).removeprefix('torch.')}); the model's outputs would "
-                          "be meaningless.")
+                          f"(as {str(self.dtype).removeprefix('torch.')}); the model's outputs "
+                          "would be meaningless.")
         return out
 
-    def read_norm(name: str) -> torch.Tensor:
+    def read_norm(self, name: str) -> torch.Tensor:
         """A norm's weight, or a LayerNorm's weight and bias stacked (ModelWeights.norms)."""
-        if not layer_norms(m):
-            return read(name + ".weight", (m.h,))
-        return torch.stack([read(name + ".weight", (m.h,)), read(name + ".bias", (m.h,))])
+        h = self.model.h
+        if not layer_norms(self.model):
+            return self.read(name + ".weight", (h,))
+        return torch.stack([self.read(name + ".weight", (h,)), self.read(name + ".bias", (h,))])
 
-    layers, norms, extras = [], [], []
-    experts_q: list | None = [] if expert_format(m) else None
-    for i in range(m.L):
-        sections = layer_sections(m, m.is_dense(i))
-        flat = torch.empty(sections[-1].offset + sections[-1].size, dtype=dtype)
-        fused = _fused_experts(read, m, i) if m.architecture == "gpt_oss" else None
-        for s in sections:
-            out = flat[s.offset:s.offset + s.size]
-            if fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
-                part, e = s.name.split(".")
-                out.copy_(fused[part][int(e)].reshape(-1))
-                continue
-            if s.name in ("uk", "uv"):      # MLA's up-projection, each head's key | value rows
-                n, nope, v = m.n_q, m.qk_nope_head_dim, m.v_head_dim
-                kv_b = read(f"model.layers.{i}.self_attn.kv_b_proj.weight",
-                            (n * (nope + v), m.kv_lora_rank)).view(n, nope + v, -1)
-                out.copy_((kv_b[:, :nope] if s.name == "uk" else kv_b[:, nope:]).reshape(-1))
-                continue
+
+def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, Any, tuple, dict]:
+    """Layer `i`'s flat vector, its experts quantized (where the model stores them so), its
+    two norms and its small tensors."""
+    m, read = checkpoint.model, checkpoint.read
+    sections = layer_sections(m, m.is_dense(i))
+    flat = torch.empty(sections[-1].offset + sections[-1].size, dtype=checkpoint.dtype)
+    fused = _fused_experts(read, m, i) if m.architecture == "gpt_oss" else None
+    for s in sections:
+        out = flat[s.offset:s.offset + s.size]
+        if fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
+            part, e = s.name.split(".")
+            out.copy_(fused[part][int(e)].reshape(-1))
+        elif s.name in ("uk", "uv"):      # MLA's up-projection, each head's key | value rows
+            n, nope, v = m.n_q, m.qk_nope_head_dim, m.v_head_dim
+            kv_b = read(f"model.layers.{i}.self_attn.kv_b_proj.weight",
+                        (n * (nope + v), m.kv_lora_rank)).view(n, nope + v, -1)
+            out.copy_((kv_b[:, :nope] if s.name == "uk" else kv_b[:, nope:]).reshape(-1))
+        else:
             read(_tensor_name(m, i, s.name), s.shape, out)
-        layers.append(flat)
-        if expert_format(m):
-            experts_q.append(None if m.is_dense(i) else _quantized(
-                m, lambda e, part, shape: (fused[part][e] if fused is not None else
-                                           read(_tensor_name(m, i, f"{part}.{e}"), shape))))
-        p = f"model.layers.{i}."
-        norms.append((read_norm(p + "input_layernorm"), read_norm(p + "post_attention_layernorm")))
-        small = {}
-        for name, shape in extra_shapes(m, m.is_dense(i)).items():
-            if name in ("b13", "b2"):
-                small[name] = fused[name]
-                continue
-            parts = _extra_names(i, name)
-            sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [shape[0]]
-            small[name] = torch.cat([read(t, (n,)) for t, n in zip(parts, sizes)])
-        extras.append(small)
-        handles.clear()     # unmap: the pages read stay resident while a handle is open
-    embed = read("model.embed_tokens.weight", (m.V, m.h))
-    if m.tie_word_embeddings:
-        head = embed
-    elif "lm_head.weight" not in index:
-        raise TgError(f"Checkpoint '{folder}' has no 'lm_head.weight' and its config does not "
-                      "tie the LM head to the embedding (tie_word_embeddings is false).")
-    else:
-        head = read("lm_head.weight", (m.V, m.h))
-    head_bias = read("lm_head.bias", (m.V,)) if m.lm_head_bias else None
-    final_norm = read_norm("model.norm")
-    handles.clear()
-    return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
-                        final_norm=final_norm, lm_head=head, extras=extras,
-                        experts_q=experts_q, head_bias=head_bias)
+    quantized = None
+    if expert_format(m) and not m.is_dense(i):
+        quantized = _quantized(m, lambda e, part, shape: (
+            fused[part][e] if fused is not None else read(_tensor_name(m, i, f"{part}.{e}"),
+                                                          shape)))
+    p = f"model.layers.{i}."
+    norms = (checkpoint.read_norm(p + "input_layernorm"),
+             checkpoint.read_norm(p + "post_attention_layernorm"))
+    small = {}
+    for name, shape in extra_shapes(m, m.is_dense(i)).items():
+        if name in ("b13", "b2"):
+            small[name] = fused[name]
+            continue
+        parts = _extra_names(i, name)
+        sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [shape[0]]
+        small[name] = torch.cat([read(t, (n,)) for t, n in zip(parts, sizes)])
+    return flat, quantized, norms, small
 
 
 def _fused_experts(read: Any, m: ModelSpec, layer: int) -> dict[str, torch.Tensor]:

@@ -357,119 +357,188 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as err:
         raise TgError(f"GGUF file '{path}' cannot be read: {err}") from None
+    meta = _Metadata(reader, path)
+    fields = _gguf_shape(meta)
+    fields.update(_gguf_ffn(meta, fields["h_i"]))
+    fields.update(_gguf_attention(meta, fields))
+    fields.update(_gguf_rope(meta))
+    fields.update(_gguf_tensors(reader, meta.family))
+    name = meta.value(Keys.General.NAME) or path.stem
+    return dict(name=str(name), **fields)
 
-    def value(key: str, default: Any = None) -> Any:
-        field = reader.get_field(key)
+
+class _Metadata:
+    """A GGUF file's metadata, its values checked as config.json's fields are."""
+
+    def __init__(self, reader: Any, path: Path):
+        from gguf.constants import Keys
+
+        self.reader, self.path = reader, path
+        self.arch = self.value(Keys.General.ARCHITECTURE)
+        self.family = _GGUF_FAMILIES.get(self.arch)
+        if self.family is None:
+            raise TgError(f"GGUF file '{path}': general.architecture '{self.arch}' is not a "
+                          f"family tg describes ({', '.join(sorted(_GGUF_FAMILIES))}).")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        field = self.reader.get_field(key)
         return default if field is None else field.contents()
 
-    arch = value(Keys.General.ARCHITECTURE)
-    family = _GGUF_FAMILIES.get(arch)
-    if family is None:
-        raise TgError(f"GGUF file '{path}': general.architecture '{arch}' is not a family tg "
-                      f"describes ({', '.join(sorted(_GGUF_FAMILIES))}).")
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        """A metadata value of the architecture's, checked as config.json's fields are: a
-        count must be a whole number (a head count may be one per layer), a scale a number."""
-        name = template.format(arch=arch)
-        got = value(name, default)
+    def key(self, template: str, default: Any = None, required: bool = False) -> Any:
+        """A number of the architecture's: a count must be a whole number (a head count may
+        be one per layer), a scale a number."""
+        name = template.format(arch=self.arch)
+        got = self.value(name, default)
         if got is None:
             if required:
-                raise TgError(f"GGUF file '{path}' lacks {name}.")
+                raise TgError(f"GGUF file '{self.path}' lacks {name}.")
             return None
         numbers = got if isinstance(got, list) else [got]
         whole = name.endswith(("_count", "_length", "_rank", "sliding_window", "vocab_size",
                                "count_kv", "nextn_predict_layers"))
         kind = (int,) if whole else (int, float)
         if not numbers or any(isinstance(x, bool) or not isinstance(x, kind) for x in numbers):
-            raise TgError(f"GGUF file '{path}': {name} must be "
+            raise TgError(f"GGUF file '{self.path}': {name} must be "
                           f"{'a whole number' if whole else 'a number'}, not {str(got)[:40]!r}.")
         return got
 
+
+def _gguf_shape(meta: _Metadata) -> dict[str, Any]:
+    """Layers, widths, heads, experts and vocabulary."""
+    from gguf.constants import Keys
+
     # llama.cpp loads a model's NextN (MTP) layers after the ones that run, and skips them
     # (GLM-4.5's converter counts them in block_count)
-    L = key(Keys.LLM.BLOCK_COUNT, required=True) - (key(Keys.LLM.NEXTN_PREDICT_LAYERS) or 0)
-    E = key(Keys.LLM.EXPERT_COUNT, required=True)
+    L = (meta.key(Keys.LLM.BLOCK_COUNT, required=True)
+         - (meta.key(Keys.LLM.NEXTN_PREDICT_LAYERS) or 0))
+    E = meta.key(Keys.LLM.EXPERT_COUNT, required=True)
     if not E:
-        raise TgError(f"GGUF file '{path}': {arch} with no experts is no MoE.")
-    n_q = key(Keys.Attention.HEAD_COUNT, required=True)
-    n_kv = key(Keys.Attention.HEAD_COUNT_KV, n_q)
-    tokens = value(Keys.Tokenizer.LIST)
-    vocab = key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens is not None else None)
-    h = key(Keys.LLM.EMBEDDING_LENGTH, required=True)
-    fields: dict[str, Any] = dict(
-        h=h, L=L, n_q=n_q if isinstance(n_q, int) else max(n_q),
-        n_kv=n_kv if isinstance(n_kv, int) else max(n_kv), E=E,
-        k=key(Keys.LLM.EXPERT_USED_COUNT, required=True), V=vocab,
-        h_i=(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
-             or key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
-        rope_theta=float(key(Keys.Rope.FREQ_BASE, 10000.0)),
-        rms_norm_eps=float(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
-        architecture=family)
+        raise TgError(f"GGUF file '{meta.path}': {meta.arch} with no experts is no MoE.")
+    n_q = meta.key(Keys.Attention.HEAD_COUNT, required=True)
+    n_kv = meta.key(Keys.Attention.HEAD_COUNT_KV, n_q)
+    tokens = meta.value(Keys.Tokenizer.LIST)
+    vocab = meta.key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens is not None else None)
     if vocab is None:
-        raise TgError(f"GGUF file '{path}' gives neither {arch}.vocab_size nor a token list.")
-    head_dim = key(Keys.Attention.KEY_LENGTH)
-    if head_dim and head_dim != h // fields["n_q"] and family != "deepseek_v3":
-        fields["head_dim"] = head_dim
-    rotated = key(Keys.Rope.DIMENSION_COUNT)        # RoPE's part of a head (GLM-4.5's half)
-    if rotated and family != "deepseek_v3" and rotated != (head_dim or h // fields["n_q"]):
-        fields["rope_partial"] = rotated / (head_dim or h // fields["n_q"])
-    dense = key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0) or 0
+        raise TgError(f"GGUF file '{meta.path}' gives neither {meta.arch}.vocab_size nor a "
+                      "token list.")
+    return dict(
+        h=meta.key(Keys.LLM.EMBEDDING_LENGTH, required=True), L=L,
+        n_q=n_q if isinstance(n_q, int) else max(n_q),
+        n_kv=n_kv if isinstance(n_kv, int) else max(n_kv), E=E,
+        k=meta.key(Keys.LLM.EXPERT_USED_COUNT, required=True), V=vocab,
+        h_i=(meta.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+             or meta.key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
+        rms_norm_eps=float(meta.key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        architecture=meta.family)
+
+
+def _gguf_ffn(meta: _Metadata, h_i: int) -> dict[str, Any]:
+    """Dense layers, shared experts and the router."""
+    from gguf.constants import Keys
+
+    fields: dict[str, Any] = {}
+    dense = meta.key(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0) or 0
     if dense:
         fields.update(dense_layers=tuple(range(dense)),
-                      h_dense=key(Keys.LLM.FEED_FORWARD_LENGTH, required=True))
-    shared = key(Keys.LLM.EXPERT_SHARED_COUNT, 0) or 0
-    shared_ff = key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+                      h_dense=meta.key(Keys.LLM.FEED_FORWARD_LENGTH, required=True))
+    shared = meta.key(Keys.LLM.EXPERT_SHARED_COUNT, 0) or 0
+    shared_ff = meta.key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
     if shared or shared_ff:
-        fields.update(shared_experts=shared or 1, h_shared=shared_ff or fields["h_i"],
-                      shared_gate=family == "qwen2_moe")
-    if key(Keys.LLM.EXPERT_GATING_FUNC) == 2:        # llama.cpp: 1 softmax, 2 sigmoid
+        fields.update(shared_experts=shared or 1, h_shared=shared_ff or h_i,
+                      shared_gate=meta.family == "qwen2_moe")
+    if meta.key(Keys.LLM.EXPERT_GATING_FUNC) == 2:        # llama.cpp: 1 softmax, 2 sigmoid
         fields["router"] = "sigmoid"
-    norm = value(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch))       # a boolean
-    if arch in ("qwen2moe", "olmoe"):      # llama.cpp's graphs never renormalise these gates
+    norm = meta.value(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=meta.arch))       # a boolean
+    if meta.arch in ("qwen2moe", "olmoe"):      # llama.cpp's graphs never renormalise these
         fields["renormalize"] = False
-    elif norm is not None or arch in ("deepseek2", "glm4moe"):    # read there, false if absent
+    elif norm is not None or meta.arch in ("deepseek2", "glm4moe"):   # read there, else false
         fields["renormalize"] = bool(norm)
-    scale = key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
+    scale = meta.key(Keys.LLM.EXPERT_WEIGHTS_SCALE)
     if scale:
         fields["routed_scaling"] = float(scale)
-    groups = key(Keys.LLM.EXPERT_GROUP_COUNT)
+    groups = meta.key(Keys.LLM.EXPERT_GROUP_COUNT)
     if groups and groups > 1:
         fields.update(expert_groups=groups,
-                      topk_groups=key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1))
-    kv_lora = key(Keys.Attention.KV_LORA_RANK)
+                      topk_groups=meta.key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1))
+    return fields
+
+
+def _gguf_attention(meta: _Metadata, shape: dict[str, Any]) -> dict[str, Any]:
+    """Heads' size and RoPE's part of them, MLA, sliding windows and sinks."""
+    from gguf.constants import Keys
+
+    fields: dict[str, Any] = {}
+    kv_lora = meta.key(Keys.Attention.KV_LORA_RANK)
     if kv_lora:
-        rope = key(Keys.Rope.DIMENSION_COUNT, required=True)
-        k_len = (key(Keys.Attention.KEY_LENGTH_MLA)
-                 or key(Keys.Attention.KEY_LENGTH, required=True))
-        v_len = (key(Keys.Attention.VALUE_LENGTH_MLA)
-                 or key(Keys.Attention.VALUE_LENGTH, required=True))
-        fields.pop("head_dim", None)
+        rope = meta.key(Keys.Rope.DIMENSION_COUNT, required=True)
+        k_len = (meta.key(Keys.Attention.KEY_LENGTH_MLA)
+                 or meta.key(Keys.Attention.KEY_LENGTH, required=True))
+        v_len = (meta.key(Keys.Attention.VALUE_LENGTH_MLA)
+                 or meta.key(Keys.Attention.VALUE_LENGTH, required=True))
         # llama.cpp ropes deepseek2 on neighbouring pairs (LLAMA_ROPE_TYPE_NORM) of weights its
         # converter leaves as DeepSeek's: rope_interleave
         fields.update(attention="mla", kv_lora_rank=kv_lora, rope_interleave=True,
-                      q_lora_rank=key(Keys.Attention.Q_LORA_RANK) or None,
+                      q_lora_rank=meta.key(Keys.Attention.Q_LORA_RANK) or None,
                       qk_rope_head_dim=rope, qk_nope_head_dim=k_len - rope, v_head_dim=v_len,
-                      n_kv=fields["n_q"])
-    window = key(Keys.Attention.SLIDING_WINDOW)
+                      n_kv=shape["n_q"])
+    elif meta.family != "deepseek_v3":
+        head_dim = meta.key(Keys.Attention.KEY_LENGTH) or shape["h"] // shape["n_q"]
+        if head_dim != shape["h"] // shape["n_q"]:
+            fields["head_dim"] = head_dim
+        rotated = meta.key(Keys.Rope.DIMENSION_COUNT)      # RoPE's part of a head (GLM-4.5's)
+        if rotated and rotated != head_dim:
+            fields["rope_partial"] = rotated / head_dim
+    window = meta.key(Keys.Attention.SLIDING_WINDOW)
     if window:
         fields["sliding_window"] = window
-        if family == "gpt_oss":            # llama.cpp: every other layer, from the first
-            fields["sliding_layers"] = tuple(range(0, L, 2))
-    if family == "gpt_oss":
+        if meta.family == "gpt_oss":            # llama.cpp: every other layer, from the first
+            fields["sliding_layers"] = tuple(range(0, shape["L"], 2))
+    if meta.family == "gpt_oss":
         fields["attention_sinks"] = True
-    fields["precision"] = _gguf_precision(reader)
+    return fields
+
+
+def _gguf_rope(meta: _Metadata) -> dict[str, Any]:
+    """RoPE's base and scaling as llama.cpp's converters write them ({arch}.rope.scaling.*).
+    LongRoPE's factors are tensors (rope_factors_short), which tg does not read: such a file
+    is described with plain RoPE, which changes no cost."""
+    from gguf.constants import Keys
+
+    fields: dict[str, Any] = {"rope_theta": float(meta.key(Keys.Rope.FREQ_BASE, 10000.0))}
+    kind, factor = meta.value(Keys.Rope.SCALING_TYPE.format(arch=meta.arch)), \
+        meta.key(Keys.Rope.SCALING_FACTOR)
+    if kind == "linear" and factor:
+        fields.update(rope_type="linear", rope_scaling_factor=float(factor))
+    elif kind == "yarn" and factor:
+        yarn = {"factor": factor,
+                "original_max_position_embeddings": meta.key(Keys.Rope.SCALING_ORIG_CTX_LEN),
+                "beta_fast": meta.key(Keys.Rope.SCALING_YARN_BETA_FAST),
+                "beta_slow": meta.key(Keys.Rope.SCALING_YARN_BETA_SLOW),
+                "attention_factor": meta.key(Keys.Rope.SCALING_YARN_ATTN_FACTOR),
+                "max_position_embeddings": meta.key(Keys.LLM.CONTEXT_LENGTH)}
+        log_multiplier = meta.key(Keys.Rope.SCALING_YARN_LOG_MUL)
+        if log_multiplier:
+            # DeepSeek's 0.1 * mscale_all_dim; llama.cpp takes mscale to be the same (it is,
+            # in DeepSeek-V2 and V3), which makes YaRN's cos and sin unscaled
+            yarn["mscale"] = yarn["mscale_all_dim"] = round(log_multiplier / 0.1, 6)
+        fields.update(rope_type="yarn",
+                      rope_yarn={k: v for k, v in yarn.items() if v is not None})
+    return fields
+
+
+def _gguf_tensors(reader: Any, family: str) -> dict[str, Any]:
+    """What the tensors say: each class's bits per weight, a head apart from the embedding,
+    and Phi-3.5-MoE's and GLM-4.5's biases and norms."""
     names = {t.name for t in reader.tensors}
-    fields["tie_word_embeddings"] = "output.weight" not in names
-    # What tg says of Phi-3.5-MoE's and GLM-4.5's attention, as their tensors show it
+    fields = dict(precision=_gguf_precision(reader),
+                  tie_word_embeddings="output.weight" not in names)
     if family in ("phimoe", "glm4_moe"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
     if family == "phimoe":
         fields["lm_head_bias"] = "output.bias" in names
     if family == "glm4_moe":
         fields["qk_norm"] = "blk.0.attn_q_norm.weight" in names
-    name = value(Keys.General.NAME) or path.stem
-    return dict(name=str(name), **fields)
+    return fields
 
 
 def _gguf_precision(reader: Any) -> dict[str, float]:

@@ -294,14 +294,16 @@ def test_a_deepseek2_gguf_describes_the_deepseek_its_config_does(tmp_path, varia
     Not carried: which of V2 and V3 it is (llama.cpp's deepseek2 stands for both; tg reads
     deepseek_v3, whose layers compute as V2's where the fields agree); RoPE's interleaving
     (llama.cpp computes deepseek2's RoPE on neighbouring pairs, LLAMA_ROPE_TYPE_NORM, which is
-    DeepSeek's rope_interleave). Not read by model_from_gguf: YaRN (rope_type, rope_yarn),
-    which the GGUF carries as {arch}.rope.scaling.* but for mscale, which it cannot."""
+    DeepSeek's rope_interleave); YaRN's mscale apart from mscale_all_dim (the GGUF's
+    rope.scaling.yarn_log_multiplier is 0.1 * mscale_all_dim, and llama.cpp computes as if
+    mscale were the same, as it is in both models)."""
     model_type, fields = _DEEPSEEK[variant]
     hp, hf = _hf(tmp_path, model_type, **fields)
     gg, tensors = _write_deepseek2(tmp_path / f"{variant}.gguf", hp)
     assert gg.architecture == "deepseek_v3"
     assert gg.attention == "mla" and gg.rope_interleave
-    _assert_same_model(hf, gg, tensors, unread=("architecture", "rope_type", "rope_yarn"))
+    _assert_same_model(hf, gg, tensors, unread=("architecture",))
+    assert gg.rope_type == hf.rope_type == ("yarn" if variant == "deepseek-v3" else "default")
     assert (gg.bits("experts"), gg.bits("attention"), gg.bits("shared"), gg.bits("dense")) == (
         _bits(Q.Q4_0), _bits(Q.Q8_0), _bits(Q.Q8_0), _bits(Q.Q8_0))
 
@@ -347,15 +349,16 @@ def test_a_gpt_oss_gguf_describes_the_gpt_oss_its_config_does(tmp_path):
 
     Not carried, but implied by the architecture as llama.cpp has it: which layers slide (its
     set_swa_pattern(2), layer_types' alternation), the sinks (attn_sinks), the experts'
-    clamped SwiGLU (swiglu_alpha 1.702, swiglu_limit 7.0, which tg refuses to change). Not read
-    by model_from_gguf: YaRN (rope_type, rope_yarn), which the GGUF carries but for its
-    truncate."""
+    clamped SwiGLU (swiglu_alpha 1.702, swiglu_limit 7.0, which tg refuses to change). Not
+    carried: YaRN's truncate (False); llama.cpp's YaRN truncates, as the GGUF's reading does."""
     hp, hf = _hf(tmp_path, "gpt_oss", vocab_size=512, hidden_size=256, intermediate_size=256,
                  head_dim=64, num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                  num_experts_per_tok=2, num_hidden_layers=4, sliding_window=128)
     assert hf.sliding_layers == (0, 2) and hf.attention_sinks and hf.d * hf.n_q != hf.h
     gg, tensors = _write_gpt_oss(tmp_path / "gpt-oss.gguf", hp)
-    _assert_same_model(hf, gg, tensors, unread=("rope_type", "rope_yarn"))
+    _assert_same_model(hf, gg, tensors, unread=("rope_yarn",))
+    assert hf.rope_type == gg.rope_type == "yarn" and hf.rope_yarn["truncate"] is False
+    assert gg.rope_yarn == {k: v for k, v in hf.rope_yarn.items() if k != "truncate"}
     assert gg.bits("experts") == _bits(Q.MXFP4) == 4.25
 
 
@@ -365,8 +368,10 @@ _GLM = {
     # GLM-4.5-Air: one leading dense layer, one shared expert, sigmoid routing, partial RoPE,
     # Q/K/V biases, head_dim apart from h / n_q, one MTP layer after the last.
     "glm-4.5-air": dict(use_qk_norm=False, routed_scaling_factor=1.0),
-    # GLM-4.5: the same, with per-head Q/K norms and gates scaled by 2.5.
-    "glm-4.5": dict(use_qk_norm=True, routed_scaling_factor=2.5),
+    # GLM-4.5: the same, with per-head Q/K norms and gates scaled by 2.5; and, to read the
+    # GGUF's rope.scaling.type and factor, linear RoPE scaling (GLM-4.5 has none).
+    "glm-4.5": dict(use_qk_norm=True, routed_scaling_factor=2.5,
+                    rope=dict(rope_type="linear", factor=4.0)),
 }
 
 
@@ -449,12 +454,14 @@ def test_a_glm4moe_gguf_describes_the_glm_its_config_does(tmp_path, variant):
                  n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1,
                  topk_group=1, norm_topk_prob=True, attention_bias=True,
                  num_nextn_predict_layers=1, rms_norm_eps=1e-5,
-                 rope_parameters=dict(rope_type="default", rope_theta=1e6,
-                                      partial_rotary_factor=0.5),
-                 **_GLM[variant])
+                 rope_parameters=dict(rope_theta=1e6, partial_rotary_factor=0.5,
+                                      **_GLM[variant].get("rope", {"rope_type": "default"})),
+                 **{k: v for k, v in _GLM[variant].items() if k != "rope"})
     assert (hf.L, hf.rope_partial, hf.router, hf.dense_layers) == (3, 0.5, "sigmoid", (0,))
     gg, tensors = _write_glm4moe(tmp_path / f"{variant}.gguf", hp)
     _assert_same_model(hf, gg, tensors)
+    assert (gg.rope_type, gg.rope_scaling_factor) == (
+        ("linear", 4.0) if variant == "glm-4.5" else ("default", 1.0))
     assert (gg.bits("experts"), gg.bits("dense"), gg.bits("head")) == (
         _bits(Q.Q4_0), _bits(Q.Q8_0), _bits(Q.Q6_K))
 
