@@ -195,23 +195,7 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None,
         # (under tensor parallelism PostAttn runs as parts, the last of them the experts)
         layers_done = t.post_done // (plan.n * plan.tp)     # every GPU's shard
         steps_done = layers_done // L
-    # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;
-    # utilization is their mean and the HRM bound the busiest of them.
-    busy = {r: 0.0 for r in _reported(prog)}
-    window_busy, prefill_busy = dict(busy), dict(busy)
-    for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
-        busy[r] += float(t.busy[d]) / _instances(prog, r)
-        prefill_busy[r] = max(prefill_busy[r], float(t.work[0, d]))
-        window_busy[r] = max(window_busy[r], float(t.work[1, d]))
-    # Per shared pool: seconds of its capacity the tasks drew on in each window (bytes drawn
-    # inside it, spread evenly over each task's run, over the capacity), at most the window.
-    shared = {}
-    for i in t.pools:
-        capacity = cost.pool_capacity[i]
-        shared[POOLS[i]] = (min(t.drawn[0, i] / capacity, prefill_end),
-                            min(t.drawn[1, i] / capacity, decode_s))
-    for pool, (pre, dec) in shared.items():
-        prefill_busy[pool], window_busy[pool] = pre, dec
+    busy, prefill_busy, window_busy, shared = _busy(prog, t, cost, prefill_end, decode_s)
     bound_s, binding = hrm_bound(window_busy, max(layers_done, 1))
     layer_s = decode_s / max(layers_done, 1)
     throughput = p.N * steps_done / makespan if makespan else 0.0
@@ -222,13 +206,7 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None,
         "schedule_title": plan.schedule.title,
         "model": sc.model.name,
         "hardware": sc.hardware.name,
-        "policy": {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
-                   **({"experts_gpu": p.experts_gpu} if plan.schedule.expert_level
-                      and not placement.given(p) else {}),
-                   **{f: getattr(p, f) for f in PLACED
-                      if plan.schedule.reads(f) and getattr(p, f) is not None},
-                   **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
-                   **({"prefetch": p.prefetch} if plan.work.prefetches else {})},
+        "policy": _policy(plan),
         "model_size": sc.model.size(),
         "throughput_tok_s": _r(throughput),
         **({"hardware_limit_tok_s": _r(limit),
@@ -264,6 +242,42 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None,
         "interrupted": run.interrupted,
         "wall_s": round(run.wall_s, 3),
     }
+
+
+def _policy(plan) -> dict[str, Any]:
+    """The policy's fields the schedule reads."""
+    p = plan.scenario.policy
+    return {"N": p.N, "mu": p.mu, "A_g": p.A_g, "F_g": p.F_g, "r_w": p.r_w, "r_c": p.r_c,
+            **({"experts_gpu": p.experts_gpu} if plan.schedule.expert_level
+               and not placement.given(p) else {}),
+            **{f: getattr(p, f) for f in PLACED
+               if plan.schedule.reads(f) and getattr(p, f) is not None},
+            **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
+            **({"prefetch": p.prefetch} if plan.work.prefetches else {})}
+
+
+def _busy(prog, t: Totals, cost: CostModel | None, prefill_end: float, decode_s: float
+          ) -> tuple[dict, dict, dict, dict]:
+    """Each resource's busy seconds over the run, and in prefill and the decode window; and
+    each shared pool's seconds in those two windows."""
+    # Per resource: on a multi-GPU machine, every GPU (and its link) is a resource of its own;
+    # utilization is their mean and the HRM bound the busiest of them.
+    busy = {r: 0.0 for r in _reported(prog)}
+    window_busy, prefill_busy = dict(busy), dict(busy)
+    for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
+        busy[r] += float(t.busy[d]) / _instances(prog, r)
+        prefill_busy[r] = max(prefill_busy[r], float(t.work[0, d]))
+        window_busy[r] = max(window_busy[r], float(t.work[1, d]))
+    # Per shared pool: seconds of its capacity the tasks drew on in each window (bytes drawn
+    # inside it, spread evenly over each task's run, over the capacity), at most the window.
+    shared = {}
+    for i in t.pools:
+        capacity = cost.pool_capacity[i]
+        shared[POOLS[i]] = (min(t.drawn[0, i] / capacity, prefill_end),
+                            min(t.drawn[1, i] / capacity, decode_s))
+    for pool, (pre, dec) in shared.items():
+        prefill_busy[pool], window_busy[pool] = pre, dec
+    return busy, prefill_busy, window_busy, shared
 
 
 def experts_summary(plan) -> dict[str, Any]:

@@ -49,95 +49,122 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 def check_trace(trace: Any) -> list[str]:
     """Problems that would make Perfetto drop, move or misread events. Whatever JSON `trace`
     is, the answer is a list of problems, never an exception: the file is anyone's."""
-    problems: list[str] = []
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         return ["the trace must be an object with a traceEvents list"]
-    slices: dict[tuple[int, int], list[tuple[int, int, str]]] = defaultdict(list)
-    named_pids, named_tracks = set(), set()
-    flows: dict[int, dict[str, dict]] = defaultdict(dict)
+    events = _Events()
     for i, e in enumerate(trace["traceEvents"]):
+        events.read(i, e)
+    events.check_tracks()
+    events.check_flows()
+    return events.problems
+
+
+class _Events:
+    """A trace's events read one by one, each checked alone, then its tracks' slices and its
+    flows checked as a whole."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+        self.slices: dict[tuple[int, int], list[tuple[int, int, str]]] = defaultdict(list)
+        self.named_pids: set = set()
+        self.named_tracks: set = set()
+        self.flows: dict[int, dict[str, dict]] = defaultdict(dict)
+
+    def read(self, i: int, e: Any) -> None:
         if not isinstance(e, dict):
-            problems.append(f"event {i}: not an object")
-            continue
-        ph, name = e.get("ph"), e.get("name")
-        where = f"event {i} ({_short(name)}, ph={_short(ph)})"
-        pid, tid = e.get("pid"), e.get("tid")
-        if not _whole(pid):
-            problems.append(f"{where}: pid must be a non-negative integer")
-            continue
-        if ph == "M":
-            if not isinstance(name, str) or name not in _METADATA:
-                problems.append(f"{where}: Perfetto ignores this metadata name")
-                continue
-            args = e.get("args")
-            if "sort_index" in name and not (isinstance(args, dict) and _number(
-                    args.get("sort_index"))):
-                problems.append(f"{where}: sort_index must be a number")
-            if name == "process_name":
-                named_pids.add(pid)
-            if name == "thread_name":
-                if not _whole(tid):
-                    problems.append(f"{where}: tid must be a non-negative integer")
-                    continue
-                named_tracks.add((pid, tid))
-            continue
-        ts = e.get("ts")
-        if not (_number(ts) and ts >= 0 and _three_decimals(ts)):
-            problems.append(f"{where}: ts must be a non-negative number of µs, <= 3 decimals")
-            continue
-        if ph == "X":
-            dur = e.get("dur")
-            if not (_number(dur) and dur >= 0 and _three_decimals(dur)):
-                problems.append(f"{where}: dur must be a non-negative number, <= 3 decimals")
-                continue
-            if not _whole(tid):
-                problems.append(f"{where}: tid must be a non-negative integer")
-                continue
-            if not isinstance(e.get("args"), dict):
-                problems.append(f"{where}: slice without args")
-            start = round(ts * 1000)
-            slices[(pid, tid)].append((start, start + round(dur * 1000), _short(name)))
+            self.problems.append(f"event {i}: not an object")
+            return
+        ph = e.get("ph")
+        where = f"event {i} ({_short(e.get('name'))}, ph={_short(ph)})"
+        if not _whole(e.get("pid")):
+            self.problems.append(f"{where}: pid must be a non-negative integer")
+        elif ph == "M":
+            self._metadata(e, where)
+        elif not (_number(ts := e.get("ts")) and ts >= 0 and _three_decimals(ts)):
+            self.problems.append(f"{where}: ts must be a non-negative number of µs, "
+                                 "<= 3 decimals")
+        elif ph == "X":
+            self._slice(e, where)
         elif ph in ("s", "f"):
-            fid = e.get("id")
-            if not _whole(fid, signed=True):
-                problems.append(f"{where}: flow id must be an integer")
-                continue
-            if ph in flows[fid]:
-                problems.append(f"{where}: flow id {fid} used twice")
-            if ph == "f" and e.get("bp") != "e":
-                problems.append(f"{where}: flow end must carry bp='e'")
-            flows[fid][ph] = e
+            self._flow_end(e, where)
         elif ph == "C":
             args = e.get("args")
             if not isinstance(args, dict) or not args or not all(
                     _number(v) for v in args.values()):
-                problems.append(f"{where}: counter args must be numbers")
+                self.problems.append(f"{where}: counter args must be numbers")
         else:
-            problems.append(f"{where}: unexpected phase")
+            self.problems.append(f"{where}: unexpected phase")
 
-    for track, items in slices.items():
-        if track not in named_tracks:
-            problems.append(f"track {track} has no thread_name")
-        if track[0] not in named_pids:
-            problems.append(f"process {track[0]} has no process_name")
-        items.sort(key=lambda item: item[:2])
-        for (a0, a1, an), (b0, b1, bn) in zip(items, items[1:]):
-            if b0 < a1 and b1 > a1:   # overlaps without nesting
-                problems.append(f"track {track}: {an} [{a0}, {a1}] ns and {bn} "
-                                f"[{b0}, {b1}] ns overlap without nesting")
-    starts = {track: [a for a, _, _ in items] for track, items in slices.items()}
-    for fid, ends in flows.items():
-        if set(ends) != {"s", "f"}:
-            problems.append(f"flow {fid} lacks its {'s' if 's' not in ends else 'f'} event")
-            continue
-        for ph, e in ends.items():
-            t = round(e["ts"] * 1000)
-            track = (e["pid"], e["tid"] if _whole(e.get("tid")) else None)
-            k = bisect.bisect_left(starts.get(track, []), t) - 1   # last slice starting before t
-            if k < 0 or not t < slices[track][k][1]:
-                problems.append(f"flow {fid}: its {ph} point at {t} ns is not strictly inside a "
-                                f"slice of {_short(track)}")
-    return problems
+    def _metadata(self, e: dict, where: str) -> None:
+        name, args, tid = e.get("name"), e.get("args"), e.get("tid")
+        if not isinstance(name, str) or name not in _METADATA:
+            self.problems.append(f"{where}: Perfetto ignores this metadata name")
+            return
+        if "sort_index" in name and not (isinstance(args, dict) and _number(
+                args.get("sort_index"))):
+            self.problems.append(f"{where}: sort_index must be a number")
+        if name == "process_name":
+            self.named_pids.add(e["pid"])
+        if name == "thread_name":
+            if not _whole(tid):
+                self.problems.append(f"{where}: tid must be a non-negative integer")
+                return
+            self.named_tracks.add((e["pid"], tid))
+
+    def _slice(self, e: dict, where: str) -> None:
+        dur, tid = e.get("dur"), e.get("tid")
+        if not (_number(dur) and dur >= 0 and _three_decimals(dur)):
+            self.problems.append(f"{where}: dur must be a non-negative number, <= 3 decimals")
+            return
+        if not _whole(tid):
+            self.problems.append(f"{where}: tid must be a non-negative integer")
+            return
+        if not isinstance(e.get("args"), dict):
+            self.problems.append(f"{where}: slice without args")
+        start = round(e["ts"] * 1000)
+        self.slices[(e["pid"], tid)].append((start, start + round(dur * 1000),
+                                             _short(e.get("name"))))
+
+    def _flow_end(self, e: dict, where: str) -> None:
+        ph, fid = e["ph"], e.get("id")
+        if not _whole(fid, signed=True):
+            self.problems.append(f"{where}: flow id must be an integer")
+            return
+        if ph in self.flows[fid]:
+            self.problems.append(f"{where}: flow id {fid} used twice")
+        if ph == "f" and e.get("bp") != "e":
+            self.problems.append(f"{where}: flow end must carry bp='e'")
+        self.flows[fid][ph] = e
+
+    def check_tracks(self) -> None:
+        """Every track named, and its slices nested or apart."""
+        for track, items in self.slices.items():
+            if track not in self.named_tracks:
+                self.problems.append(f"track {track} has no thread_name")
+            if track[0] not in self.named_pids:
+                self.problems.append(f"process {track[0]} has no process_name")
+            items.sort(key=lambda item: item[:2])
+            for (a0, a1, an), (b0, b1, bn) in zip(items, items[1:]):
+                if b0 < a1 and b1 > a1:   # overlaps without nesting
+                    self.problems.append(f"track {track}: {an} [{a0}, {a1}] ns and {bn} "
+                                         f"[{b0}, {b1}] ns overlap without nesting")
+
+    def check_flows(self) -> None:
+        """Every flow has both ends, each strictly inside a slice of its track (after
+        check_tracks, which sorts the slices)."""
+        starts = {track: [a for a, _, _ in items] for track, items in self.slices.items()}
+        for fid, ends in self.flows.items():
+            if set(ends) != {"s", "f"}:
+                self.problems.append(f"flow {fid} lacks its {'s' if 's' not in ends else 'f'} "
+                                     "event")
+                continue
+            for ph, e in ends.items():
+                t = round(e["ts"] * 1000)
+                track = (e["pid"], e["tid"] if _whole(e.get("tid")) else None)
+                k = bisect.bisect_left(starts.get(track, []), t) - 1   # last slice before t
+                if k < 0 or not t < self.slices[track][k][1]:
+                    self.problems.append(f"flow {fid}: its {ph} point at {t} ns is not strictly "
+                                         f"inside a slice of {_short(track)}")
 
 
 # Names and values from the file, as a problem may quote them: bounded, however long or deep.
