@@ -93,78 +93,25 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     hand-off is the median delay between a task's end and the start of a task on another
     stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
     price the kinds whose sizes do not vary."""
-    from taskgraph.dag.compiled import KIND_NAMES
-    from taskgraph.dag.schedules import SCHEDULES
-    from taskgraph.exec.execute import execute_scenario
     from taskgraph.scenario import for_schedule
-    from taskgraph.sim.interference import busy_fractions
 
-    base_cost = CostModel(HardwareSpec.model_validate(base))
-    samples: dict[str, _Samples] = {}
-    gaps: list[float] = []
-    staged: set[str] = set()
-
-    def measure(sc: Scenario, schedule: str, skip: frozenset[str] = frozenset()) -> None:
-        """Execute `sc` with `schedule` and add its tasks to `samples`, but those of the kinds
-        in `skip`, and its hand-offs to `gaps` (a batch run's: nothing skipped)."""
-        ex = execute_scenario(sc, schedule, device=device, check=False)
-        # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
-        # a profile fitted to part of a run is not: stop, and write nothing.
-        if ex.failure is not None:
-            raise TgError(f"A task failed while measuring {schedule} at mu = {sc.policy.mu} "
-                          f"({type(ex.failure).__name__}); no profile was written.")
-        if ex.run.interrupted:
-            raise KeyboardInterrupt
-        prog, run = ex.program, ex.run
-        step = prog.step
-        ctx = prog.context(step)
-        nbytes = prog.column("nbytes") + prog.column("bytes_per_ctx") * ctx
-        resource, kinds = prog.column("resource"), prog.column("kind")
-        roof = prog.durations(base_cost) - base_cost.fixed(resource, kinds)
-        busy = busy_fractions(run.start, run.end, resource)
-        # On CUDA, weights copied from pageable memory (schedules without pinned staging) are
-        # staged by the driver on the CPU, and while such a copy is in flight other threads'
-        # launches wait for it: on an H100 GPU tasks stretched from 1 ms to 400 ms. The link's
-        # pageable rate prices those copies; the other kinds are fitted from runs without them
-        # where such runs have them (FIT_RUNS lists S1, which stages, first).
-        pageable = device == "cuda" and not SCHEDULES[schedule].weights_pinned
-        # A cache's prefill misses more experts than its staging slots hold: there the executor
-        # copies the later rounds inside GPUFFN, where the model prices them in ExpertIn
-        # (exec.runtime.Runtime._GPUFFN), so neither task is what the model calls it. Fitted
-        # with them, on an H100, GPUFFN came out at 103 GB/s: 7.2 ms for EC's decode's 0.65.
-        copied = [KIND_NAMES.index("GPUFFN"), KIND_NAMES.index("ExpertIn")]
-        mixed = (step == 0) & np.isin(kinds, copied) & (SCHEDULES[schedule].ffn == "cache")
-        for k in np.unique(kinds):
-            if KIND_NAMES[k] in skip:
-                continue
-            if pageable and (KIND_NAMES[k] == "D3" or KIND_NAMES[k] in staged):
-                continue
-            if not pageable:
-                staged.add(KIND_NAMES[k])
-            sel = (kinds == k) & run.finished & ~mixed
-            if sel.any():
-                smp = samples.setdefault(KIND_NAMES[k], _Samples(int(resource[sel][0])))
-                smp.add(nbytes=nbytes[sel], roof=roof[sel], measured=run.durations[sel],
-                        busy=busy[sel])
-        if not skip:
-            gaps.extend(_handoff_gaps(prog, run))
-
+    tasks = _MeasuredTasks(CostModel(HardwareSpec.model_validate(base)), device)
     for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
-        measure(for_schedule(scenario.model_copy(update={"policy": policy}), schedule)[0],
-                schedule)
-    slowdown = _fit_slowdown(samples)
+        tasks.measure(for_schedule(scenario.model_copy(update={"policy": policy}), schedule)[0],
+                      schedule)
+    slowdown = _fit_slowdown(tasks.samples)
     if scenario.hardware.gpu.count == 1:         # the expert schedules run on one GPU
         m, w = scenario.model, scenario.workload
         policy = scenario.policy.model_copy(update={
             "mu": 1, "N": 1, "experts_gpu": min(m.E - 1, max(m.k, scenario.policy.experts_gpu))})
         one = scenario.model_copy(update={"policy": policy, "workload": w.model_copy(
             update={"gen_len": max(w.gen_len, EXPERT_STEPS)})})
-        batch_kinds = frozenset(samples)
+        batch_kinds = frozenset(tasks.samples)
         for schedule in EXPERT_RUNS * repeats:
-            measure(for_schedule(one, schedule)[0], schedule, skip=batch_kinds)
+            tasks.measure(for_schedule(one, schedule)[0], schedule, skip=batch_kinds)
     fixed, gbps = {}, {}
-    for kind, smp in samples.items():
+    for kind, smp in tasks.samples.items():
         by = slowdown.get(RESOURCES[smp.resource], {})
         factors = np.array([by.get(r, 0.0) for r in RESOURCES])
         fixed_s, slope = _fit_cost(smp.array("nbytes"), smp.array("roof"),
@@ -172,11 +119,73 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         fixed[kind] = fixed_s * 1e6
         if slope > 0:
             gbps[kind] = 1 / slope / 1e9
-    measured = {k: s.array("measured") for k, s in samples.items()}
+    measured = {k: s.array("measured") for k, s in tasks.samples.items()}
     summary = {k: {"tasks": len(m), "median_us": float(np.median(m)) * 1e6}
                for k, m in measured.items()}
+    gaps = tasks.gaps
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
     return TaskFit(fixed, gbps, handoff, slowdown, summary)
+
+
+class _MeasuredTasks:
+    """The executor's tasks, measured run by run: each kind's samples, and the hand-offs."""
+
+    def __init__(self, base_cost: CostModel, device: str):
+        self.base_cost, self.device = base_cost, device
+        self.samples: dict[str, _Samples] = {}
+        self.gaps: list[float] = []
+        self.staged: set[str] = set()       # kinds measured in a run without pageable copies
+
+    def measure(self, sc: Scenario, schedule: str, skip: frozenset[str] = frozenset()) -> None:
+        """Execute `sc` with `schedule` and add its tasks to the samples, but those of the
+        kinds in `skip`, and its hand-offs to the gaps (a batch run's: nothing skipped)."""
+        from taskgraph.exec.execute import execute_scenario
+
+        ex = execute_scenario(sc, schedule, device=self.device, check=False)
+        # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
+        # a profile fitted to part of a run is not: stop, and write nothing.
+        if ex.failure is not None:
+            raise TgError(f"A task failed while measuring {schedule} at mu = {sc.policy.mu} "
+                          f"({type(ex.failure).__name__}); no profile was written.")
+        if ex.run.interrupted:
+            raise KeyboardInterrupt
+        self._add(ex.program, ex.run, schedule, skip)
+        if not skip:
+            self.gaps.extend(_handoff_gaps(ex.program, ex.run))
+
+    def _add(self, prog: Any, run: Any, schedule: str, skip: frozenset[str]) -> None:
+        from taskgraph.dag.compiled import KIND_NAMES
+        from taskgraph.dag.schedules import SCHEDULES
+        from taskgraph.sim.interference import busy_fractions
+
+        step = prog.step
+        nbytes = prog.column("nbytes") + prog.column("bytes_per_ctx") * prog.context(step)
+        resource, kinds = prog.column("resource"), prog.column("kind")
+        roof = prog.durations(self.base_cost) - self.base_cost.fixed(resource, kinds)
+        busy = busy_fractions(run.start, run.end, resource)
+        # On CUDA, weights copied from pageable memory (schedules without pinned staging) are
+        # staged by the driver on the CPU, and while such a copy is in flight other threads'
+        # launches wait for it: on an H100 GPU tasks stretched from 1 ms to 400 ms. The link's
+        # pageable rate prices those copies; the other kinds are fitted from runs without them
+        # where such runs have them (FIT_RUNS lists S1, which stages, first).
+        pageable = self.device == "cuda" and not SCHEDULES[schedule].weights_pinned
+        # A cache's prefill misses more experts than its staging slots hold: there the executor
+        # copies the later rounds inside GPUFFN, where the model prices them in ExpertIn
+        # (exec.runtime.Runtime._GPUFFN), so neither task is what the model calls it. Fitted
+        # with them, on an H100, GPUFFN came out at 103 GB/s: 7.2 ms for EC's decode's 0.65.
+        copied = [KIND_NAMES.index("GPUFFN"), KIND_NAMES.index("ExpertIn")]
+        mixed = (step == 0) & np.isin(kinds, copied) & (SCHEDULES[schedule].ffn == "cache")
+        for k in np.unique(kinds):
+            name = KIND_NAMES[k]
+            if name in skip or (pageable and (name == "D3" or name in self.staged)):
+                continue
+            if not pageable:
+                self.staged.add(name)
+            sel = (kinds == k) & run.finished & ~mixed
+            if sel.any():
+                smp = self.samples.setdefault(name, _Samples(int(resource[sel][0])))
+                smp.add(nbytes=nbytes[sel], roof=roof[sel], measured=run.durations[sel],
+                        busy=busy[sel])
 
 
 def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float, float]:
