@@ -678,6 +678,11 @@ class KindEffect(Spec):
     # fraction I / (I + intensity_half) of the bandwidth, I = the task's FLOPs per byte (about
     # the tokens per expert for fp16 weights); 0: no such loss.
     intensity_half: float = Field(default=0.0, ge=0.0, le=1e4, allow_inf_nan=False)
+    # The rate its kernel unpacks routed-expert weights stored below 16 bits at (G weights/s),
+    # a time added to the task's reading of them: a kernel that dequantizes into temporaries
+    # before its product pays it (tg's own executor: `tg calibrate` measures it). None: unpacked
+    # in registers as the weights stream, as llama.cpp's quantized dot products do (no cost).
+    dequant_gweights: float | None = Field(default=None, gt=0.0, le=1e6, allow_inf_nan=False)
 
 
 class ImplementationSpec(Spec):
@@ -739,13 +744,17 @@ class HardwareSpec(Spec):
     # On small shapes these, not the datasheet roofs, decide how long a task takes.
     task_overhead_us: dict[str, float] = Field(default_factory=dict)
     task_gbps: dict[str, float] = Field(default_factory=dict)
+    # Per task kind that computes routed experts, the rate the executor dequantizes experts
+    # stored below 16 bits at (G weights/s), measured by `tg calibrate` on a Q4_0 run; in place
+    # of the implementation's KindEffect.dequant_gweights.
+    task_dequant_gweights: dict[str, float] = Field(default_factory=dict)
     # How long after a task ends a task on another stream waiting for it can start (an event's
     # latency, a thread waking up). `tg calibrate` measures it.
     handoff_us: float = Field(default=0.0, ge=0.0, le=1e9, allow_inf_nan=False)
     # Tasks slowed down by what overlaps them on other resources (None: not modelled).
     interference: InterferenceSpec | None = None
 
-    @field_validator("task_overhead_us", "task_gbps")
+    @field_validator("task_overhead_us", "task_gbps", "task_dequant_gweights")
     @classmethod
     def _known_kinds(cls, value: dict[str, float], info) -> dict[str, float]:
         for kind, x in value.items():
@@ -753,7 +762,7 @@ class HardwareSpec(Spec):
                 raise ValueError(f"{kind}: {x} is not a finite number")
             if kind not in KINDS:
                 raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
-            if x < 0 or (x == 0 and info.field_name == "task_gbps"):
+            if x < 0 or (x == 0 and info.field_name != "task_overhead_us"):
                 raise ValueError(f"{kind}: {x} must be {'positive' if x == 0 else 'non-negative'}")
             if x > 1e9:                 # as every other figure: 1e308 overflows the clock
                 raise ValueError(f"{kind}: {x} must be at most 1e9")

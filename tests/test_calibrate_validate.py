@@ -38,6 +38,56 @@ def test_calibration_is_a_hardware_profile(profile):
     assert sc.hardware.link.h2d_gbps == 1
 
 
+def test_the_executors_dequantization_is_measured_and_priced(profile):
+    """tg calibrate times the executor's experts stored in Q4_0 blocks (EP at batch 1) and writes
+    the rate it dequantizes them at; priced with it, a Q4_0 run's CPUFFN tasks are as long as
+    they ran. Without it (the stored bytes at the fp32 run's rate) they were priced ~10x short:
+    each read unpacks the blocks through fp32 temporaries. Compared on one run, so the machine's
+    speed cancels."""
+    from taskgraph.dag.compiled import KIND_NAMES
+    from taskgraph.exec.execute import execute_scenario
+    from taskgraph.perf.cost import CostModel
+    from taskgraph.scenario import for_schedule
+
+    sc = load_scenario("scenarios/tiny.yaml", [
+        f"hardware={profile}", "model.precision.experts=q4_0", "policy.N=1", "policy.mu=1",
+        "policy.experts_gpu=2", "workload.gen_len=8"])
+    assert sc.hardware.task_dequant_gweights.get("CPUFFN", 0) > 0
+    ex = execute_scenario(for_schedule(sc, "EP")[0], "EP", device="cpu", check=False)
+    prog, run = ex.program, ex.run
+    cpu_ffn = (prog.column("kind") == KIND_NAMES.index("CPUFFN")) & run.finished
+    assert cpu_ffn.sum() >= 10
+
+    def error(hw) -> float:
+        """Median |log(priced / measured)| of the run's CPUFFN tasks."""
+        priced = prog.durations(CostModel(hw, expert_bits=sc.model.bits("experts")))
+        return float(np.median(np.abs(np.log(priced[cpu_ffn] / run.durations[cpu_ffn]))))
+
+    without = sc.hardware.model_copy(update={"task_dequant_gweights": {}})
+    assert error(sc.hardware) < error(without) - np.log(2)   # at least twice as close
+
+
+def test_a_dequantization_rate_prices_only_weights_below_16_bits():
+    """A kind's unpacking adds the experts' weights over its rate to the task, at any precision
+    below 16 bits and at none other; the calibrated figure takes the implementation's place."""
+    from taskgraph.perf.cost import CostModel
+    from taskgraph.presets import HARDWARE
+    from taskgraph.specs import HardwareSpec, ImplementationSpec
+
+    hw = HardwareSpec.model_validate(HARDWARE["t4"])
+    impl = ImplementationSpec(name="x", kinds={"CPUFFN": {"dequant_gweights": 2.0}})
+    nbytes = 4.5e8                                       # 800 M weights at 4.5 bits
+    plain = CostModel(hw, impl, 16.0).time("cpu", 0.0, nbytes, "CPUFFN")
+    assert CostModel(hw, impl, 32.0).time("cpu", 0.0, nbytes, "CPUFFN") == plain
+    assert CostModel(hw, impl, 4.5).time("cpu", 0.0, nbytes, "CPUFFN") == pytest.approx(
+        plain + 8e8 / 2e9)
+    assert CostModel(hw, impl, 4.5).time("cpu", 0.0, nbytes, "GPUFFN") == CostModel(
+        hw, impl, 16.0).time("cpu", 0.0, nbytes, "GPUFFN")
+    calibrated = hw.model_copy(update={"task_dequant_gweights": {"CPUFFN": 0.5}})
+    assert CostModel(calibrated, impl, 4.5).time("cpu", 0.0, nbytes, "CPUFFN") == pytest.approx(
+        plain + 8e8 / 0.5e9)
+
+
 def test_cuda_rates_make_a_valid_profile(monkeypatch):
     """The CUDA profile's mapping, checked without a GPU: the pinned link figures become the
     link, the launch cost the GPU's per-task overhead, and the whole validates."""

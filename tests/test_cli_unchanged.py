@@ -63,7 +63,8 @@ def _keys(x, path: str = "") -> dict[str, list[str]]:
         out[path or "."] = list(x)
         for k, v in x.items():
             if k not in ("outputs", "classes", "utilization", "policy", "tasks", "kinds",
-                         "task_gbps"):      # a map of kinds, in the order they were measured
+                         # maps whose keys are what a run measured, in its order
+                         "task_gbps", "task_dequant_gweights", "dequant_gweights", "slowdown"):
                 out.update(_keys(v, f"{path}.{k}"))
     return out
 

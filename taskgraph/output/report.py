@@ -397,6 +397,9 @@ def calibrate_table(measured: dict[str, Any], out: str) -> Table:
         t.add_row(f"{kind} ({info['tasks']} tasks)",
                   f"{measured['fixed_us'][kind]:.0f} µs fixed"
                   + (f" + bytes / {rate:.2f} GB/s" if rate else ""))
+    for kind, rate in measured.get("dequant_gweights", {}).items():
+        t.add_row(f"{kind} dequantizing Q4_0 experts",
+                  f"{rate:.3f} G weights/s" if rate else "no measurable cost")
     return t
 
 

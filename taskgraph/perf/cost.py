@@ -43,7 +43,8 @@ POOL_NAMES = {"host_memory": "host memory", "pcie_h2d": "shared PCIe CPU->GPU",
 class CostModel:
     """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
 
-    def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None):
+    def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None,
+                 expert_bits: float = 16.0):
         g, c, k = hw.gpu, hw.cpu, hw.link
         impl = impl or ImplementationSpec(name="ideal")
         peer = hw.interconnect
@@ -89,6 +90,11 @@ class CostModel:
         effects = [several.get(kind) or impl.kinds.get(kind) for kind in KINDS]
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
+        # Seconds a kind spends unpacking each byte of experts stored below 16 bits (0: none)
+        rates = [hw.task_dequant_gweights.get(kind, e.dequant_gweights if e else None)
+                 for kind, e in zip(KINDS, effects)]
+        self.kind_dequant = np.array([8 / expert_bits / (r * 1e9) if r and expert_bits < 16
+                                      else 0.0 for r in rates])
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
@@ -143,8 +149,10 @@ class CostModel:
         return np.where(np.isnan(own), self.overhead[resource], own) + self.kind_extra[kind]
 
     def byte_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
+        """Bytes a second a task of `kind` moves: its rate, slowed by unpacking the weights."""
         own = self.kind_byte_rate[kind]
-        return np.where(np.isnan(own), self.byte_rate[resource], own) * self.kind_bytes_eff[kind]
+        rate = np.where(np.isnan(own), self.byte_rate[resource], own) * self.kind_bytes_eff[kind]
+        return rate / (1.0 + rate * self.kind_dequant[kind])
 
     def flops_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
         return self.flops_rate[resource] * self.kind_flops_eff[kind]
@@ -201,7 +209,7 @@ def cost_model(scenario: Scenario, schedule: str) -> CostModel:
     impl = implementation_for(scenario, schedule)
     if SCHEDULES[schedule].weights_pinned and impl.pageable_weights:
         impl = impl.model_copy(update={"pageable_weights": False})
-    return CostModel(scenario.hardware, impl)
+    return CostModel(scenario.hardware, impl, scenario.model.bits("experts"))
 
 
 def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:

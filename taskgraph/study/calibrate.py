@@ -81,6 +81,7 @@ class TaskFit:
     handoff_us: float
     slowdown: dict[str, dict[str, float]]
     tasks: dict[str, dict[str, float]]
+    dequant_gweights: dict[str, float | None] = field(default_factory=dict)
 
 
 def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", repeats: int = 2
@@ -124,7 +125,48 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
                for k, m in measured.items()}
     gaps = tasks.gaps
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
-    return TaskFit(fixed, gbps, handoff, slowdown, summary)
+    dequant = {}
+    if scenario.hardware.gpu.count == 1:
+        fitted = CostModel(HardwareSpec.model_validate(
+            base | {"task_overhead_us": fixed, "task_gbps": gbps}))
+        dequant = _fit_dequant(one, fitted, slowdown, device, repeats)
+    return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant)
+
+
+#: The format :func:`_fit_dequant` stores experts in: llama.cpp's Q4_0, the executor's densest.
+DEQUANT_FORMAT = "q4_0"
+
+
+def _fit_dequant(one: Scenario, fitted: CostModel, slowdown: dict[str, dict[str, float]],
+                 device: str, repeats: int) -> dict[str, float | None]:
+    """Per kind that computes routed experts, the rate the executor dequantizes them at (G
+    weights/s): EP's batch-1 runs with Q4_0 experts, each CPUFFN and GPUFFN task's time with
+    the slowdown divided out, less what the fitted costs price for its bytes, is its unpacking;
+    the weights over that time, the median over the tasks (None where it is not positive:
+    no cost the fit can tell)."""
+    from taskgraph.dag.compiled import KIND_NAMES
+    from taskgraph.formats import bits
+    from taskgraph.scenario import for_schedule
+
+    kinds = ("CPUFFN", "GPUFFN")
+    m = one.model
+    quantized = one.model_copy(update={"model": m.model_copy(update={
+        "precision": m.precision.model_copy(update={"experts": DEQUANT_FORMAT})})})
+    tasks = _MeasuredTasks(fitted, device)
+    for _ in range(repeats):
+        tasks.measure(for_schedule(quantized, "EP")[0], "EP",
+                      skip=frozenset(KIND_NAMES) - set(kinds))
+    out = {}
+    for kind, smp in tasks.samples.items():
+        by = slowdown.get(RESOURCES[smp.resource], {})
+        alone = smp.array("measured") / smp.slowed(np.array([by.get(r, 0.0)
+                                                             for r in RESOURCES]))
+        k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
+        unpacking = alone - fitted.fixed(smp.resource, k) - nbytes / fitted.byte_rates(
+            smp.resource, k)
+        seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
+        out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
+    return out
 
 
 class _MeasuredTasks:
@@ -336,6 +378,9 @@ def calibrate(scenario: Scenario, device: str = "cpu",
         "handoff_us": round(fit.handoff_us, 2),
         "task_overhead_us": {k: round(v, 2) for k, v in sorted(fit.fixed_us.items())},
         "task_gbps": {k: round(v, 4) for k, v in sorted(fit.gbps.items())},
+        "task_dequant_gweights": {k: round(v, 4) for k, v in sorted(
+            fit.dequant_gweights.items()) if v is not None},
     } | ({"interference": {"slowdown": fit.slowdown}} if fit.slowdown else {})
     return profile, {"rates": rates, "fixed_us": fit.fixed_us, "task_gbps": fit.gbps,
-                     "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks}
+                     "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks,
+                     "dequant_gweights": fit.dequant_gweights}
