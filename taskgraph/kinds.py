@@ -193,9 +193,12 @@ def D1(work: Any, tokens: Number, prefill: bool) -> Work:
       reads=(Read(("D1",)), Read(("CPUAttn", "KVOut"), step=-1)))
 def CPUAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, mu, b = work.model, work.load.seqs, work.model.dtype_bytes
-    return Work(flops_per_ctx=2 * mu * (m.q_width + m.attn_out_width),
-                bytes_per_ctx=mu * m.kv_bytes_per_token,
-                bytes=b * mu * (m.q_width + m.attn_out_width + m.kv_width))
+    # MLA decompressed: each cached latent projected to every head's key and value (a
+    # product), which attention then reads; the up-projection's weights read once
+    return Work(flops_per_ctx=2 * mu * (m.q_width + m.attn_out_width + m.decompress_params),
+                bytes_per_ctx=mu * (m.kv_bytes_per_token + b * m.decompressed_width),
+                bytes=b * mu * (m.q_width + m.attn_out_width + m.kv_width)
+                + m.decompress_params * m.bits("attention") / 8)
 
 
 @kind("D2", "attention output (hidden state) of a micro-batch, CPU -> GPU", "h2d",

@@ -249,6 +249,11 @@ class ModelSpec(Spec):
     qk_nope_head_dim: int | None = Field(default=None, gt=0)
     qk_rope_head_dim: int | None = Field(default=None, gt=0)
     v_head_dim: int | None = Field(default=None, gt=0)
+    # How decode computes MLA: absorbed, the up-projections folded into the query and the
+    # output so each head attends over the cached latent (llama.cpp, vLLM, kTransformers), or
+    # decompressed, every cached latent projected to each head's key and value at every step
+    # (transformers, and tg's own executor: `tg validate` prices it so).
+    mla_absorbed: bool = True
     # A learned sink logit per head takes part in each softmax (gpt-oss).
     attention_sinks: bool = False
     # The Q, K and V projections add a bias (attention_bias: Phi-3.5-MoE's, whose O projection
@@ -360,20 +365,39 @@ class ModelSpec(Spec):
         return self.sliding_window
 
     # --- attention, as its kernels see it --------------------------------------------------
-    # MLA in decode as llama.cpp, vLLM and kTransformers run it (the up-projections absorbed
-    # into the query and the output): each head attends over the cached latent and rope part.
+    # MLA in decode absorbed (llama.cpp, vLLM and kTransformers: each head attends over the
+    # cached latent and rope part) or decompressed (mla_absorbed False: over keys and values
+    # projected from every cached latent).
 
     @property
     def q_width(self) -> int:
         """Elements of one token's queries as attention reads them."""
         if self.attention == "mla":
-            return self.n_q * (self.kv_lora_rank + self.qk_rope_head_dim)
+            return self.n_q * ((self.kv_lora_rank if self.mla_absorbed
+                                else self.qk_nope_head_dim) + self.qk_rope_head_dim)
         return self.q_dim
 
     @property
     def attn_out_width(self) -> int:
         """Elements of one token's attention output (before the O projection)."""
-        return self.n_q * self.kv_lora_rank if self.attention == "mla" else self.q_dim
+        if self.attention == "mla":
+            return self.n_q * (self.kv_lora_rank if self.mla_absorbed else self.v_head_dim)
+        return self.q_dim
+
+    @property
+    def decompressed_width(self) -> int:
+        """Elements of the keys and values decode makes of one cached token (MLA decompressed:
+        every head's key, its shared rope part repeated, and value; 0 otherwise)."""
+        if self.attention != "mla" or self.mla_absorbed:
+            return 0
+        return self.n_q * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+    @property
+    def decompress_params(self) -> int:
+        """The up-projection decode applies to every cached token (MLA decompressed; else 0)."""
+        if self.attention != "mla" or self.mla_absorbed:
+            return 0
+        return self.kv_lora_rank * self.n_q * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property
     def kv_width(self) -> int:

@@ -180,3 +180,39 @@ def test_a_dense_layer_has_no_cache_hit_rate():
     s = simulate_scenario(sc).summary["experts"]
     assert s["hit_rate_by_layer"][0] is None
     assert all(0 <= h <= 1 for h in s["hit_rate_by_layer"][1:])
+
+
+@pytest.mark.parametrize("context", [16, 200])
+def test_mla_decode_is_priced_as_each_implementation_computes_it(context):
+    """torch's FlopCounterMode counts what the executor's decode MLA (kernels.ops.mla_attention,
+    as transformers computes it: every cached latent projected to each head's key and value)
+    does for one token over a cache of `context`: the decode attention's work with
+    model.mla_absorbed false says the same FLOPs. Absorbed, as llama.cpp and vLLM run it, the
+    same step costs the latent-space products only, several times fewer at these shapes (the
+    heads' query and output widths in the latent, no projection of the cache)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kernels.ops import mla_attention
+
+    decompressed = _plan("S4", r_c=0.0, model={**DEEPSEEKISH, "mla_absorbed": False})
+    m = decompressed.scenario.model
+    n, nope, rope, v = m.n_q, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+
+    class Weights:                      # the layer's two up-projections, as LayerView gives them
+        def __init__(self):
+            self.m = m
+            self.w = {"uk": torch.randn(n * nope, m.kv_lora_rank),
+                      "uv": torch.randn(n * v, m.kv_lora_rank)}
+
+        def __getitem__(self, name):
+            return self.w[name]
+
+    q = torch.randn(1, 1, n, nope + rope)
+    cache = torch.randn(1, context, 1, m.kv_lora_rank + rope)
+    with FlopCounterMode(display=False) as counted:
+        mla_attention(q, cache, Weights(), None)
+    flops, _ = decompressed.work.of("GPUAttn").at(context)
+    assert flops == counted.get_total_flops()
+    absorbed, _ = _plan("S4", r_c=0.0).work.of("GPUAttn").at(context)
+    assert absorbed < flops / 5

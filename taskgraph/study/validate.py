@@ -131,8 +131,10 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
     from taskgraph.specs import ImplementationSpec
 
     # What runs is tg's executor whatever system a schedule stands for by default (S3 and S4:
-    # FlexGen), so it is priced as tg's.
+    # FlexGen), so it is priced as tg's: its MLA decompresses the cache every step, as
+    # transformers' does.
     own = ImplementationSpec.model_validate(IMPLEMENTATIONS["tg"])
+    model = scenario.model.model_copy(update={"mla_absorbed": False})
     out = []
     for mu in mus:
         if scenario.policy.N % mu:
@@ -140,7 +142,7 @@ def pairs_for(scenario: Scenario, schedules: list[str], mus: list[int]) -> list[
         policy = scenario.policy.model_copy(update={"mu": mu})
         for name in schedules:
             sc, _ = for_schedule(scenario.model_copy(
-                update={"policy": policy, "implementation": own}), name)
+                update={"policy": policy, "implementation": own, "model": model}), name)
             out.append(sc)
     return out
 
