@@ -92,7 +92,8 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     (:func:`_fit_slowdown`), then the kinds' costs on the durations with the slowdown divided
     out; the kinds only the expert schedules have, from :data:`EXPERT_RUNS` on one GPU. The
     hand-off is the median delay between a task's end and the start of a task on another
-    stream waiting for it. `base` is the profile the microbenchmarks gave, whose roofs
+    stream waiting for it. On one GPU, last, the rate the executor dequantizes experts at
+    (:func:`_fit_dequant`). `base` is the profile the microbenchmarks gave, whose roofs
     price the kinds whose sizes do not vary."""
     from taskgraph.scenario import for_schedule
 
