@@ -120,44 +120,57 @@ def decode(data: bytes) -> dict[str, Any]:
     the two agree unless slices on a track overlap without nesting, which the checker reports
     on the slices decoded here, as it does for JSON."""
     from google.protobuf.message import DecodeError
-    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace
 
     trace = Trace()
     try:
         trace.ParseFromString(data)
     except DecodeError as err:
         raise ValueError(f"not a Perfetto protobuf trace ({err})") from None
-    events: list[dict[str, Any]] = []
-    tracks: dict[int, tuple] = {}
-    open_slices: dict[int, list] = {}
-    flows: dict[int, dict[str, tuple]] = {}
+    decoded = _Decoded()
     for packet in trace.packet:
         if packet.HasField("track_descriptor"):
-            d = packet.track_descriptor
-            if d.HasField("process"):
-                tracks[d.uuid] = ("process", d.process.pid)
-                events.append({"ph": "M", "name": "process_name", "pid": d.process.pid,
-                               "args": {"name": d.process.process_name}})
-                events.append({"ph": "M", "name": "process_sort_index", "pid": d.process.pid,
-                               "args": {"sort_index": d.sibling_order_rank}})
-            elif d.HasField("thread"):
-                t = d.thread
-                tracks[d.uuid] = ("thread", t.pid, t.tid)
-                events.append({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": t.tid,
-                               "args": {"name": t.thread_name}})
-                events.append({"ph": "M", "name": "thread_sort_index", "pid": t.pid,
-                               "tid": t.tid, "args": {"sort_index": d.sibling_order_rank}})
-            elif d.HasField("counter"):
-                parent = tracks.get(d.parent_uuid)
-                if parent is None or parent[0] != "process":
-                    raise ValueError(f"counter track {d.uuid} belongs to no process declared "
-                                     "before it")
-                tracks[d.uuid] = ("counter", parent[1], d.name)
-            continue
-        if not packet.HasField("track_event"):
-            continue
-        e, ts = packet.track_event, packet.timestamp
-        track = tracks.get(e.track_uuid)
+            decoded.track(packet.track_descriptor)
+        elif packet.HasField("track_event"):
+            decoded.event(packet.track_event, packet.timestamp)
+    return {"traceEvents": decoded.events + decoded.flow_events()}
+
+
+class _Decoded:
+    """A trace's events in the Chrome JSON form, packet by packet: tracks as they are declared,
+    then their events; flows once every slice is read."""
+
+    def __init__(self):
+        self.events: list[dict[str, Any]] = []
+        self.tracks: dict[int, tuple] = {}
+        self.open_slices: dict[int, list] = {}
+        self.flows: dict[int, dict[str, tuple]] = {}
+
+    def track(self, d: Any) -> None:
+        if d.HasField("process"):
+            self.tracks[d.uuid] = ("process", d.process.pid)
+            self.events.append({"ph": "M", "name": "process_name", "pid": d.process.pid,
+                                "args": {"name": d.process.process_name}})
+            self.events.append({"ph": "M", "name": "process_sort_index", "pid": d.process.pid,
+                                "args": {"sort_index": d.sibling_order_rank}})
+        elif d.HasField("thread"):
+            t = d.thread
+            self.tracks[d.uuid] = ("thread", t.pid, t.tid)
+            self.events.append({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": t.tid,
+                                "args": {"name": t.thread_name}})
+            self.events.append({"ph": "M", "name": "thread_sort_index", "pid": t.pid,
+                                "tid": t.tid, "args": {"sort_index": d.sibling_order_rank}})
+        elif d.HasField("counter"):
+            parent = self.tracks.get(d.parent_uuid)
+            if parent is None or parent[0] != "process":
+                raise ValueError(f"counter track {d.uuid} belongs to no process declared "
+                                 "before it")
+            self.tracks[d.uuid] = ("counter", parent[1], d.name)
+
+    def event(self, e: Any, ts: int) -> None:
+        from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
+
+        track = self.tracks.get(e.track_uuid)
         if track is None:
             raise ValueError(f"an event at {ts} ns names track {e.track_uuid}, which no "
                              "descriptor declares")
@@ -165,37 +178,44 @@ def decode(data: bytes) -> dict[str, Any]:
             if track[0] != "counter":
                 raise ValueError(f"a counter value at {ts} ns lies on {track[0]} track "
                                  f"{e.track_uuid}, not a counter's")
-            events.append({"ph": "C", "name": track[2], "pid": track[1], "ts": ts / 1000,
-                           "args": {track[2]: e.double_counter_value}})
+            self.events.append({"ph": "C", "name": track[2], "pid": track[1], "ts": ts / 1000,
+                                "args": {track[2]: e.double_counter_value}})
         elif e.type == TrackEvent.TYPE_SLICE_BEGIN:
-            open_slices.setdefault(e.track_uuid, []).append((ts, e))
+            self.open_slices.setdefault(e.track_uuid, []).append((ts, e))
         elif e.type == TrackEvent.TYPE_SLICE_END:
-            if not open_slices.get(e.track_uuid):
-                raise ValueError(f"a slice ends at {ts} ns on {track} with none begun there")
-            t0, begin = open_slices[e.track_uuid].pop()
-            if track[0] != "thread":
-                raise ValueError(f"a slice at {ts} ns lies on {track[0]} track "
-                                 f"{e.track_uuid}, not a thread's")
-            _, pid, tid = track
-            events.append({"ph": "X", "name": begin.name, "cat": ",".join(begin.categories),
-                           "pid": pid, "tid": tid, "ts": t0 / 1000, "dur": (ts - t0) / 1000,
-                           "args": {a.name: _value(a) for a in begin.debug_annotations}})
-            mid = (t0 + ts) // 2
-            for fid in begin.flow_ids:
-                flows.setdefault(fid, {})["s"] = (pid, tid, mid)
-            for fid in begin.terminating_flow_ids:
-                flows.setdefault(fid, {})["f"] = (pid, tid, mid)
-    unclosed = sum(len(stack) for stack in open_slices.values())
-    if unclosed:
-        raise ValueError(f"{unclosed} slices begin and never end")
-    for fid, ends in sorted(flows.items()):
-        for ph, (pid, tid, t) in sorted(ends.items(), reverse=True):      # "s" before "f"
-            event = {"ph": ph, "id": fid, "name": "dependency", "cat": "dependency",
-                     "pid": pid, "tid": tid, "ts": t / 1000}
-            if ph == "f":
-                event["bp"] = "e"
-            events.append(event)
-    return {"traceEvents": events}
+            self._slice_end(e, ts, track)
+
+    def _slice_end(self, e: Any, ts: int, track: tuple) -> None:
+        if not self.open_slices.get(e.track_uuid):
+            raise ValueError(f"a slice ends at {ts} ns on {track} with none begun there")
+        t0, begin = self.open_slices[e.track_uuid].pop()
+        if track[0] != "thread":
+            raise ValueError(f"a slice at {ts} ns lies on {track[0]} track "
+                             f"{e.track_uuid}, not a thread's")
+        _, pid, tid = track
+        self.events.append({"ph": "X", "name": begin.name, "cat": ",".join(begin.categories),
+                            "pid": pid, "tid": tid, "ts": t0 / 1000, "dur": (ts - t0) / 1000,
+                            "args": {a.name: _value(a) for a in begin.debug_annotations}})
+        mid = (t0 + ts) // 2
+        for fid in begin.flow_ids:
+            self.flows.setdefault(fid, {})["s"] = (pid, tid, mid)
+        for fid in begin.terminating_flow_ids:
+            self.flows.setdefault(fid, {})["f"] = (pid, tid, mid)
+
+    def flow_events(self) -> list[dict[str, Any]]:
+        """Each flow's "s" and "f" events, once every slice has ended."""
+        unclosed = sum(len(stack) for stack in self.open_slices.values())
+        if unclosed:
+            raise ValueError(f"{unclosed} slices begin and never end")
+        out = []
+        for fid, ends in sorted(self.flows.items()):
+            for ph, (pid, tid, t) in sorted(ends.items(), reverse=True):      # "s" before "f"
+                event = {"ph": ph, "id": fid, "name": "dependency", "cat": "dependency",
+                         "pid": pid, "tid": tid, "ts": t / 1000}
+                if ph == "f":
+                    event["bp"] = "e"
+                out.append(event)
+        return out
 
 
 def _value(note) -> Any:
