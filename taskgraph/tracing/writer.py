@@ -408,6 +408,15 @@ def _flows(prog: Program, shown, start_ns, end_ns, stream, k) -> _Flows:
 
 def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan
               ) -> Iterator[tuple]:
+    """The counter tracks of one trace window: memory in use, each link's rate, and what the
+    host's shared pools carried."""
+    yield from _memory_counters(k, ids, end_ns, cols, nbytes, step, model, plan)
+    yield from _link_counters(run, k, ids, start_ns, end_ns, cols, nbytes)
+    yield from _pool_counters(run, k, ids, start_ns, end_ns)
+
+
+def _memory_counters(k, ids, end_ns, cols, nbytes, step, model, plan) -> Iterator[tuple]:
+    """The GPU's weight buffer and the CPU's KV cache in use (GB)."""
     kinds = np.array(KIND_NAMES)[cols["kind"][ids]]
     t_end = end_ns[ids]
     changes: dict[str, list[tuple[int, float]]] = {}
@@ -445,7 +454,9 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
             level += delta
             yield ("counter", _pid(k), key, t, round(level / 1e9, 6))
 
-    # Link throughput, per direction and per GPU's link (S4's two streams on one link: one).
+
+def _link_counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes) -> Iterator[tuple]:
+    """Link throughput, per direction and per GPU's link (S4's two streams on one link: one)."""
     prog = run.program
     first = {d: prog.stream_device.index(d) for d in prog.stream_device}
     link_of = np.array([first[d] for d in prog.stream_device])[cols["stream"]]
@@ -462,7 +473,9 @@ def _counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes, step, model
             if nxt is None or nxt > t1:
                 yield ("counter", _pid(k), label, t1, 0.0)
 
-    # What the tasks drew from each of the host's shared pools, all GPUs' together.
+
+def _pool_counters(run: TraceRun, k, ids, start_ns, end_ns) -> Iterator[tuple]:
+    """What the tasks drew from each of the host's shared pools, all GPUs' together."""
     for name, drawn in run.pools.items():
         mine = ids[(drawn[ids] > 0) & (end_ns[ids] > start_ns[ids])]
         if not len(mine):            # nothing drew on it in this window
