@@ -69,6 +69,12 @@ class _Samples:
         """Per task, 1 + its slowdown under `factors` (one per aggressor resource)."""
         return 1.0 + self.array("busy") @ factors
 
+    def alone(self, slowdown: dict[str, dict[str, float]]) -> np.ndarray:
+        """Per task, its measured time with the fitted slowdown of its resource divided out."""
+        by = slowdown.get(RESOURCES[self.resource], {})
+        return self.array("measured") / self.slowed(np.array([by.get(r, 0.0)
+                                                              for r in RESOURCES]))
+
 
 @dataclass
 class TaskFit:
@@ -114,10 +120,7 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
             tasks.measure(for_schedule(one, schedule)[0], schedule, skip=batch_kinds)
     fixed, gbps = {}, {}
     for kind, smp in tasks.samples.items():
-        by = slowdown.get(RESOURCES[smp.resource], {})
-        factors = np.array([by.get(r, 0.0) for r in RESOURCES])
-        fixed_s, slope = _fit_cost(smp.array("nbytes"), smp.array("roof"),
-                                   smp.array("measured") / smp.slowed(factors))
+        fixed_s, slope = _fit_cost(smp.array("nbytes"), smp.array("roof"), smp.alone(slowdown))
         fixed[kind] = fixed_s * 1e6
         if slope > 0:
             gbps[kind] = 1 / slope / 1e9
@@ -159,11 +162,8 @@ def _fit_dequant(one: Scenario, fitted: CostModel, slowdown: dict[str, dict[str,
                       skip=frozenset(KIND_NAMES) - set(kinds))
     out = {}
     for kind, smp in tasks.samples.items():
-        by = slowdown.get(RESOURCES[smp.resource], {})
-        alone = smp.array("measured") / smp.slowed(np.array([by.get(r, 0.0)
-                                                             for r in RESOURCES]))
         k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
-        unpacking = alone - fitted.fixed(smp.resource, k) - nbytes / fitted.byte_rates(
+        unpacking = smp.alone(slowdown) - fitted.fixed(smp.resource, k) - nbytes / fitted.byte_rates(
             smp.resource, k)
         seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
         out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
