@@ -14,13 +14,16 @@
 #   7. (`models`) the families after Mixtral on the GPU against transformers (Qwen2/3-MoE,
 #      OLMoE, DeepSeek-V2/V3, gpt-oss) and 8- and 4-bit experts, then Qwen3-30B-A3B's layers
 #      (128 fine-grained experts, top-8) at batch 1 under EP, EC and ECP, measured and simulated
-#      with PROFILE.
+#      with PROFILE;
+#   8. (`quantized`) the same Qwen3-30B-A3B layers with Q4_0 experts (EP: the CPU dequantizes;
+#      EC: the GPU does), and DeepSeek-V2-Lite's layers (MLA) under S1 and S2, whose CPU
+#      attention projects every cached latent (as transformers computes it), with PROFILE.
 # On a lent machine, first `. bench/device_setup.sh`.
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
 #
 #     bash bench/cuda_check.sh [OUT] [STEPS]      STEPS: any of tests,execute,validate,mixtral,
-#                                                 experts,models (mixtral before experts: they
-#                                                 run in this order)
+#                                                 experts,models,quantized (mixtral before the
+#                                                 rest: they run in this order)
 #     SCHEDULES="S1 S4" bash bench/cuda_check.sh ...  (the schedules `execute` runs)
 set -uo pipefail
 OUT=${1:-cuda-check}
@@ -120,4 +123,20 @@ if [[ $STEPS == *models* ]]; then
         --set policy.mu=1 --set policy.experts_gpu=32 --set policy.prefetch=0.5 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-qwen3.json" \
         && print_pairs "$OUT/validate-qwen3.json"
+fi
+
+if [[ $STEPS == *quantized* ]]; then
+    PROFILE=${PROFILE:-bench/results/h100-2026-11-26/profile-from-mixtral-2layer.yaml}
+    echo "== Qwen3-30B-A3B's layers at batch 1 with Q4_0 experts: measured and simulated"
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules EP,EC --mu 1 \
+        --repeats 1 --set model.preset=qwen3-30b-a3b --set model.L=2 --set policy.N=1 \
+        --set policy.mu=1 --set policy.experts_gpu=32 --set model.precision.experts=q4_0 \
+        --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-qwen3-q4_0.json" \
+        && print_pairs "$OUT/validate-qwen3-q4_0.json"
+    echo "== DeepSeek-V2-Lite's layers (MLA) with CPU attention over 512-token prompts"
+    tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules S1,S2 --mu 4 \
+        --repeats 1 --set model.preset=deepseek-v2-lite --set model.L=2 --set policy.N=8 \
+        --set policy.mu=4 --set workload.prompt_len=512 --set workload.gen_len=4 \
+        --set hardware="$PROFILE" --json > "$OUT/validate-mla.json" \
+        && print_pairs "$OUT/validate-mla.json"
 fi

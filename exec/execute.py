@@ -168,6 +168,17 @@ def execute_scenario(scenario: Scenario, schedule: str | None = None, device: st
     return _result(measured, job, ran, w, batch_, routing, profile, t0)
 
 
+def warm_up(scenario: Scenario, schedule: str, device: str) -> None:
+    """Run `scenario`'s `schedule` once, its prompt and one generated token, and drop what it
+    measured: what a process pays once (CUDA loading each kernel at its first call) is no
+    task's cost. On an H200 the first run of a `tg validate` took 85-113 ms a PrefillAttn or
+    Prefill task where the later runs took 1.5-8 (bench/results/h200-2026-11-29), and its
+    throughput came out at half the later runs'."""
+    short = scenario.workload.model_copy(update={"gen_len": 1})
+    execute_scenario(scenario.model_copy(update={"workload": short}), schedule, device=device,
+                     check=False)
+
+
 def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> str:
     """The device to run on ("cpu" or "cuda"), once PyTorch is there and the options agree."""
     need_torch()

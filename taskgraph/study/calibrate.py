@@ -178,12 +178,16 @@ class _MeasuredTasks:
         self.samples: dict[str, _Samples] = {}
         self.gaps: list[float] = []
         self.staged: set[str] = set()       # kinds measured in a run without pageable copies
+        self.warm = False                   # a first run's one-off costs paid (warm_up)
 
     def measure(self, sc: Scenario, schedule: str, skip: frozenset[str] = frozenset()) -> None:
         """Execute `sc` with `schedule` and add its tasks to the samples, but those of the
         kinds in `skip`, and its hand-offs to the gaps (a batch run's: nothing skipped)."""
-        from taskgraph.exec.execute import execute_scenario
+        from taskgraph.exec.execute import execute_scenario, warm_up
 
+        if not self.warm:
+            warm_up(sc, schedule, self.device)
+            self.warm = True
         ex = execute_scenario(sc, schedule, device=self.device, check=False)
         # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
         # a profile fitted to part of a run is not: stop, and write nothing.

@@ -156,8 +156,9 @@ def validate(pairs: list[Scenario], repeats: int = 3, device: str = "cpu",
         # The pairs are small: a pool would cost more than it saves, and forking once PyTorch
         # has started its threads is unsafe.
         backend = Backend(workers=1)
-    from taskgraph.exec.execute import execute_scenario
+    from taskgraph.exec.execute import execute_scenario, warm_up
 
+    warm_up(pairs[0], pairs[0].schedule, device)
     runs: list[list] = [[] for _ in pairs]
     for r in range(repeats):
         for i, sc in enumerate(pairs):
