@@ -772,13 +772,17 @@ class HardwareSpec(Spec):
     # stored below 16 bits at (G weights/s), measured by `tg calibrate` on a Q4_0 run; in place
     # of the implementation's KindEffect.dequant_gweights.
     task_dequant_gweights: dict[str, float] = Field(default_factory=dict)
+    # Per task kind that computes or copies routed experts, what each expert a task touches
+    # adds beyond its bytes (µs): its own operators, launched expert by expert. Measured by
+    # `tg calibrate` from the same runs with experts four times as many and a quarter the size.
+    task_expert_us: dict[str, float] = Field(default_factory=dict)
     # How long after a task ends a task on another stream waiting for it can start (an event's
     # latency, a thread waking up). `tg calibrate` measures it.
     handoff_us: float = Field(default=0.0, ge=0.0, le=1e9, allow_inf_nan=False)
     # Tasks slowed down by what overlaps them on other resources (None: not modelled).
     interference: InterferenceSpec | None = None
 
-    @field_validator("task_overhead_us", "task_gbps", "task_dequant_gweights")
+    @field_validator("task_overhead_us", "task_gbps", "task_dequant_gweights", "task_expert_us")
     @classmethod
     def _known_kinds(cls, value: dict[str, float], info) -> dict[str, float]:
         for kind, x in value.items():

@@ -88,6 +88,58 @@ def test_a_dequantization_rate_prices_only_weights_below_16_bits():
         plain + 8e8 / 0.5e9)
 
 
+def test_a_cost_per_expert_is_told_from_the_bytes():
+    """Tasks of two expert sizes, priced fixed + bytes x slope + experts x each: the fit finds
+    the three, where one size alone (experts proportional to bytes) cannot; with no byte term
+    the roof prices the bytes and the fit finds the rest."""
+    from taskgraph.study.calibrate import _fit_expert_cost
+
+    rng = np.random.default_rng(0)
+    experts = np.concatenate([rng.integers(1, 3, 40), rng.integers(4, 12, 40)]).astype(float)
+    size = np.concatenate([np.full(40, 4e6), np.full(40, 1e6)])      # bytes an expert
+    x = experts * size
+    alone = 50e-6 + x / 5e9 + experts * 80e-6
+    alone[::17] *= 3                                                  # preempted tasks
+    fixed, slope, each = _fit_expert_cost(x, experts, np.zeros_like(x), alone)
+    assert (fixed, 1 / slope, each) == pytest.approx((50e-6, 5e9, 80e-6), rel=1e-6)
+    roof = x / 5e9
+    fixed, slope, each = _fit_expert_cost(x, experts, roof, 50e-6 + roof + experts * 80e-6)
+    assert each == pytest.approx(80e-6, rel=1e-6) and fixed == pytest.approx(50e-6, rel=1e-6)
+
+
+def test_a_cost_per_expert_prices_each_expert_a_task_touches():
+    """The simulator counts a task's experts by its bytes (one expert's as stored) and adds each
+    one's cost to the task's roofline time; without an expert size, or for other kinds,
+    nothing."""
+    from taskgraph.perf.cost import CostModel
+    from taskgraph.presets import HARDWARE
+    from taskgraph.specs import HardwareSpec
+
+    hw = HardwareSpec.model_validate(HARDWARE["t4"])
+    each = hw.model_copy(update={"task_expert_us": {"GPUFFN": 100.0}})
+    plain = CostModel(hw, expert_bytes=3e8).time("gpu", 1e12, 9e8, "GPUFFN")
+    assert CostModel(each, expert_bytes=3e8).time("gpu", 1e12, 9e8, "GPUFFN") == pytest.approx(
+        plain + 3 * 100e-6)
+    assert CostModel(each).time("gpu", 1e12, 9e8, "GPUFFN") == plain
+    assert CostModel(each, expert_bytes=3e8).time("cpu", 0.0, 9e8, "CPUFFN") == CostModel(
+        hw, expert_bytes=3e8).time("cpu", 0.0, 9e8, "CPUFFN")
+
+
+def test_a_cost_per_expert_transfers_to_finer_experts():
+    """bench/expert_granularity.py: the executor's expert tasks at 1x, 2x, 4x and 8x the experts
+    (the same weights a token), fitted as tg calibrate fits them, before (the scenario's own
+    experts: fixed + bytes) and now (1x and 4x: a cost per expert too). At 8x, held out, the
+    CPU's experts were priced ~50% off before and 6-16% now here; measured in one process,
+    interleaved, so the machine's speed cancels."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "bench/expert_granularity.py", "--repeats", "2",
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    errors = json.loads(out.stdout)
+    assert errors["CPUFFN"]["a cost per expert"]["8"] < errors["CPUFFN"]["bytes alone"]["8"]
+
+
 def test_cuda_rates_make_a_valid_profile(monkeypatch):
     """The CUDA profile's mapping, checked without a GPU: the pinned link figures become the
     link, the launch cost the GPU's per-task overhead, and the whole validates."""

@@ -64,7 +64,8 @@ def _keys(x, path: str = "") -> dict[str, list[str]]:
         for k, v in x.items():
             if k not in ("outputs", "classes", "utilization", "policy", "tasks", "kinds",
                          # maps whose keys are what a run measured, in its order
-                         "task_gbps", "task_dequant_gweights", "dequant_gweights", "slowdown"):
+                         "task_gbps", "task_dequant_gweights", "dequant_gweights", "slowdown",
+                         "task_expert_us", "expert_us"):
                 out.update(_keys(v, f"{path}.{k}"))
     return out
 

@@ -393,9 +393,10 @@ def calibrate_table(measured: dict[str, Any], out: str) -> Table:
         t.add_row(f"{victim} tasks slowed while busy", ", ".join(
             f"{name} +{x:.0%}" for name, x in by.items() if x > 0) or "-")
     for kind, info in measured["tasks"].items():
-        rate = measured["task_gbps"].get(kind)
+        rate, expert = measured["task_gbps"].get(kind), measured.get("expert_us", {}).get(kind)
         t.add_row(f"{kind} ({info['tasks']} tasks)",
                   f"{measured['fixed_us'][kind]:.0f} µs fixed"
+                  + (f" + {expert:.0f} µs an expert" if expert else "")
                   + (f" + bytes / {rate:.2f} GB/s" if rate else ""))
     for kind, rate in measured.get("dequant_gweights", {}).items():
         t.add_row(f"{kind} dequantizing Q4_0 experts",

@@ -44,7 +44,7 @@ class CostModel:
     """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
 
     def __init__(self, hw: HardwareSpec, impl: ImplementationSpec | None = None,
-                 expert_bits: float = 16.0):
+                 expert_bits: float = 16.0, expert_bytes: float | None = None):
         g, c, k = hw.gpu, hw.cpu, hw.link
         impl = impl or ImplementationSpec(name="ideal")
         peer = hw.interconnect
@@ -95,6 +95,12 @@ class CostModel:
                  for kind, e in zip(KINDS, effects)]
         self.kind_dequant = np.array([8 / expert_bits / (r * 1e9) if r and expert_bits < 16
                                       else 0.0 for r in rates])
+        # Seconds each routed expert a task touches adds beyond its bytes (its own operators,
+        # dispatched expert by expert), per byte of the experts' weights (`expert_bytes`, one
+        # expert as stored): a task's bytes count its experts. Added to the roofline, not under
+        # it: dispatch does not overlap the products.
+        self.kind_expert = np.array([hw.task_expert_us.get(kind, 0.0) * 1e-6 / expert_bytes
+                                     if expert_bytes else 0.0 for kind in KINDS])
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
@@ -174,12 +180,13 @@ class CostModel:
             skinny = bool(self.kind_i_half[kind] > 0)
             rates = self._rates[key] = (skinny, self.flops_rates(resource, kind),
                                         self.byte_rates(resource, kind),
-                                        self.fixed(resource, kind))
-        skinny, flops_rate, byte_rate, fixed = rates
+                                        self.fixed(resource, kind), self.kind_expert[kind])
+        skinny, flops_rate, byte_rate, fixed, per_expert_byte = rates
         if skinny:
             return self.times(resource, flops, nbytes, kind)
         # no skinniness: `times` divides the bytes by the byte rate times ones
-        return np.maximum(flops / flops_rate, nbytes / byte_rate) + fixed
+        return (np.maximum(flops / flops_rate, nbytes / byte_rate) + fixed
+                + nbytes * per_expert_byte)
 
     def times(self, resource: np.ndarray | int, flops: np.ndarray, nbytes: np.ndarray,
               kind: np.ndarray | int) -> np.ndarray:
@@ -192,7 +199,7 @@ class CostModel:
             skinny = np.where((i_half > 0) & (flops > 0), intensity / (intensity + i_half), 1.0)
         return (np.maximum(flops / self.flops_rates(resource, kind),
                            nbytes / (self.byte_rates(resource, kind) * skinny))
-                + self.fixed(resource, kind))
+                + self.fixed(resource, kind) + nbytes * self.kind_expert[kind])
 
 
 def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
@@ -209,7 +216,8 @@ def cost_model(scenario: Scenario, schedule: str) -> CostModel:
     impl = implementation_for(scenario, schedule)
     if SCHEDULES[schedule].weights_pinned and impl.pageable_weights:
         impl = impl.model_copy(update={"pageable_weights": False})
-    return CostModel(scenario.hardware, impl, scenario.model.bits("experts"))
+    m = scenario.model
+    return CostModel(scenario.hardware, impl, m.bits("experts"), m.expert_bytes)
 
 
 def hrm_bound(decode_busy_s: dict[str, float], layers: int) -> tuple[float, str]:

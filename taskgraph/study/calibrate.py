@@ -31,6 +31,11 @@ FIT_RUNS = tuple((schedule, mu) for schedule in ("S1", "S2", "S3", "S4") for mu 
 #: were priced at 0.03 and 0.2 ms (bench/results/h200-2026-11-26). The kinds the batch
 #: schedules have, the slowdown and the hand-off are fitted from FIT_RUNS alone.
 EXPERT_RUNS = ("EP", "EC")
+#: The kinds whose work is routed experts: computed (on the GPU, on the CPU) or copied in.
+EXPERT_KINDS = ("GPUFFN", "CPUFFN", "ExpertIn")
+#: How much finer the second expert size the expert runs measure is (:func:`_finer`): each
+#: expert's own operators then show apart from its bytes.
+FINER = 4
 #: Decode steps of an expert run at least: at batch 1 a step is short.
 EXPERT_STEPS = 8
 
@@ -80,7 +85,8 @@ class _Samples:
 class TaskFit:
     """What :func:`fit_tasks` found: per task kind a fixed cost (µs) and, where task sizes varied
     enough to fit one, an effective bandwidth (GB/s); the hand-off between streams (µs); how much
-    each compute resource slows down while another resource is busy; per kind a summary."""
+    each compute resource slows down while another resource is busy; per kind a summary; the
+    dequantization rates and, per expert kind, what each expert adds (µs)."""
 
     fixed_us: dict[str, float]
     gbps: dict[str, float]
@@ -88,6 +94,7 @@ class TaskFit:
     slowdown: dict[str, dict[str, float]]
     tasks: dict[str, dict[str, float]]
     dequant_gweights: dict[str, float | None] = field(default_factory=dict)
+    expert_us: dict[str, float] = field(default_factory=dict)
 
 
 def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", repeats: int = 2
@@ -98,12 +105,15 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     (:func:`_fit_slowdown`), then the kinds' costs on the durations with the slowdown divided
     out; the kinds only the expert schedules have, from :data:`EXPERT_RUNS` on one GPU. The
     hand-off is the median delay between a task's end and the start of a task on another
-    stream waiting for it. On one GPU, last, the rate the executor dequantizes experts at
-    (:func:`_fit_dequant`). `base` is the profile the microbenchmarks gave, whose roofs
-    price the kinds whose sizes do not vary."""
+    stream waiting for it. The expert kinds' costs are fitted over the expert runs and the same
+    runs with finer experts (:func:`_finer`, :func:`_fit_expert_cost`). On one GPU, last, the
+    rate the executor dequantizes experts at (:func:`_fit_dequant`). `base` is the profile the
+    microbenchmarks gave, whose roofs price the kinds whose sizes do not vary."""
+    from taskgraph.dag.compiled import KIND_NAMES
     from taskgraph.scenario import for_schedule
 
     tasks = _MeasuredTasks(CostModel(HardwareSpec.model_validate(base)), device)
+    finer = None
     for schedule, mu in FIT_RUNS * repeats:      # pooled over repeats: runs are noisy
         policy = scenario.policy.model_copy(update={"mu": mu, "N": mu * 4})
         tasks.measure(for_schedule(scenario.model_copy(update={"policy": policy}), schedule)[0],
@@ -116,11 +126,20 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
         one = scenario.model_copy(update={"policy": policy, "workload": w.model_copy(
             update={"gen_len": max(w.gen_len, EXPERT_STEPS)})})
         batch_kinds = frozenset(tasks.samples)
+        finer = _finer(one)
         for schedule in EXPERT_RUNS * repeats:
             tasks.measure(for_schedule(one, schedule)[0], schedule, skip=batch_kinds)
-    fixed, gbps = {}, {}
+            if finer is not None:
+                tasks.measure(for_schedule(finer, schedule)[0], schedule,
+                              skip=frozenset(KIND_NAMES) - set(EXPERT_KINDS))
+    fixed, gbps, per_expert = {}, {}, {}
     for kind, smp in tasks.samples.items():
-        fixed_s, slope = _fit_cost(smp.array("nbytes"), smp.array("roof"), smp.alone(slowdown))
+        alone, nbytes, roof = smp.alone(slowdown), smp.array("nbytes"), smp.array("roof")
+        if kind in EXPERT_KINDS and finer is not None:
+            fixed_s, slope, expert_s = _fit_expert_cost(nbytes, smp.array("experts"), roof, alone)
+            per_expert[kind] = expert_s * 1e6
+        else:
+            fixed_s, slope = _fit_cost(nbytes, roof, alone)
         fixed[kind] = fixed_s * 1e6
         if slope > 0:
             gbps[kind] = 1 / slope / 1e9
@@ -131,17 +150,18 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
     dequant = {}
     if scenario.hardware.gpu.count == 1:
-        fitted = CostModel(HardwareSpec.model_validate(
-            base | {"task_overhead_us": fixed, "task_gbps": gbps}))
+        fitted = HardwareSpec.model_validate(base | {
+            "task_overhead_us": fixed, "task_gbps": gbps,
+            "task_expert_us": {k: v for k, v in per_expert.items() if v > 0}})
         dequant = _fit_dequant(one, fitted, slowdown, device, repeats)
-    return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant)
+    return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant, per_expert)
 
 
 #: The format :func:`_fit_dequant` stores experts in: llama.cpp's Q4_0, the executor's densest.
 DEQUANT_FORMAT = "q4_0"
 
 
-def _fit_dequant(one: Scenario, fitted: CostModel, slowdown: dict[str, dict[str, float]],
+def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict[str, float]],
                  device: str, repeats: int) -> dict[str, float | None]:
     """Per kind that computes routed experts, the rate the executor dequantizes them at (G
     weights/s): EP's batch-1 runs with Q4_0 experts, each CPUFFN and GPUFFN task's time with
@@ -156,6 +176,7 @@ def _fit_dequant(one: Scenario, fitted: CostModel, slowdown: dict[str, dict[str,
     m = one.model
     quantized = one.model_copy(update={"model": m.model_copy(update={
         "precision": m.precision.model_copy(update={"experts": DEQUANT_FORMAT})})})
+    fitted = CostModel(hardware, expert_bytes=quantized.model.expert_bytes)
     tasks = _MeasuredTasks(fitted, device)
     for _ in range(repeats):
         tasks.measure(for_schedule(quantized, "EP")[0], "EP",
@@ -163,8 +184,8 @@ def _fit_dequant(one: Scenario, fitted: CostModel, slowdown: dict[str, dict[str,
     out = {}
     for kind, smp in tasks.samples.items():
         k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
-        unpacking = smp.alone(slowdown) - fitted.fixed(smp.resource, k) - nbytes / fitted.byte_rates(
-            smp.resource, k)
+        unpacking = (smp.alone(slowdown) - fitted.fixed(smp.resource, k)
+                     - nbytes / fitted.byte_rates(smp.resource, k) - nbytes * fitted.kind_expert[k])
         seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
         out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
     return out
@@ -196,11 +217,12 @@ class _MeasuredTasks:
                           f"({type(ex.failure).__name__}); no profile was written.")
         if ex.run.interrupted:
             raise KeyboardInterrupt
-        self._add(ex.program, ex.run, schedule, skip)
+        self._add(ex.program, ex.run, schedule, skip, sc.model.expert_bytes)
         if not skip:
             self.gaps.extend(_handoff_gaps(ex.program, ex.run))
 
-    def _add(self, prog: Any, run: Any, schedule: str, skip: frozenset[str]) -> None:
+    def _add(self, prog: Any, run: Any, schedule: str, skip: frozenset[str],
+             expert_bytes: float) -> None:
         from taskgraph.dag.compiled import KIND_NAMES
         from taskgraph.dag.schedules import SCHEDULES
         from taskgraph.sim.interference import busy_fractions
@@ -232,7 +254,7 @@ class _MeasuredTasks:
             if sel.any():
                 smp = self.samples.setdefault(name, _Samples(int(resource[sel][0])))
                 smp.add(nbytes=nbytes[sel], roof=roof[sel], measured=run.durations[sel],
-                        busy=busy[sel])
+                        busy=busy[sel], experts=nbytes[sel] / expert_bytes)
 
 
 def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float, float]:
@@ -248,6 +270,37 @@ def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float
     if slope > 0:
         return max(0.0, float(np.median(alone - x * slope))), float(slope)
     return max(0.0, float(np.median(alone - roof))), 0.0
+
+
+def _finer(one: Scenario, factor: int = FINER) -> Scenario | None:
+    """`one` with `factor` times the experts, each 1/factor the size, `factor` times as many a
+    token and on the GPU: the same weights a token through more experts (None where the
+    model's routing or widths do not split so)."""
+    m, p = one.model, one.policy
+    try:
+        model = m.model_validate(m.model_dump() | {
+            "E": m.E * factor, "k": m.k * factor, "h_i": m.h_i // factor})
+    except ValueError:
+        return None
+    return one.model_copy(update={"model": model, "policy": p.model_copy(
+        update={"experts_gpu": p.experts_gpu * factor})})
+
+
+def _fit_expert_cost(x: np.ndarray, experts: np.ndarray, roof: np.ndarray, alone: np.ndarray
+                     ) -> tuple[float, float, float]:
+    """(fixed seconds, seconds per byte, seconds per expert) of a kind whose work is routed
+    experts, from tasks of two expert sizes: at one size a task's experts and bytes rise
+    together and no fit can tell what each costs. A line in both, refitted without the first
+    fit's outliers, each coefficient >= 0; with none for the bytes, the roof prices them."""
+    design = np.column_stack([np.ones_like(x), x, experts])
+    keep = np.ones(len(x), dtype=bool)
+    for _ in range(2):
+        coef = _nonnegative_lstsq(design[keep], alone[keep])
+        keep = _inliers(alone - design @ coef)
+    if coef[1] > 0:
+        return float(coef[0]), float(coef[1]), float(coef[2])
+    fixed, per_expert = _nonnegative_lstsq(design[keep][:, [0, 2]], (alone - roof)[keep])
+    return float(fixed), 0.0, float(per_expert)
 
 
 def _inliers(resid: np.ndarray) -> np.ndarray:
@@ -385,7 +438,9 @@ def calibrate(scenario: Scenario, device: str = "cpu",
         "task_gbps": {k: round(v, 4) for k, v in sorted(fit.gbps.items())},
         "task_dequant_gweights": {k: round(v, 4) for k, v in sorted(
             fit.dequant_gweights.items()) if v is not None},
+        "task_expert_us": {k: round(v, 2) for k, v in sorted(fit.expert_us.items())
+                           if round(v, 2) > 0},
     } | ({"interference": {"slowdown": fit.slowdown}} if fit.slowdown else {})
     return profile, {"rates": rates, "fixed_us": fit.fixed_us, "task_gbps": fit.gbps,
                      "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks,
-                     "dequant_gweights": fit.dequant_gweights}
+                     "dequant_gweights": fit.dequant_gweights, "expert_us": fit.expert_us}
