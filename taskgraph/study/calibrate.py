@@ -275,8 +275,10 @@ def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float
 def _finer(one: Scenario, factor: int = FINER) -> Scenario | None:
     """`one` with `factor` times the experts, each 1/factor the size, `factor` times as many a
     token and on the GPU: the same weights a token through more experts (None where the
-    model's routing or widths do not split so)."""
+    model's routing or widths do not split so, or its experts' 32-weight blocks would not)."""
     m, p = one.model, one.policy
+    if m.h_i % factor or (m.bits("experts") < 16 and m.h_i // factor % 32):
+        return None
     try:
         model = m.model_validate(m.model_dump() | {
             "E": m.E * factor, "k": m.k * factor, "h_i": m.h_i // factor})
