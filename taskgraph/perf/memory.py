@@ -73,17 +73,12 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     prompt = w.context_prompt
     context = prompt + sc.decode_steps
     kv_all = N * kv_tokens(m, context) * m.kv_bytes_per_token
-    # With the FFN on the CPU the experts never leave host memory; r_w covers the rest. The
-    # expert-level schedules hold experts on the GPU besides, as the policy places them
-    # (taskgraph.placement). A dense layer lies wholly where the rest of a layer does.
+    # With the FFN on the CPU the experts never leave host memory; r_w covers the rest. A dense
+    # layer lies wholly where the rest of a layer does.
     experts_on_cpu = m.E * m.expert_bytes if schedule.experts_on_host else 0
-    placed = placement.total_on_gpu(sc.policy, m) if schedule.expert_level else 0
-    experts_on_gpu = placed * m.expert_bytes
-    field = placement.given(sc.policy) or "experts_gpu"
-    extent = m.layer_bytes - experts_on_cpu
     # (layers, each one's bytes on the GPU's side) for the MoE layers and the dense ones
-    extents = [(m.moe_layers, extent)] + ([(m.dense_count, m.dense_layer_bytes)]
-                                          if m.dense_count else [])
+    extents = [(m.moe_layers, m.layer_bytes - experts_on_cpu)] + (
+        [(m.dense_count, m.dense_layer_bytes)] if m.dense_count else [])
     streamed = (1 - r_w) * max(e for _, e in extents)      # the largest layer's, in a buffer
 
     # Pipeline stages and data-parallel GPUs each keep their own double buffer, activations
@@ -93,30 +88,15 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     replicas = sc.hardware.gpu.count if schedule.parallel == "data" else 1
     # tensor parallelism over more GPUs than KV heads (or over MLA's latent): copies of them
     kv_copies = m.kv_copies(sc.hardware.gpu.count) if schedule.parallel == "tensor" else 1
-    ffn_act = max(2 * m.k * m.h_i + 2 * m.shared_experts * (m.h_shared or 0),
-                  2 * (m.h_dense or 0))
-    decode_act = b * mu * (6 * m.h + m.kv_width + ffn_act + m.V)
-    prefill_act = b * (mu * prompt * (6 * m.h + m.kv_width + ffn_act)
-                       + mu * m.n_q * prompt * prompt)  # attention scores, not fused
     gpu = {
         "resident weights (r_w)": sum(r_w * n * e for n, e in extents) * replicas,
         "embedding + LM head": float(m.embed_bytes) * replicas,
         ("live weights (ZeRO-3)" if schedule.live_params else "weight double buffer"):
             np.minimum(2 * streamed, schedule.live_params * b or np.inf) * copies,
-        "activations (one micro-batch)": float(max(decode_act, prefill_act)) * copies,
+        "activations (one micro-batch)": _activations(m, mu, prompt) * copies,
         "hidden states (N sequences)": 2 * b * N * m.h,
+        **_experts_on_gpu(sc, schedule, N, mu),
     }
-    if experts_on_gpu:
-        gpu[("expert cache" if schedule.ffn == "cache" else "experts placed on the GPU")
-            + f" ({field})"] = float(experts_on_gpu)
-    if schedule.ffn == "cache":
-        # where a micro-batch's misses land before they run, one area for every layer (a
-        # layer's copies start after the previous layer's experts ran): a decode micro-batch's
-        # chosen experts at most; prefill's, more, pass through it in rounds
-        gpu["expert staging (mu x k)"] = float(np.minimum(m.E, mu * m.k) * m.expert_bytes)
-        if any(op.kind == "ExpertAhead" for op in schedule.decode):
-            # the next layer's prefetched experts wait beside this layer's
-            gpu["expert prefetch (N x k)"] = float(np.minimum(m.E, N * m.k) * m.expert_bytes)
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all * kv_copies
         gpu["KV slots"] = float(schedule.kv_slots * mu * _longest(m, context)
@@ -134,11 +114,44 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
     if experts_on_cpu:
         # EP's placed experts live on the GPU only (llama.cpp's -ot buffers, Fiddler's
         # placement); a cache's experts are the host's, the cache holding copies
-        on_gpu = placed if schedule.ffn == "split" else 0
+        on_gpu = placement.total_on_gpu(sc.policy, m) if schedule.ffn == "split" else 0
         cpu["experts (FFN on the CPU)"] = float((m.moe_layers * m.E - on_gpu) * m.expert_bytes)
         # a micro-batch's prompt tokens in and out of the CPU experts, in prefill
         cpu["expert FFN buffers"] = float(b * mu * prompt * (2 * m.h + 2 * m.k * m.h_i))
     return gpu, cpu
+
+
+def _activations(m, mu, prompt: int) -> float:
+    """One micro-batch's activations on a GPU: a decode step's or its prompt's, the larger."""
+    b = m.dtype_bytes
+    ffn = max(2 * m.k * m.h_i + 2 * m.shared_experts * (m.h_shared or 0), 2 * (m.h_dense or 0))
+    decode = b * mu * (6 * m.h + m.kv_width + ffn + m.V)
+    prefill = b * (mu * prompt * (6 * m.h + m.kv_width + ffn)
+                   + mu * m.n_q * prompt * prompt)      # attention scores, not fused
+    return float(max(decode, prefill))
+
+
+def _experts_on_gpu(sc, schedule, N, mu) -> dict[str, float]:
+    """What the expert-level schedules hold on the GPU besides: the experts the policy places
+    or caches (taskgraph.placement), a cache's staging area and its prefetched experts."""
+    if not schedule.expert_level:
+        return {}
+    m = sc.model
+    items = {}
+    placed = placement.total_on_gpu(sc.policy, m)
+    if placed:
+        field = placement.given(sc.policy) or "experts_gpu"
+        items[("expert cache" if schedule.ffn == "cache" else "experts placed on the GPU")
+              + f" ({field})"] = float(placed * m.expert_bytes)
+    if schedule.ffn == "cache":
+        # where a micro-batch's misses land before they run, one area for every layer (a
+        # layer's copies start after the previous layer's experts ran): a decode micro-batch's
+        # chosen experts at most; prefill's, more, pass through it in rounds
+        items["expert staging (mu x k)"] = float(np.minimum(m.E, mu * m.k) * m.expert_bytes)
+        if any(op.kind == "ExpertAhead" for op in schedule.decode):
+            # the next layer's prefetched experts wait beside this layer's
+            items["expert prefetch (N x k)"] = float(np.minimum(m.E, N * m.k) * m.expert_bytes)
+    return items
 
 
 def kv_tokens(model, context: int) -> int:
