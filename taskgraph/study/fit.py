@@ -285,32 +285,10 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
 
     advance = advance or (lambda n: None)
 
-    measured = np.array([c.measured_tok_s for c in cells])
     lo = np.log([p.lo for p in params])
     hi = np.log([p.hi for p in params])
     corrections = np.ones(len(cells)) if corrections is None else np.asarray(corrections)
-
-    # Predictions are most of a refit's time. A cell's reads its machine's and its system's
-    # profiles alone: where a step of the finite differences moves a parameter of other parts,
-    # it is the one made before. Cells that differ only in their length are predicted at once
-    # (predict_lengths).
-    groups = _alike(cells)
-    part = {"hardware": lambda c: c.machine, "implementation": lambda c: c.implementation_name}
-    reads = [[j for j, p in enumerate(params) if part[p.section](cells[g[0]]) in p.targets]
-             for g in groups]
-    made: dict[tuple[int, tuple[float, ...]], list[float]] = {}
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        keys = [(k, tuple(x[js])) for k, js in enumerate(reads)]
-        if any(k not in made for k in keys):
-            machines, impls = profiles(params, np.exp(x))
-            for g, k in zip(groups, keys):
-                if k not in made:
-                    made[k] = predicted_alike([cells[i] for i in g], machines, impls)
-        pred = np.empty(len(cells))
-        for g, k in zip(groups, keys):
-            pred[g] = made[k]
-        return np.log(pred * corrections / measured)
+    residuals = _Residuals(cells, params)
 
     def solve(x: np.ndarray):
         best = None
@@ -322,7 +300,7 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
         for x0 in starts:
             res = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi),
                                 method="trf", diff_step=1e-4, xtol=1e-8, ftol=1e-10,
-                                max_nfev=400 * len(params))
+                                max_nfev=400 * len(params), args=(corrections,))
             if best is None or res.cost < best.cost:
                 best = res
             advance(1)
@@ -345,6 +323,34 @@ def fit(cells: list[Cell], params: list[Param], rounds: int = 2,
     if not np.all(np.isfinite(x)):
         converged, message = False, "the parameters left finite values"
     return FitResult(np.exp(x), converged, message, corrections, sims)
+
+
+class _Residuals:
+    """log(predicted x correction / measured) per cell at log-parameters x. Predictions are
+    most of a refit's time: a cell's reads its machine's and its system's profiles alone, so
+    where a step of the finite differences moves a parameter of other parts, it is the one made
+    before; cells that differ only in their length are predicted at once (predict_lengths)."""
+
+    def __init__(self, cells: list[Cell], params: list[Param]):
+        self.cells, self.params = cells, params
+        self.measured = np.array([c.measured_tok_s for c in cells])
+        self.groups = _alike(cells)
+        part = {"hardware": lambda c: c.machine, "implementation": lambda c: c.implementation_name}
+        self.reads = [[j for j, p in enumerate(params) if part[p.section](cells[g[0]]) in p.targets]
+                      for g in self.groups]
+        self.made: dict[tuple[int, tuple[float, ...]], list[float]] = {}
+
+    def __call__(self, x: np.ndarray, corrections: np.ndarray) -> np.ndarray:
+        keys = [(k, tuple(x[js])) for k, js in enumerate(self.reads)]
+        if any(k not in self.made for k in keys):
+            machines, impls = profiles(self.params, np.exp(x))
+            for g, k in zip(self.groups, keys):
+                if k not in self.made:
+                    self.made[k] = predicted_alike([self.cells[i] for i in g], machines, impls)
+        pred = np.empty(len(self.cells))
+        for g, k in zip(self.groups, keys):
+            pred[g] = self.made[k]
+        return np.log(pred * corrections / self.measured)
 
 
 @dataclass
