@@ -72,10 +72,14 @@ def _keys(x, path: str = "") -> dict[str, list[str]]:
 
 def _words(text: str, measured: bool) -> list[str]:
     """A table's words: titles, headers, labels and units, not its numbers; of a table of this
-    machine's measurements, the rows' labels only (a fitted cost has a byte term or not)."""
+    machine's measurements, the rows' labels only (a fitted cost has a byte term or not), and
+    not the warnings after it (which fitted costs look implausible is this run's finding)."""
     if measured:
+        lines = text.splitlines()
+        end = max((i for i, line in enumerate(lines) if line.startswith("└")), default=-1)
+        after = [i for i, line in enumerate(lines) if i > end and line.startswith("warning:")]
         text = "\n".join(line.split("│")[1] if line.startswith("│") else line
-                         for line in text.splitlines())
+                         for line in lines[:after[0] if after else None])
     return re.findall(r"[A-Za-z][A-Za-z_'%/-]*", text)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from taskgraph.dag.schedules import RESOURCES
 from taskgraph.errors import TgError
 from taskgraph.exec.microbench import base_profile, measure
-from taskgraph.output.report import Shown, calibrate_table
+from taskgraph.output.report import Shown, calibrate_table, warnings_of
 from taskgraph.perf.cost import CostModel
 from taskgraph.specs import HardwareSpec, Scenario
 
@@ -86,7 +86,8 @@ class TaskFit:
     """What :func:`fit_tasks` found: per task kind a fixed cost (µs) and, where task sizes varied
     enough to fit one, an effective bandwidth (GB/s); the hand-off between streams (µs); how much
     each compute resource slows down while another resource is busy; per kind a summary; the
-    dequantization rates and, per expert kind, what each expert adds (µs)."""
+    dequantization rates and, per expert kind, what each expert adds (µs); the fitted copy
+    costs no copy of that size could take (:func:`_implausible`)."""
 
     fixed_us: dict[str, float]
     gbps: dict[str, float]
@@ -95,6 +96,7 @@ class TaskFit:
     tasks: dict[str, dict[str, float]]
     dequant_gweights: dict[str, float | None] = field(default_factory=dict)
     expert_us: dict[str, float] = field(default_factory=dict)
+    findings: list[str] = field(default_factory=list)
 
 
 def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", repeats: int = 2
@@ -154,7 +156,8 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
             "task_overhead_us": fixed, "task_gbps": gbps,
             "task_expert_us": {k: v for k, v in per_expert.items() if v > 0}})
         dequant = _fit_dequant(one, fitted, slowdown, device, repeats)
-    return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant, per_expert)
+    findings = _implausible(tasks, fixed, gbps)
+    return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant, per_expert, findings)
 
 
 #: The format :func:`_fit_dequant` stores experts in: llama.cpp's Q4_0, the executor's densest.
@@ -270,6 +273,35 @@ def _fit_cost(x: np.ndarray, roof: np.ndarray, alone: np.ndarray) -> tuple[float
     if slope > 0:
         return max(0.0, float(np.median(alone - x * slope))), float(slope)
     return max(0.0, float(np.median(alone - roof))), 0.0
+
+
+#: Resources whose tasks are copies: their fitted costs can be set beside the copies measured.
+COPIES = ("h2d", "d2h", "pin", "peer")
+
+
+def _implausible(tasks: _MeasuredTasks, fixed: dict[str, float], gbps: dict[str, float]
+                 ) -> list[str]:
+    """Copy kinds whose fitted line no copy follows: bytes at under a tenth of the rate the
+    microbenchmarks measured for their resource (the time is not the bytes': a cost per call
+    that grows with the micro-batch), or a fixed cost of over 20 copy latencies and 100 µs (an
+    intercept extrapolated from large copies). Such a line holds between the sizes it was
+    fitted on; another model's copies, larger or smaller, are priced off it (on an H200 a
+    line through Mixtral's KVOut priced DeepSeek-V2-Lite's 8x too long)."""
+    base, out = tasks.base_cost, []
+    for kind, smp in tasks.samples.items():
+        resource = RESOURCES[smp.resource]
+        if resource not in COPIES:
+            continue
+        rate, latency = base.byte_rate[smp.resource] / 1e9, base.overhead[smp.resource] * 1e6
+        if kind in gbps and gbps[kind] < rate / 10:
+            out.append(f"{kind}'s bytes were fitted at {gbps[kind]:.2f} GB/s, under a tenth of "
+                       f"the {resource} copies measured ({rate:.1f} GB/s): its time is not its "
+                       "bytes', and copies of other sizes are priced off the line")
+        if fixed[kind] > max(20 * latency, 100.0):
+            out.append(f"{kind}'s fixed cost was fitted at {fixed[kind]:.0f} µs, "
+                       f"{fixed[kind] / max(latency, 1e-3):.0f}x the copy latency measured "
+                       f"({latency:.1f} µs): small copies of it are priced that much")
+    return out
 
 
 def _finer(one: Scenario, factor: int = FINER) -> Scenario | None:
@@ -402,6 +434,7 @@ class Calibration(Shown):
 
     def views(self):
         yield calibrate_table(self.measured, self.out)
+        yield from warnings_of(self.measured)
 
 
 def calibrate_to(scenario: Scenario, out: str, device: str = "cpu",
@@ -445,4 +478,5 @@ def calibrate(scenario: Scenario, device: str = "cpu",
     } | ({"interference": {"slowdown": fit.slowdown}} if fit.slowdown else {})
     return profile, {"rates": rates, "fixed_us": fit.fixed_us, "task_gbps": fit.gbps,
                      "handoff_us": fit.handoff_us, "slowdown": fit.slowdown, "tasks": fit.tasks,
-                     "dequant_gweights": fit.dequant_gweights, "expert_us": fit.expert_us}
+                     "dequant_gweights": fit.dequant_gweights, "expert_us": fit.expert_us,
+                     "warnings": fit.findings}
