@@ -175,8 +175,14 @@ def warm_up(scenario: Scenario, schedule: str, device: str) -> None:
     Prefill task where the later runs took 1.5-8 (bench/results/h200-2026-11-29), and its
     throughput came out at half the later runs'."""
     short = scenario.workload.model_copy(update={"gen_len": 1})
-    execute_scenario(scenario.model_copy(update={"workload": short}), schedule, device=device,
-                     check=False)
+    ex = execute_scenario(scenario.model_copy(update={"workload": short}), schedule,
+                          device=device, check=False)
+    # the executor keeps what ran before Ctrl-C or a failed task; a warm-up stops there too
+    if ex.run.interrupted:
+        raise KeyboardInterrupt
+    if ex.failure is not None:
+        raise TgError(f"A task failed while warming up {schedule} before measuring "
+                      f"({type(ex.failure).__name__}: {ex.failure}).")
 
 
 def _device(device: str, zero_copy: bool, check: bool, record_routing: bool) -> str:

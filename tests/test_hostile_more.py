@@ -267,6 +267,30 @@ def test_an_interrupted_calibration_writes_no_profile(tmp_path, capsys, monkeypa
     assert calls and list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_while_validate_warms_up_stops_it(tmp_path, capsys, monkeypatch):
+    """validate's first execution is a warm-up whose times are dropped; Ctrl-C there must stop
+    the command as anywhere else (it was swallowed with the warm-up's times once)."""
+    pytest.importorskip("torch")
+    from taskgraph.cli import main
+    from taskgraph.exec import dispatch
+
+    wait = dispatch._wait
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_wait", interrupted_once)
+    plot = tmp_path / "parity.png"
+    assert main(["validate", "scenarios/tiny.yaml", "--schedules", "S1", "--repeats", "1",
+                 "--plot", str(plot)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert calls and not plot.exists()
+
+
 def _loopback_server(answer: bytes | None):
     """A server on 127.0.0.1 that accepts every connection and then says `answer` (None:
     nothing, ever). Returns its port and a function that stops it."""
