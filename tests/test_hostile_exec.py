@@ -30,14 +30,29 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+def _ranks(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing's spawn started as ranks."""
+    out = []
+    for child in children(pid):
+        try:
+            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                out.append(child)
+        except OSError:
+            pass
+    return out
+
+
 def _start(tmp_path):
     proc = subprocess.Popen(RUN, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     # the ranks exist, still importing: they start deaf to SIGINT, which is what torch's
     # spawn sends them when their parent dies
-    # (a loaded 2-core machine took over 120 s to import and spawn them)
-    wait_for(lambda: len(children(proc.pid)) >= 2 or proc.poll() is not None, 600,
+    # (a loaded 2-core machine took over 120 s to import and spawn them). The ranks, not any
+    # two children: spawn's resource tracker starts first, and a signal sent with it and one
+    # rank up came while the parent still started the other, ignoring SIGINT (a Ctrl-C in that
+    # window is lost: exec/distributed.py), and the run went on past the test's wait.
+    wait_for(lambda: len(_ranks(proc.pid)) >= 2 or proc.poll() is not None, 600,
              "the ranks' processes")
     assert proc.poll() is None, proc.communicate()
     return proc, children(proc.pid)
