@@ -243,16 +243,11 @@ def test_sigterm_leaves_no_worker_process(tmp_path, argv):
             proc.wait()
 
 
-def test_an_interrupted_calibration_writes_no_profile(tmp_path, capsys, monkeypatch):
-    """Ctrl-C while the executor measured its tasks was caught by the executor (which keeps a
-    run's partial times for its trace), and calibrate fitted a profile to the partial run,
-    wrote it and exited 0. Here the executor's wait is interrupted as Ctrl-C would."""
-    pytest.importorskip("torch")
-    from taskgraph.cli import main
+def _interrupt_the_first_wait(monkeypatch) -> list[int]:
+    """The executor's first wait for a task interrupted as Ctrl-C would; the waits counted."""
     from taskgraph.exec import dispatch
 
-    wait = dispatch._wait
-    calls = []
+    wait, calls = dispatch._wait, []
 
     def interrupted_once(*args, **kwargs):
         calls.append(1)
@@ -261,6 +256,17 @@ def test_an_interrupted_calibration_writes_no_profile(tmp_path, capsys, monkeypa
         return wait(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "_wait", interrupted_once)
+    return calls
+
+
+def test_an_interrupted_calibration_writes_no_profile(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the executor measured its tasks was caught by the executor (which keeps a
+    run's partial times for its trace), and calibrate fitted a profile to the partial run,
+    wrote it and exited 0. Here the executor's wait is interrupted as Ctrl-C would."""
+    pytest.importorskip("torch")
+    from taskgraph.cli import main
+
+    calls = _interrupt_the_first_wait(monkeypatch)
     out = tmp_path / "p.yaml"
     assert main(["calibrate", "scenarios/tiny.yaml", "--out", str(out)]) == 130
     assert "interrupted" in capsys.readouterr().err
@@ -272,18 +278,8 @@ def test_ctrl_c_while_validate_warms_up_stops_it(tmp_path, capsys, monkeypatch):
     the command as anywhere else (it was swallowed with the warm-up's times once)."""
     pytest.importorskip("torch")
     from taskgraph.cli import main
-    from taskgraph.exec import dispatch
 
-    wait = dispatch._wait
-    calls = []
-
-    def interrupted_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return wait(*args, **kwargs)
-
-    monkeypatch.setattr(dispatch, "_wait", interrupted_once)
+    calls = _interrupt_the_first_wait(monkeypatch)
     plot = tmp_path / "parity.png"
     assert main(["validate", "scenarios/tiny.yaml", "--schedules", "S1", "--repeats", "1",
                  "--plot", str(plot)]) == 130
