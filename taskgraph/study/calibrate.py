@@ -187,8 +187,8 @@ def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict
     out = {}
     for kind, smp in tasks.samples.items():
         k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
-        unpacking = (smp.alone(slowdown) - fitted.fixed(smp.resource, k)
-                     - nbytes / fitted.byte_rates(smp.resource, k) - nbytes * fitted.kind_expert[k])
+        # what the fitted costs price for its bytes, at 16 bits (no dequantization rate yet)
+        unpacking = smp.alone(slowdown) - fitted.times(smp.resource, 0.0, nbytes, k)
         seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
         out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
     return out
