@@ -21,7 +21,7 @@ from taskgraph.output.report import Shown, simulate_table, warnings_of
 from taskgraph.perf.cost import POOL_NAMES, POOLS, cost_model
 from taskgraph.perf.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.sim.engine import SimRun
-from taskgraph.sim.interference import simulate_with_interference, slowdown_matrix
+from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import Summarizing, summarize
 from taskgraph.specs import Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
@@ -69,12 +69,11 @@ def trace_run_of(plan: Plan, program: Program, run: Any, label: str) -> TraceRun
 
 #: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a
 #: longer one is decided block by block into its figures, keeping the task times of only the
-#: steps asked for, so that its memory does not grow with its length.
+#: steps asked for, so that its memory does not grow with its length. Where tasks slow each
+#: other (interference, shared pools), a run held whole is solved as a fixed point of whole
+#: runs; a longer one is one pass at the slowdowns of short runs solved along it, within the
+#: fixed point's own tolerance of it (bench/pool_solve.py) in a fraction of its time and memory.
 HOLD_TASKS = 2_000_000
-#: A run whose tasks slow each other (interference, shared pools) is solved as a fixed point of
-#: whole runs, which needs every task's times: held whole up to this many tasks, beyond it one
-#: pass at the slowdowns of a few steps solved whole (the warm start of the fixed point).
-SOLVE_TASKS = 20_000_000
 
 
 def simulate_scenario(scenario: Scenario, schedule: str | None = None,
@@ -102,8 +101,7 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
         warnings = [str(err)]
     program = compile_plan(plan)
     cost = cost_model(scenario, plan.schedule.name)
-    slowed = bool(slowdown_matrix(scenario.hardware).any() or cost.pools_shared)
-    held = program.total <= (SOLVE_TASKS if slowed else HOLD_TASKS) or keep_steps is None
+    held = program.total <= HOLD_TASKS or keep_steps is None
     if held:
         check_size(program.total)
         recorder = None
@@ -111,11 +109,6 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
         keep = min(keep_steps + 1, len(program.seg_template))
         check_size(program.part(0, keep).total)
         recorder = functools.partial(Summarizing, cost=cost, keep=keep)
-        if slowed:
-            warnings.append(
-                f"This run has {program.total:,} tasks, more than the {SOLVE_TASKS:,} whose "
-                "slowdowns (interference, shared pools) are solved over the whole run: each "
-                "task is slowed as in a run of a few steps solved whole.")
     announce_long_run(scenario, plan, program.total)
     total = len(program.seg_template)
     tick = (lambda d: progress(d, total)) if progress else None

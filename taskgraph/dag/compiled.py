@@ -71,6 +71,9 @@ class Program:
     # A part of a longer run (:meth:`part`): the run's number of its first segment, so that
     # steps, and what depends on them (context lengths), are the run's.
     first_segment: int = 0
+    # A probe of a long run's later steps (taskgraph.sim.interference): its decode steps see
+    # this many more tokens of context than their number says (its prefill, the prompt's).
+    context_shift: int = 0
 
     @cached_property
     def stream_device(self) -> list[tuple[str, int]]:
@@ -95,7 +98,10 @@ class Program:
 
     def context(self, step: np.ndarray | int) -> np.ndarray | int:
         """KV tokens per sequence when a task of `step` runs (prompt + tokens so far)."""
-        return self.plan.scenario.workload.context_prompt + step
+        prompt = self.plan.scenario.workload.context_prompt
+        if self.context_shift:
+            return prompt + step + self.context_shift * (np.asarray(step) > 0)
+        return prompt + step
 
     def column(self, name: str) -> np.ndarray:
         """A per-task attribute over the whole run, in global id order."""
@@ -111,7 +117,7 @@ class Program:
         end = self.seg_base[hi] if hi < len(self.seg_base) else self.total
         return Program(self.plan, self.streams, self.templates, self.seg_template[lo:hi],
                        base - (base[0] if len(base) else 0), int(end - self.seg_base[lo]),
-                       self.first_segment + lo)
+                       self.first_segment + lo, self.context_shift)
 
     @cached_property
     def step(self) -> np.ndarray:
