@@ -185,7 +185,10 @@ def _steady_slowdowns(program: Program, cost: CostModel, tol: float, max_passes:
     seg_base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     # Short run k's decode step s sees the context of the long run's step shifts[k] + s: the
     # first is the run's beginning, the last its end.
-    shifts = np.unique(np.linspace(0, plan.G - steps, PROBES).round().astype(int))
+    # At most PROBES, and in all at most about a quarter of the run's steps: a run short
+    # enough to hold is solved whole from here, and its probes would cost what it does.
+    probes = int(np.clip((plan.G + 1) // (4 * (steps + 1)), 2, PROBES))
+    shifts = np.unique(np.linspace(0, plan.G - steps, probes).round().astype(int))
     slowdowns = []
     for shift in shifts:
         probe = Program(short, program.streams, program.templates, seg_template, seg_base,

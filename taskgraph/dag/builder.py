@@ -37,7 +37,7 @@ recorded cannot be waited on. A description that breaks this gets a :class:`Sche
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterator, NamedTuple, NoReturn
 
 import networkx as nx
@@ -62,9 +62,16 @@ class TaskKey(NamedTuple):
 
     @property
     def name(self) -> str:
-        tag = "p" if self.kind in PAGED else "m"
-        shard = f",g{self.gpu}" if self.gpu >= 0 else ""
-        return f"{self.kind}[s{self.step},L{self.layer},{tag}{self.index}{shard}]"
+        return _task_name(self)
+
+
+@lru_cache(maxsize=1 << 20)
+def _task_name(key: TaskKey) -> str:
+    # Kept: a segment's graph names each task once as a node and again on every edge to it
+    # (a 4xT4 segment: 66,000 tasks, 300,000 edges).
+    tag = "p" if key.kind in PAGED else "m"
+    shard = f",g{key.gpu}" if key.gpu >= 0 else ""
+    return f"{key.kind}[s{key.step},L{key.layer},{tag}{key.index}{shard}]"
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,20 @@ class Plan:
 
     def work_of(self, layer: int) -> TaskWork:
         return self.works[self.layer_classes[layer]]
+
+    def task_work(self, key: TaskKey):
+        """A task's work (:meth:`TaskWork.of`): its kind's in its layer's class, in prefill or
+        decode, the same for every micro-batch and GPU, so worked out once for all of them."""
+        at = (key.kind, self.layer_classes[key.layer], key.step == 0)
+        work = self._task_works.get(at)
+        if work is None:
+            work = self._task_works[at] = self.work_of(key.layer).of(key.kind,
+                                                                     prefill=key.step == 0)
+        return work
+
+    @cached_property
+    def _task_works(self) -> dict:
+        return {}
 
     @cached_property
     def routing(self) -> Routing:
@@ -693,7 +714,7 @@ def build_segment(plan: Plan, d: int) -> nx.DiGraph:
 
 
 def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool) -> None:
-    work = plan.work_of(key.layer).of(key.kind, prefill=key.step == 0)
+    work = plan.task_work(key)
     g.add_node(key.name, kind=key.kind, step=key.step, layer=key.layer, index=key.index,
                gpu=key.gpu, stream=plan.stream_of(key),
                resource=STREAM_RESOURCE[plan.schedule.streams[key.kind]], order=pos,
@@ -704,9 +725,10 @@ def _add_node(g: nx.DiGraph, plan: Plan, key: TaskKey, pos: int, external: bool)
 
 def _add_edge(g: nx.DiGraph, plan: Plan, dep: TaskKey, where: tuple[int, int], key: TaskKey,
               why: str) -> None:
-    if dep.name not in g:
+    name = dep.name
+    if name not in g:
         _add_node(g, plan, dep, where[1], external=True)
-    g.add_edge(dep.name, key.name, why=why)
+    g.add_edge(name, key.name, why=why)
 
 
 def _missing(plan: Plan, key: TaskKey, dep: TaskKey, launched_later: bool) -> NoReturn:
