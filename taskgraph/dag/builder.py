@@ -65,10 +65,11 @@ class TaskKey(NamedTuple):
         return _task_name(self)
 
 
-@lru_cache(maxsize=1 << 20)
+@lru_cache(maxsize=1 << 16)
 def _task_name(key: TaskKey) -> str:
     # Kept: a segment's graph names each task once as a node and again on every edge to it
-    # (a 4xT4 segment: 66,000 tasks, 300,000 edges).
+    # (a 4xT4 segment: 66,000 tasks, 300,000 edges), mostly soon after; 65,536 names (~20 MB)
+    # answer 9 of 10 there.
     tag = "p" if key.kind in PAGED else "m"
     shard = f",g{key.gpu}" if key.gpu >= 0 else ""
     return f"{key.kind}[s{key.step},L{key.layer},{tag}{key.index}{shard}]"
