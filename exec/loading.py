@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from taskgraph.errors import TgError
-from taskgraph.kernels.quant import expert_format
+from taskgraph.kernels.quant import FORMATS, block_of, expert_format
 from taskgraph.specs import TENSOR_CLASSES, ModelSpec
 
 
@@ -101,8 +101,9 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
     if stored:
         raise TgError(f"The checkpoint '{folder}' stores its {', '.join(stored)} weights as "
                       f"{getattr(ckpt.precision, stored[0])} (its quantization_config): tg "
-                      "execute runs weights in their dtype, and routed experts at q8_0 or q4_0 "
-                      "it quantizes itself; the checkpoint is simulated, not executed.")
+                      "execute runs weights in their dtype, and routed experts in the GGUF blocks "
+                      f"it quantizes them into itself ({', '.join(FORMATS)}); the "
+                      "checkpoint is simulated, not executed.")
     for name in _SHAPE_FIELDS:
         if getattr(model, name) != getattr(ckpt, name):
             raise TgError(f"model.{name} = {getattr(model, name)} in the scenario, but the "
@@ -135,7 +136,8 @@ def check_computable(m: ModelSpec, context: int) -> None:
     if quantized:
         raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
                       "tg execute runs weights in the model's dtype, and routed experts in it "
-                      "or at q8_0 or q4_0; other precisions are simulated, not executed.")
+                      f"or in GGUF's {', '.join(FORMATS)} blocks; other precisions are "
+                      "simulated, not executed.")
     if m.attention_sinks != (m.architecture == "gpt_oss"):
         raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
                       "as gpt-oss has them, and only there.")
@@ -146,10 +148,11 @@ def check_computable(m: ModelSpec, context: int) -> None:
                           f"{' and '.join(families)} layers only, as transformers has it "
                           "there (other families' biases and norms come with their "
                           "architecture).")
-    if expert_format(m) and (m.h % 32 or m.h_i % 32):
-        raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold 32 "
-                      f"weights of a row, and the experts' rows are h = {m.h} and h_i = "
-                      f"{m.h_i} long.")
+    block = block_of(expert_format(m))[0] if expert_format(m) else 1
+    if m.h % block or m.h_i % block:
+        raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold "
+                      f"{block} weights of a row, and the experts' rows are h = {m.h} and "
+                      f"h_i = {m.h_i} long.")
     if m.hidden_act != "silu":
         raise TgError(f"model.hidden_act = {m.hidden_act}: the experts' kernels compute SwiGLU "
                       "with SiLU only.")

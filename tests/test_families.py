@@ -191,9 +191,9 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
 
     with pytest.raises(TgError, match="dbrx is simulated, not executed"):
         check_computable(ModelSpec(**MODELS["dbrx"]), 64)
-    with pytest.raises(TgError, match="model.precision.experts = q4_k"):
+    with pytest.raises(TgError, match="model.precision.experts = iq4_xs"):
         check_computable(ModelSpec(**{**MODELS["qwen3-30b-a3b"],
-                                      "precision": {"experts": "q4_k"}}), 64)
+                                      "precision": {"experts": "iq4_xs"}}), 64)
 
 
 def test_tensor_parallelism_refuses_what_its_shards_do_not_split():

@@ -1,7 +1,7 @@
-"""Routed experts at 8 and 4 bits (GGUF's Q8_0 and Q4_0 blocks), weight-only: the executor keeps
-them in blocks, copies them as blocks and dequantizes where they run, so a run computes what a
-reference run on the dequantized weights computes, and the experts occupy the bytes the model
-counts for them."""
+"""Routed experts below 16 bits in GGUF's blocks (Q8_0, Q4_0, MXFP4 and the K-quants Q4_K, Q5_K,
+Q6_K), weight-only: the executor keeps them in blocks, copies them as blocks and dequantizes
+where they run, so a run computes what a reference run on the dequantized weights computes, and
+the experts occupy the bytes the model counts for them."""
 
 from __future__ import annotations
 
@@ -13,40 +13,68 @@ gguf = pytest.importorskip("gguf")
 
 from taskgraph import execute  # noqa: E402
 from taskgraph.errors import TgError  # noqa: E402
-from taskgraph.kernels.quant import QuantizedExperts, dequantize, quantize_expert  # noqa: E402
+from taskgraph.kernels.quant import (FORMATS, QuantizedExperts, dequantize,  # noqa: E402
+                                     quantize_expert, quantize_rows, row_bytes)
 from taskgraph.specs import ModelSpec  # noqa: E402
 
 TINY = "scenarios/tiny.yaml"
+#: Bits a weight each format stores, its block scales included, as the formats publish them
+#: (llama.cpp's ggml-common.h block structs; the OCP MX spec for MXFP4).
+PUBLISHED_BITS = {"q8_0": 8.5, "q4_0": 4.5, "mxfp4": 4.25, "q4_k": 4.5, "q5_k": 5.5,
+                  "q6_k": 6.5625}
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_blocks_dequantize_as_llama_cpps_package_does(fmt):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as theirs
 
     g = torch.Generator().manual_seed(0)
-    w1, w3, w2 = (torch.randn(shape, generator=g) for shape in ((64, 96), (64, 96), (96, 64)))
+    h, h_i = 256, 512                         # whole K-quant super-blocks of 256
+    w1, w3, w2 = (torch.randn(shape, generator=g) for shape in ((h_i, h), (h_i, h), (h, h_i)))
     raw = quantize_expert(w1, w3, w2, fmt)
     kind = GGMLQuantizationType[fmt.upper()]
-    m = ModelSpec(h=96, h_i=64, L=1, n_q=4, n_kv=2, E=1, k=1, V=32,
+    m = ModelSpec(h=h, h_i=h_i, L=1, n_q=4, n_kv=2, E=1, k=1, V=32,
                   precision={"experts": fmt})
+    assert raw.numel() == m.expert_bytes == 3 * h * h_i * PUBLISHED_BITS[fmt] / 8
     read = QuantizedExperts(m, fmt, raw[None], {0: 0}, torch.float32)
-    cut = 2 * 64 * 96 // 32 * (34 if fmt == "q8_0" else 18)
-    expected13 = theirs(raw[:cut].numpy().reshape(128, -1), kind)
+    cut = 2 * h_i * row_bytes(fmt, h)
+    expected13 = theirs(raw[:cut].numpy().reshape(2 * h_i, -1), kind)
     assert np.array_equal(read["w13.0"].numpy(), expected13)
-    assert np.array_equal(read["w2.0"].numpy(), theirs(raw[cut:].numpy().reshape(96, -1), kind))
-    # and it is a quantization: near the weights, not them
-    assert 0 < (read["w2.0"] - w2).abs().max() < (0.1 if fmt == "q8_0" else 0.6)
-    assert dequantize(raw[cut:], fmt, 96, 64, torch.float32).shape == (96, 64)
+    assert np.array_equal(read["w2.0"].numpy(), theirs(raw[cut:].numpy().reshape(h, -1), kind))
+    assert np.array_equal(read["w13.0"].numpy()[:h_i], theirs(
+        quantize_rows(w1.numpy(), fmt), kind))
+    assert dequantize(raw[cut:], fmt, h, h_i, torch.float32).shape == (h, h_i)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("schedule, policy", [
-    ("S5", {"policy.N": 4, "policy.mu": 2}),
-    ("EP", {"policy.experts_gpu": 3}),
-    ("EC", {"policy.experts_gpu": 2}),
-    ("ECP", {"policy.experts_gpu": 2, "policy.prefetch": 0.5}),
-])
+def test_more_bits_come_closer_to_the_weights():
+    """A quantization, not a copy, and in the formats' known order of fidelity: Q8_0, then
+    Q6_K, Q5_K, Q4_K (4.5 bits with a scale and a minimum per 32 weights) before Q4_0 (4.5
+    bits, a scale only), then MXFP4's power-of-two scales."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as theirs
+
+    x = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
+
+    def error(fmt: str) -> float:
+        back = theirs(quantize_rows(x, fmt), GGMLQuantizationType[fmt.upper()])
+        return float(np.sqrt(((back - x) ** 2).mean() / (x ** 2).mean()))
+
+    order = ["q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "mxfp4"]
+    errors = [error(f) for f in order]
+    assert errors == sorted(errors), dict(zip(order, errors))
+    assert 0 < errors[0] < 0.01 and errors[-1] < 0.2, dict(zip(order, errors))
+
+
+_EXPERT_LEVEL = [("S5", {"policy.N": 4, "policy.mu": 2}), ("EP", {"policy.experts_gpu": 3}),
+                 ("EC", {"policy.experts_gpu": 2}),
+                 ("ECP", {"policy.experts_gpu": 2, "policy.prefetch": 0.5})]
+
+
+# every format in the schedule that places experts (EP), both 8- and 4-bit ones in all four
+@pytest.mark.parametrize("fmt, schedule, policy", [
+    *((fmt, *_EXPERT_LEVEL[1]) for fmt in FORMATS if fmt not in ("q8_0", "q4_0")),
+    *((fmt, *case) for fmt in ("q8_0", "q4_0") for case in _EXPERT_LEVEL)])
 def test_quantized_experts_compute_the_dequantized_models_tokens(fmt, schedule, policy):
     """The run's tokens and logits against the reference forward on the dequantized weights
     (execute's own check), and the bytes the experts take: the model's count, on the host and
@@ -56,8 +84,7 @@ def test_quantized_experts_compute_the_dequantized_models_tokens(fmt, schedule, 
     s = ex.summary
     assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
     m = ex.plan.scenario.model
-    bits = 8.5 if fmt == "q8_0" else 4.5
-    assert m.expert_bytes == 3 * m.h * m.h_i * bits / 8
+    assert m.expert_bytes == 3 * m.h * m.h_i * PUBLISHED_BITS[fmt] / 8
     assert all(store.shape == (m.E, m.expert_bytes) and store.dtype == torch.uint8
                for store in ex.weights.experts_q)
     # the layers' own vectors hold no expert: they live in the blocks only
@@ -65,14 +92,15 @@ def test_quantized_experts_compute_the_dequantized_models_tokens(fmt, schedule, 
                for flat in ex.weights.layers)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])        # MXFP4: as OpenAI publishes them
 @pytest.mark.parametrize("schedule, policy", [("S5", {"policy.N": 2, "policy.mu": 1}),
                                               ("EP", {"policy.experts_gpu": 3})])
-def test_gpt_oss_experts_keep_their_biases_at_8_bits(schedule, policy):
+def test_gpt_oss_experts_keep_their_biases_in_blocks(fmt, schedule, policy):
     """gpt-oss's experts add biases after their blocks are dequantized, on the CPU as on the
     GPU (lost on the CPU's side, the check fails by 5 units of logit)."""
     s = execute(TINY, schedule=schedule, overrides={
         "model.architecture": "gpt_oss", "model.attention_sinks": True,
-        "model.precision.experts": "q8_0", "workload.gen_len": 2, **policy}).summary
+        "model.precision.experts": fmt, "workload.gen_len": 2, **policy}).summary
     assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
 
 
@@ -92,10 +120,20 @@ def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
 
 @pytest.mark.parametrize("schedule, fmt, message", [
     ("S4", "q4_0", "keeps quantized experts apart from their layer"),
-    ("EP", "q4_k", "model.precision.experts = q4_k"),
+    ("EP", "iq4_xs", "model.precision.experts = iq4_xs"),
     ("S1", "Q4_0", "keeps quantized experts apart"),          # a format's name in any case
 ])
 def test_what_the_executor_does_not_quantize_is_refused(schedule, fmt, message):
     with pytest.raises(TgError, match=message):
         execute(TINY, schedule=schedule, overrides={"model.precision.experts": fmt,
                                                      "workload.gen_len": 2})
+
+
+def test_a_row_that_is_no_whole_number_of_blocks_is_refused():
+    """Q4_K's super-blocks hold 256 weights of a row: an expert 288 wide runs at Q4_0 (blocks
+    of 32) and is refused at Q4_K, naming the field."""
+    overrides = {"model.h_i": 288, "workload.gen_len": 2, "policy.experts_gpu": 3}
+    s = execute(TINY, schedule="EP", overrides={**overrides, "model.precision.experts": "q4_0"})
+    assert s.summary["tokens_match"] is True
+    with pytest.raises(TgError, match="model.precision.experts = q4_k: its blocks hold 256"):
+        execute(TINY, schedule="EP", overrides={**overrides, "model.precision.experts": "q4_k"})
