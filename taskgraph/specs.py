@@ -705,8 +705,14 @@ class KindEffect(Spec):
     # The rate its kernel unpacks routed-expert weights stored below 16 bits at (G weights/s),
     # a time added to the task's reading of them: a kernel that dequantizes into temporaries
     # before its product pays it (tg's own executor: `tg calibrate` measures it). None: unpacked
-    # in registers as the weights stream, as llama.cpp's quantized dot products do (no cost).
+    # in registers as the weights stream (llama.cpp's quantized dot products; what that
+    # arithmetic costs them is `serial`).
     dequant_gweights: float | None = Field(default=None, gt=0.0, le=1e6, allow_inf_nan=False)
+    # Its arithmetic and its reads add up (seconds = bytes / bandwidth + FLOPs / FLOP rate)
+    # instead of the one hiding under the other (the roofline's larger of the two): a kernel
+    # that unpacks each block and multiplies between its loads, as llama.cpp's CPU kernels
+    # measure (taskgraph.presets, "llama.cpp").
+    serial: bool = False
 
 
 class ImplementationSpec(Spec):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from taskgraph.dag.builder import make_plan
+from taskgraph.dag.schedules import RESOURCES
 from taskgraph.dag.work import WeightLayout
 from taskgraph.errors import MemoryFitError
 from taskgraph.perf.cost import CostModel, cost_model, hrm_bound
@@ -100,6 +101,37 @@ def test_implementation_effects_by_hand(t4):
     assert ideal.time("h2d", 0, 207e6, "D3") == pytest.approx(207e6 / 12.6e9 + 10e-6)
     # kinds the profile does not name run at the machine's rates
     assert cost.time("gpu", 1e12, 1e9, "PreAttn") == ideal.time("gpu", 1e12, 1e9, "PreAttn")
+
+
+#: llama-bench of Phi-4 (14.66 B weights) on one AMD EPYC 9554, CPU only (ahelpme.com/?p=6685):
+#: the file's GiB and the decode's tok/s at each format.
+PHI4_EPYC_9554 = {"Q4_K_M": (8.43, 28.74), "Q5_0": (9.87, 25.444), "Q6_K": (11.20, 23.246),
+                  "Q8_0": (14.51, 19.194)}
+
+
+def test_llama_cpps_cpu_decode_takes_its_reads_plus_its_arithmetic(t4):
+    """The llama.cpp profile against llama-bench on a host described by its datasheet (12 x
+    DDR5-4800, 64 Zen 4 cores at 3.1 GHz, 32 fp32 FLOPs a cycle): every format within 5%,
+    where the roofline's larger term alone is 15-33% fast; and the predictor's pricing
+    (times_of) is the simulator's (times)."""
+    from taskgraph.kinds import KIND_INDEX
+    from taskgraph.presets import IMPLEMENTATIONS
+    from taskgraph.specs import HardwareSpec
+
+    hw = HardwareSpec.model_validate(t4.hardware.model_dump() | {"cpu": {
+        **t4.hardware.cpu.model_dump(), "name": "EPYC 9554", "cores": 64, "mem_gbps": 460.8,
+        "tflops": 64 * 3.1 * 32 / 1e3, "core_gbps": None}})
+    llama = CostModel(hw, ImplementationSpec.model_validate(IMPLEMENTATIONS["llama.cpp"]))
+    roofline = CostModel(hw)
+    flops = 2 * 14.66e9                                 # a multiply-add a weight
+    for fmt, (gib, measured) in PHI4_EPYC_9554.items():
+        nbytes = gib * 2 ** 30
+        assert 1 / llama.time("cpu", flops, nbytes, "CPUFFN") == pytest.approx(
+            measured, rel=0.05), fmt
+        assert 1 / roofline.time("cpu", flops, nbytes, "CPUFFN") > 1.15 * measured, fmt
+        cpu, kind = RESOURCES.index("cpu"), KIND_INDEX["CPUFFN"]
+        assert llama.times_of(cpu, kind, flops, nbytes) == pytest.approx(
+            float(llama.times(cpu, flops, nbytes, kind)))
 
 
 @pytest.mark.parametrize("schedule,pinned", [("S1", True), ("S3", False), ("S4", False),

@@ -103,6 +103,7 @@ class CostModel:
                                      if expert_bytes else 0.0 for kind in KINDS])
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
+        self.kind_serial = np.array([bool(e and e.serial) for e in effects])
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
@@ -178,27 +179,31 @@ class CostModel:
         rates = self._rates.get(key)
         if rates is None:
             skinny = bool(self.kind_i_half[kind] > 0)
-            rates = self._rates[key] = (skinny, self.flops_rates(resource, kind),
+            combine = np.add if self.kind_serial[kind] else np.maximum
+            rates = self._rates[key] = (skinny, combine, self.flops_rates(resource, kind),
                                         self.byte_rates(resource, kind),
                                         self.fixed(resource, kind), self.kind_expert[kind])
-        skinny, flops_rate, byte_rate, fixed, per_expert_byte = rates
+        skinny, combine, flops_rate, byte_rate, fixed, per_expert_byte = rates
         if skinny:
             return self.times(resource, flops, nbytes, kind)
         # no skinniness: `times` divides the bytes by the byte rate times ones
-        return (np.maximum(flops / flops_rate, nbytes / byte_rate) + fixed
+        return (combine(flops / flops_rate, nbytes / byte_rate) + fixed
                 + nbytes * per_expert_byte)
 
     def times(self, resource: np.ndarray | int, flops: np.ndarray, nbytes: np.ndarray,
               kind: np.ndarray | int) -> np.ndarray:
         """Seconds per task, vectorised over arrays (or scalars) of resource indexes, work and
-        kind indexes: the roofline at the implementation's rates plus fixed costs."""
+        kind indexes: the roofline at the implementation's rates (the sum of its two terms for a
+        kind whose arithmetic does not hide under its reads) plus fixed costs."""
         i_half = self.kind_i_half[kind]
         with np.errstate(divide="ignore", invalid="ignore"):
             intensity = np.where(nbytes > 0, flops / np.maximum(nbytes, 1e-30), np.inf)
             # only products lose to skinniness; a copy (no FLOPs) has no intensity to speak of
             skinny = np.where((i_half > 0) & (flops > 0), intensity / (intensity + i_half), 1.0)
-        return (np.maximum(flops / self.flops_rates(resource, kind),
-                           nbytes / (self.byte_rates(resource, kind) * skinny))
+        arithmetic = flops / self.flops_rates(resource, kind)
+        reads = nbytes / (self.byte_rates(resource, kind) * skinny)
+        return (np.where(self.kind_serial[kind], arithmetic + reads,
+                         np.maximum(arithmetic, reads))
                 + self.fixed(resource, kind) + nbytes * self.kind_expert[kind])
 
 
