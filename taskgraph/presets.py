@@ -276,6 +276,7 @@ HARDWARE: dict[str, dict[str, Any]] = {
 # the one its schedule stands for by default.
 SYSTEMS: dict[str, str] = {
     "Mixtral-offloading": "mixtral-offloading",
+    "llama.cpp": "llama.cpp",
 }
 
 WORKLOADS: dict[str, dict[str, Any]] = {
