@@ -111,6 +111,50 @@ def test_the_fit_recovers_known_parameters(tmp_path):
     json.dumps(report.to_json(), allow_nan=False)     # no leave-one-out: nulls, not NaN
 
 
+def test_a_quantized_runs_unpacking_is_fitted_back():
+    """Cells whose experts are stored in Q4_0 blocks inform the rate the kind that computes
+    them unpacks them at (issue 37: a dequantization is an effect tg fit can fit); 16-bit
+    cells do not. Measurements simulated with the CPU's experts unpacking at 40 G weights/s
+    (EP at batch 1, a few of each layer's experts on the GPU, the rest on the CPU) are fitted
+    back to it from the field's start."""
+    def quantized(experts_gpu: int, precision: object = {"experts": "q4_0"}) -> Cell:
+        return Cell.model_validate(_cell(
+            id=f"ep-{experts_gpu}", system="llama.cpp", schedule="EP", machine="rtx4090",
+            precision=precision, workload={"prompt_len": 16, "gen_len": 8},
+            policy={"batch": 1, "experts_gpu": experts_gpu}))
+
+    assert not any("dequant" in p.name for p in free_parameters(
+        [quantized(2, "bf16"), quantized(4, "bf16")]))
+    cells = [quantized(e) for e in (0, 2, 4, 6)]
+    params = [p for p in free_parameters(cells) if "dequant" in p.name]
+    assert [p.name for p in params] == ["llama.cpp kinds.CPUFFN.dequant_gweights",
+                                        "llama.cpp kinds.GPUFFN.dequant_gweights"]
+    truth = [40.0, 1e5]              # the GPU's: none to speak of
+    machines, impls = profiles(params, np.array(truth))
+    for c in cells:
+        c.measured_tok_s = simulated_tok_s(c, machines, impls)
+    result = fit_module.fit(cells, params)
+    assert result.converged
+    assert result.values[0] == pytest.approx(40.0, rel=0.03)
+    # the GPU's few experts overlap the CPU's: above a rate that binds, no cell tells it
+    assert result.values[1] > 40.0
+    for c, sim in zip(cells, result.simulations):
+        assert sim["throughput_tok_s"] == pytest.approx(c.measured_tok_s, rel=0.01), c.id
+
+
+@pytest.mark.parametrize("precision, message", [
+    ({"expert": "q4_0"}, "precision: 'expert' is no class of tensor"),
+    ({"experts": "q4_z"}, "precision: experts: Unknown weight format 'q4_z'"),
+])
+def test_a_cells_precision_names_classes_and_formats_tg_knows(tmp_path, capsys, precision,
+                                                              message):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"cells": [_cell(precision=precision)]}))
+    assert main(["fit", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_every_published_cell_simulates_with_its_stated_policy(capsys):
     """The paper ran these on 192 GB hosts; above the 0.8 planning headroom they run and warn."""
     _, cells = load_measurements(TABLE4)

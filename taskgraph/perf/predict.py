@@ -34,11 +34,13 @@ per micro-batch but not the shape of the computation.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from taskgraph.dag.schedules import PER_GPU, RESOURCES, STREAM_RESOURCE, Op, Schedule
+from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, RESOURCES, STREAM_RESOURCE, Op,
+                                      Schedule)
 from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, KINDS, PAGED, TP_PARTS
 from taskgraph.perf.cost import POOLS, CostModel, cost_model
@@ -103,18 +105,17 @@ def _predict(scenario: Scenario, schedule: Schedule, mu: int, r_w: float, r_c: f
     streamed = r_w < 1.0
     n_pages = (n if schedule.paged else np.ones_like(n)) if streamed else np.zeros_like(n)
     # Work per task, with weight pages for one page per layer; page sizes scale with n below.
-    policy = PolicySpec.model_construct(N=mu, mu=mu, A_g=int(schedule.attention == "gpu"),
-                                        F_g=int(schedule.ffn == "gpu"), r_w=r_w, r_c=r_c)
+    policy = PolicySpec.model_construct(
+        N=mu, mu=mu, A_g=int(schedule.attention == "gpu"), F_g=int(schedule.ffn == "gpu"),
+        r_w=r_w, r_c=r_c, **{f: getattr(scenario.policy, f) for f in EXPERT_FIELDS})
     tp = gpus if schedule.parallel == "tensor" else 1
     contexts = w.context_prompt + np.arange(1, max(lengths) + 1, dtype=float)
-    # Layers alike in what their tasks do (MoE or dense, full or sliding-window attention),
-    # each priced once and counted as often as the model has them.
+    # Layers alike in what their tasks do (MoE or dense, full or sliding-window attention,
+    # as many experts held on the GPU), each priced once and counted as often as the model
+    # has them.
     layers = []
-    for layer, count in _layer_classes(m):
-        layout = WeightLayout(m, r_w, 1 if streamed else 0,
-                              streams_experts=schedule.ffn == "gpu", dense=m.is_dense(layer))
-        work = TaskWork(m, policy, w, layout, tp=tp, window=m.window(layer))
-        seen = np.minimum(contexts, m.window(layer) or np.inf)
+    for layer, count, work in _layer_works(scenario, schedule, policy, tp, streamed):
+        seen = np.minimum(contexts, work.window or np.inf)
         layers.append((count, *_layer_time(scenario, schedule, work, cost, n, n_pages, layer,
                                            seen, streamed)))
     out = []
@@ -136,6 +137,28 @@ def _predict(scenario: Scenario, schedule: Schedule, mu: int, r_w: float, r_c: f
             hrm_layer_ms=hrm_s / (G * L) * 1e3,
             binding=decode_rows.sum(axis=2).argmax(axis=0),
         ))
+    return out
+
+
+def _layer_works(scenario: Scenario, schedule: Schedule, policy: PolicySpec, tp: int,
+                 streamed: bool) -> list[tuple[int, int, TaskWork]]:
+    """(a layer, how many layers are like it, their tasks' work) for each class of layers.
+    Where the experts run apart from the layer's weights (on the CPU, placed or cached on the
+    GPU), the work is the builder's plan's: which experts the GPU holds or caches, under the
+    scenario's routing."""
+    m, w = scenario.model, scenario.workload
+    if schedule.ffn != "gpu":
+        from taskgraph.dag.builder import Plan
+
+        plan = Plan(scenario.model_copy(update={"policy": policy}), schedule)
+        counts = Counter(plan.layer_classes)
+        return [(plan.layer_classes.index(c), n, plan.works[c]) for c, n in counts.items()]
+    out = []
+    for layer, count in _layer_classes(m):
+        layout = WeightLayout(m, policy.r_w, 1 if streamed else 0, streams_experts=True,
+                              dense=m.is_dense(layer))
+        out.append((layer, count, TaskWork(m, policy, w, layout, tp=tp,
+                                           window=m.window(layer))))
     return out
 
 

@@ -59,10 +59,14 @@ class Mechanism:
     # Only cells of these schedules inform it (empty: any): a machine part that one kind of
     # run measures alone.
     schedules: tuple[str, ...] = ()
+    # Only cells whose routed experts are stored below 16 bits inform it (a kernel's
+    # unpacking of them).
+    quantized: bool = False
 
     def informed_by(self, cell: Cell) -> bool:
         return ({"any": True, "one": cell.gpus == 1, "several": cell.gpus > 1}[self.gpus]
-                and (not self.schedules or cell.schedule in self.schedules))
+                and (not self.schedules or cell.schedule in self.schedules)
+                and (not self.quantized or cell.experts_quantized))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +123,16 @@ IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
 }
 
 
+# Every implementation's, where its cells inform them: the rate each kind that computes
+# routed experts unpacks them at when they are stored below 16 bits (a kernel that
+# dequantizes into temporaries before its product; none: unpacked as they stream).
+EVERY_IMPLEMENTATION = [
+    Mechanism(("kinds", kind, "dequant_gweights"), 1.0, 1e5, 100.0, None,
+              f"the rate its {where} experts unpack quantized weights at (G weights/s), a "
+              "time added to their reading", quantized=True)
+    for kind, where in (("CPUFFN", "CPU's"), ("GPUFFN", "GPU's"))]
+
+
 def free_parameters(cells: list[Cell]) -> list[Param]:
     """The parameters `cells` can inform: each machine part (a GPU type, a host) once for the
     machines that share it, each system's once; a mechanism of several GPUs only where some
@@ -156,7 +170,7 @@ def _candidates(cells: list[Cell]) -> list[Param]:
     for impl in sorted({c.implementation_name for c in cells}):
         mine = [c for c in cells if c.implementation_name == impl]
         out += [Param(section="implementation", targets=(impl,), **asdict(spec))
-                for spec in IMPLEMENTATION_PARAMS.get(impl, [])
+                for spec in [*IMPLEMENTATION_PARAMS.get(impl, []), *EVERY_IMPLEMENTATION]
                 if any(spec.informed_by(c) for c in mine)]
     return out
 

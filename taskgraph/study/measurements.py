@@ -28,7 +28,8 @@ from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.files import plain_text
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import read_yaml, scenario_from_dict
-from taskgraph.specs import Numbers
+from taskgraph.formats import bits
+from taskgraph.specs import TENSOR_CLASSES, Numbers
 
 
 class CellPolicy(Numbers):
@@ -88,8 +89,9 @@ class Cell(Numbers):
     machine: str
     model: str
     # The weights' precision where the source states it: 16-bit (fp16 or bf16, the bytes
-    # tg's presets count) is all a measurements file may name today.
-    precision: Literal["fp16", "bf16"] | None = None
+    # tg's presets count), or each class of tensor stored otherwise and its format, as a
+    # scenario's model.precision says ({experts: q4_k}: the routed experts in Q4_K blocks).
+    precision: Literal["fp16", "bf16"] | dict[str, str | float] | None = None
     implementation: str | None = None      # default: the system's, else the schedule's
     workload: dict[str, Any] = Field(default_factory=dict)
     policy: CellPolicy
@@ -146,6 +148,27 @@ class Cell(Numbers):
             raise ValueError(f"{_quote(name)} is not a preset ({', '.join(table)})")
         return same[0]
 
+    @field_validator("precision")
+    @classmethod
+    def _formats(cls, precision: Any) -> Any:
+        if not isinstance(precision, dict):
+            return precision
+        for name, fmt in precision.items():
+            if name not in (*TENSOR_CLASSES, "kv_cache"):
+                raise ValueError(f"{_quote(name)} is no class of tensor "
+                                 f"({', '.join((*TENSOR_CLASSES, 'kv_cache'))})")
+            try:
+                bits(fmt)
+            except TgError as err:
+                raise ValueError(f"{name}: {err}".rstrip(".")) from None
+        return precision
+
+    @property
+    def experts_quantized(self) -> bool:
+        """Whether its routed experts are stored below 16 bits."""
+        fmt = self.precision.get("experts") if isinstance(self.precision, dict) else None
+        return fmt is not None and bits(fmt) < 16
+
     @field_validator("workload")
     @classmethod
     def _workload_preset(cls, workload: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +217,10 @@ class Cell(Numbers):
                       **{k: v for k, v in (("r_w", self.policy.r_w), ("r_c", self.policy.r_c),
                                            ("experts_gpu", self.policy.experts_gpu))
                          if v is not None})
-        return dict(name=self.id, model=self.model, hardware=hardware, workload=workload,
+        model: Any = self.model
+        if isinstance(self.precision, dict):
+            model = {"preset": self.model, "precision": dict(self.precision)}
+        return dict(name=self.id, model=model, hardware=hardware, workload=workload,
                     policy=policy, schedule=self.schedule, implementation=implementation)
 
 
