@@ -262,10 +262,10 @@ HARDWARE: dict[str, dict[str, Any]] = {
     # each link's rate fitted (FITTED_SMALL) to DeepSpeed's one-GPU runs there, which stream
     # every weight across it each step.
     "ada6000": _machine("1xRTX6000-Ada", "RTX6000-Ada", 1, "pcie4", "server-unstated",
-                        link_fitted=dict(h2d_eff=0.7851),
+                        link_fitted=dict(h2d_eff=0.7849),
                         fitted=f"link.h2d_eff: {FITTED_SMALL}"),
     "rtx-a6000": _machine("1xRTXA6000", "RTXA6000", 1, "pcie4", "server-unstated",
-                          link_fitted=dict(h2d_eff=0.5599),
+                          link_fitted=dict(h2d_eff=0.5576),
                           fitted=f"link.h2d_eff: {FITTED_SMALL}"),
     "rtxpro6000-epyc": _machine("1xRTXPRO6000, EPYC 12-channel", "RTXPRO6000", 1, "pcie5",
                                 "epyc-12ch"),
@@ -329,7 +329,7 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "mixtral-offloading": dict(
         name="mixtral-offloading",
         title="Mixtral-offloading (an LRU expert cache, transformers' eager Mixtral)",
-        kinds={"ExpertIn": dict(bytes_eff=0.7434)},
+        kinds={"ExpertIn": dict(bytes_eff=0.7429)},
         fitted=f"kinds.ExpertIn.bytes_eff: {FITTED_SMALL}",
         sources=["dvmazur/mixtral-offloading (src/expert_cache.py: offloaded experts in pinned "
                  "host storage, copied in on a miss)"]),
