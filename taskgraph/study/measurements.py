@@ -26,9 +26,9 @@ from taskgraph.dag.builder import make_plan
 from taskgraph.dag.schedules import SCHEDULES
 from taskgraph.errors import MemoryFitError, TgError
 from taskgraph.files import plain_text
+from taskgraph.formats import bits
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.scenario import read_yaml, scenario_from_dict
-from taskgraph.formats import bits
 from taskgraph.specs import TENSOR_CLASSES, Numbers
 
 
