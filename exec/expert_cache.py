@@ -9,7 +9,7 @@ holds is computed in rounds. ECP adds a prefetch area of min(E, N * k) slots tha
 measured in :class:`PrefetchCounts`.
 
 An expert moves as one block, w1 | w3 | w2 (:class:`ExpertBlocks`): a range of its layer's flat
-vector, or its blocks at 8 or 4 bits kept apart from it (kernels.quant). A device slot holds one
+vector, or its GGUF blocks kept apart from it (kernels.quant). A device slot holds one
 block. The runtime's tasks (exec.runtime: ``GPUFFN``, ``ExpertIn``, ``ExpertAhead``) say when;
 this module says which expert lies in which slot, and copies it there.
 """
@@ -57,7 +57,7 @@ class ExpertBlocks:
 
     def views(self, area: torch.Tensor, expert_of: dict[int, int]) -> Any:
         """What :func:`taskgraph.kernels.ops.experts` reads (``w13.{e}``, ``w2.{e}``) over an
-        area's slots (slot -> expert); blocks at 8 or 4 bits are dequantized as they are read."""
+        area's slots (slot -> expert); GGUF blocks are dequantized as they are read."""
         if self.quantized is not None:
             return QuantizedExperts(self.m, self.quantized, area,
                                     {e: slot for slot, e in expert_of.items()}, self.dtype)

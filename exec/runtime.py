@@ -178,7 +178,7 @@ class Runtime(FFNApart):
         self._host_views = [LayerView(self.m, flat, empty, small, dense)
                             for flat, small, dense in zip(self.w.layers, self.w.extras,
                                                           self.dense)]
-        # and each layer's experts there: in its flat vector, or at 8 or 4 bits apart from it
+        # and each layer's experts there: in its flat vector, or in GGUF blocks apart from it
         self._quantized = expert_format(self.m)
         self._host_experts = (self._host_views if self._quantized is None else
                               [QuantizedExperts(self.m, self._quantized, store,

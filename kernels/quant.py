@@ -186,9 +186,9 @@ def _scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of the last four in their high two; bytes 8-11 the last four's low nibbles."""
     import torch
 
-    d, m, low = packed.view(-1, 3, 4).unbind(1)
-    scales = torch.cat([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mins = torch.cat([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    first, second, low = packed.view(-1, 3, 4).unbind(1)      # bytes 0-3, 4-7, 8-11
+    scales = torch.cat([first & 0x3F, (low & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([second & 0x3F, (low >> 4) | ((second >> 2) & 0x30)], dim=-1)
     return scales.float(), mins.float()
 
 

@@ -125,7 +125,7 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     extras: list[dict[str, torch.Tensor]] | None = None
-    # Each MoE layer's experts at 8 or 4 bits (kernels.quant), [E, bytes] (None for a dense
+    # Each MoE layer's experts in GGUF blocks (kernels.quant), [E, bytes] (None for a dense
     # layer), where the model stores them so; else None and they lie in the layers' vectors.
     experts_q: list[torch.Tensor | None] | None = None
     head_bias: torch.Tensor | None = None        # the LM head's (lm_head_bias)

@@ -357,10 +357,10 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # their products at its FLOP rate. llama-bench of Phi-4 (14.66 B weights) on an EPYC 9554
     # (12 x DDR5-4800, 460.8 GB/s; 64 Zen 4 cores, 6.35 TFLOPS fp32 at base clock) at Q4_K_M,
     # Q5_0, Q6_K and Q8_0 (8.43, 9.87, 11.20, 14.51 GiB) ran 28.74, 25.44, 23.25 and 19.19
-    # tok/s: a straight line in the bytes, 2.65 ms a GB (82% of the datasheet bandwidth) plus
-    # 10.8 ms, which is the 29 GFLOP of the token's products at 2.7 TFLOPS. At tg's host
-    # figures (75% of the bandwidth, half the FLOP rate) the sum predicts each within 5%; the
-    # larger of the two, 15-33% too fast. Not fitted: no figure here comes from the runs it
+    # tok/s: a straight line in the bytes (least squares), 2.63 ms a GB (82% of the datasheet
+    # bandwidth) plus 11.2 ms, which is the 29 GFLOP of the token's products at 2.6 TFLOPS.
+    # Priced at tg's host figures (75% of the bandwidth, half the FLOP rate), the sum gives
+    # each within 5%; the larger of the two, 15-33% too fast. Not fitted: no figure here comes from the runs it
     # predicts (scenarios/small-batch/published.yaml).
     "llama.cpp": dict(
         name="llama.cpp", title="llama.cpp (ggml's CPU kernels: reads and arithmetic add)",

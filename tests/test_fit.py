@@ -129,6 +129,9 @@ def test_a_quantized_runs_unpacking_is_fitted_back():
     params = [p for p in free_parameters(cells) if "dequant" in p.name]
     assert [p.name for p in params] == ["llama.cpp kinds.CPUFFN.dequant_gweights",
                                         "llama.cpp kinds.GPUFFN.dequant_gweights"]
+    # a format in any case, the classes in any order: one precision
+    assert quantized(0, {"head": "Q6_K", "experts": "Q4_0"}).precision == {
+        "experts": "q4_0", "head": "q6_k"}
     truth = [40.0, 1e5]              # the GPU's: none to speak of
     machines, impls = profiles(params, np.array(truth))
     for c in cells:
@@ -145,6 +148,9 @@ def test_a_quantized_runs_unpacking_is_fitted_back():
 @pytest.mark.parametrize("precision, message", [
     ({"expert": "q4_0"}, "precision: 'expert' is no class of tensor"),
     ({"experts": "q4_z"}, "precision: experts: Unknown weight format 'q4_z'"),
+    ({"experts": True}, "precision: experts: true is no format"),
+    ({"experts": None}, "precision: experts: null is no format"),
+    ("q4_k", "precision: 'q4_k' is neither fp16, bf16 nor a mapping"),
 ])
 def test_a_cells_precision_names_classes_and_formats_tg_knows(tmp_path, capsys, precision,
                                                               message):

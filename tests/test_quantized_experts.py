@@ -47,6 +47,29 @@ def test_blocks_dequantize_as_llama_cpps_package_does(fmt):
     assert dequantize(raw[cut:], fmt, h, h_i, torch.float32).shape == (h, h_i)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_any_blocks_dequantize_as_llama_cpps_package_does(fmt):
+    """Blocks of random bytes, not only those tg's quantizer writes (Q6_K's negative
+    sub-block scales, MXFP4's subnormal exponents), the fp16 fields kept finite."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as theirs
+
+    from taskgraph.kernels.quant import block_of
+
+    weights, size = block_of(fmt)
+    raw = np.random.default_rng(1).integers(0, 256, (64, size), dtype=np.uint8)
+    halves = {"q8_0": (0,), "q4_0": (0,), "mxfp4": (), "q4_k": (0, 2), "q5_k": (0, 2),
+              "q6_k": (size - 2,)}[fmt]
+    for at in halves:             # an fp16 of exponent 0-29: finite, and no overflow
+        raw[:, at + 1] &= 0x77
+    if fmt == "mxfp4":            # exponents up to 2^31 (12 x 2^127 would overflow fp32)
+        raw[:, 0] %= 160
+        raw[:5, 0] = [0, 1, 2, 127, 159]
+    expected = theirs(raw, GGMLQuantizationType[fmt.upper()]).reshape(-1, weights)
+    mine = dequantize(torch.from_numpy(raw.reshape(-1)), fmt, 64, weights, torch.float32)
+    assert np.array_equal(mine.numpy(), expected)
+
+
 def test_more_bits_come_closer_to_the_weights():
     """A quantization, not a copy, and in the formats' known order of fidelity: Q8_0, then
     Q6_K, Q5_K, Q4_K (4.5 bits with a scale and a minimum per 32 weights) before Q4_0 (4.5

@@ -148,20 +148,31 @@ class Cell(Numbers):
             raise ValueError(f"{_quote(name)} is not a preset ({', '.join(table)})")
         return same[0]
 
-    @field_validator("precision")
+    @field_validator("precision", mode="before")
     @classmethod
     def _formats(cls, precision: Any) -> Any:
-        if not isinstance(precision, dict):
+        """fp16, bf16, or {class of tensor: format}, the formats' names lower-cased and the
+        classes in order (cells alike but in how they spell it are alike)."""
+        if precision is None or precision in ("fp16", "bf16"):
             return precision
+        classes = (*TENSOR_CLASSES, "kv_cache")
+        if not isinstance(precision, dict):
+            raise ValueError(f"{_quote(precision)} is neither fp16, bf16 nor a mapping of "
+                             "classes of tensor to their formats ({experts: q4_k})")
         for name, fmt in precision.items():
-            if name not in (*TENSOR_CLASSES, "kv_cache"):
-                raise ValueError(f"{_quote(name)} is no class of tensor "
-                                 f"({', '.join((*TENSOR_CLASSES, 'kv_cache'))})")
+            if name not in classes:
+                raise ValueError(f"{_quote(name)} is no class of tensor ({', '.join(classes)})")
+            if isinstance(fmt, bool) or not isinstance(fmt, (str, int, float)):
+                shown = ({True: "true", False: "false", None: "null"}[fmt]
+                         if fmt is None or isinstance(fmt, bool) else _quote(fmt))
+                raise ValueError(f"{name}: {shown} is no format (a name such as q4_k, or bits "
+                                 "per weight)")
             try:
                 bits(fmt)
             except TgError as err:
                 raise ValueError(f"{name}: {err}".rstrip(".")) from None
-        return precision
+        return {name: precision[name].lower() if isinstance(precision[name], str)
+                else precision[name] for name in classes if name in precision}
 
     @property
     def experts_quantized(self) -> bool:
