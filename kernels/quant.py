@@ -137,9 +137,7 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Bytes [n, g, b] as each row's low nibbles then its high ones, 32 values a row of the
     result: [n, 2gb / 32, 32]."""
-    import torch
-
-    return torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1, 32)
+    return _shifted(packed, [0, 4], 0x0F).reshape(packed.shape[0], -1, 32)
 
 
 def _shifted(packed: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
