@@ -215,12 +215,6 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: SharedBatc
         from taskgraph.exec.tensor import check_shardable
 
         check_shardable(m, plan.tp)
-        if (m.architecture != "mixtral" or m.dense_count or m.shared_experts
-                or m.attention != "gqa" or expert_format(m)):
-            raise TgError("tensor parallelism splits Mixtral's layers (every one an MoE layer "
-                          "of routed experts, grouped-query attention, weights in the model's "
-                          "dtype); this model runs on one GPU, or on several in pipeline or data "
-                          "parallel.")
     memory = memory_footprint(plan)
     warnings += check_fits(memory, plan.schedule.name)
     key = (scenario.model_dump_json(), schedule)

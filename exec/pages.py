@@ -52,8 +52,10 @@ def check_pages(plan: Plan, m: ModelSpec, pages: ByClass) -> None:
         layout = plan.layouts[dense]
         sections = {s.name: (s.offset, s.offset + s.size) for s in layer_sections(m, dense)}
         qkv, o = (tuple(name for name, _ in part) for part in attention_shapes(m))
+        # MLA's attention decompresses the cached values through uv (WeightLayout.sections)
+        attention = (*qkv, "uv") if m.attention == "mla" else qkv
         ffn = tuple(n for n in sections if n not in (*qkv, *o))
-        groups = {"qkv": qkv, "post": (*o, *ffn), "o": o, "all": tuple(sections),
+        groups = {"qkv": attention, "post": (*o, *ffn), "o": o, "all": tuple(sections),
                   # a dense layer's router task runs its MLP
                   "route": (*o, *ffn) if dense else (*o, "router"),
                   "shared": tuple(n for n in ffn if n.startswith("shared.")), "moe": ffn}

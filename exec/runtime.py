@@ -114,10 +114,10 @@ class Runtime(FFNApart):
         (an MoE layer, False; a dense one, True: ``self.dense[l]``), as is what this returns:
         how many elements of a layer of the class that is."""
         self.dense = [self.m.is_dense(l) for l in range(self.L)]
-        numel, self.cut, self.pages = layer_pages(self.plan, self.m, set(self.dense))
-        if shard is not None:          # tensor parallelism: Mixtral's layers, all alike
-            numel, self.cut, self.pages = ({False: self.w.layer_numel}, {False: shard.cut},
-                                           {False: shard.pages})
+        if shard is not None:          # tensor parallelism: a GPU's part of each page
+            numel, self.cut, self.pages = shard.numel, dict(shard.cut), dict(shard.pages)
+        else:
+            numel, self.cut, self.pages = layer_pages(self.plan, self.m, set(self.dense))
         check_pages(self.plan, self.m, self.pages)
         if self.zero_copy:
             self.cut, self.pages = dict(numel), {dense: [] for dense in numel}

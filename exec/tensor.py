@@ -3,8 +3,14 @@
 A GPU's shard is Megatron's: its block of query heads with their KV heads (column-parallel QKV,
 attention, the KV cache), the matching columns of the O projection (row-parallel: a partial sum),
 its columns of every expert's gate and up projections and rows of the down projection (a
-partial sum), its rows of the LM head (vocabulary-parallel); norms, router and embedding whole.
-So a shard is a Mixtral with n_q/n heads, n_kv/n KV heads and h_i/n expert width, and one
+partial sum), as of the shared experts' and a dense layer's MLP, its rows of the LM head
+(vocabulary-parallel); norms, router, the shared experts' gate and embedding whole. MLA
+(DeepSeek) splits its heads the same way: each head's rows of the Q and KV up-projections and
+its columns of O; the down-projections to the latents, and so the latent KV cache, are every
+GPU's whole (as vLLM and SGLang hold it). A bias after a row-parallel product (O's, gpt-oss's
+experts' down projections) is GPU 0's, so the sum holds it once.
+So a shard is the model with n_q/n heads, n_kv/n KV heads and h_i/n expert width (the shared
+experts' and the dense MLP's width split too), and one
 :class:`~taskgraph.exec.runtime.Runtime` runs it, with the parts only tensor parallelism has
 (``OProj``, ``MoE``, the partial LM head) added here.
 
@@ -25,10 +31,10 @@ import torch
 
 from taskgraph.dag.builder import Plan
 from taskgraph.errors import TgError
-from taskgraph.exec.pages import page_elements
+from taskgraph.exec.pages import ByClass, layer_pages, page_elements
 from taskgraph.exec.marks import runs
 from taskgraph.exec.runtime import Runtime
-from taskgraph.kernels.ops import experts, lm_head, rmsnorm, route
+from taskgraph.kernels.ops import attn_width, ffn, lm_head, norm, o_projection
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
 from taskgraph.specs import ModelSpec
@@ -36,21 +42,34 @@ from taskgraph.specs import ModelSpec
 
 @dataclass(frozen=True)
 class Shard:
-    """What a Runtime needs to run GPU `gpu`'s shard."""
+    """What a Runtime needs to run GPU `gpu`'s shard, per class of layer (an MoE layer, False;
+    a dense one, True)."""
 
     gpu: int
     model: ModelSpec
-    cut: int                           # first streamed element of the shard's layer
-    pages: list[tuple[int, int]]       # the shard's element range of each page
+    numel: ByClass                     # elements of the shard's layer
+    cut: ByClass                       # first streamed element of the shard's layer
+    pages: ByClass                     # the shard's element range of each page
 
 
 def check_shardable(m: ModelSpec, n: int) -> None:
-    if m.n_kv % n and n % m.n_kv:
+    if m.architecture == "olmoe":
+        raise TgError(
+            f"Tensor-parallel execution splits attention by head, and model.architecture = "
+            f"olmoe normalises all heads' Q and K at once (one RMSNorm over the whole Q), "
+            f"which no GPU's heads alone can compute; run OLMoE on one GPU, or on "
+            f"hardware.gpu.count = {n} in pipeline or data parallel.")
+    if m.attention != "mla" and m.n_kv % n and n % m.n_kv:
         raise TgError(
             f"Tensor-parallel execution splits model.n_kv = {m.n_kv} KV heads over "
             f"hardware.gpu.count = {n} GPUs: the count must divide them or be a multiple of "
             "them (each GPU a copy of one); choose another GPU count.")
-    for field, value in (("n_q", m.n_q), ("h_i", m.h_i), ("V", m.V)):
+    widths = [("n_q", m.n_q), ("h_i", m.h_i), ("V", m.V)]
+    if m.shared_experts:
+        widths.append(("shared_experts x model.h_shared", m.shared_experts * m.h_shared))
+    if m.dense_count:
+        widths.append(("h_dense", m.h_dense))
+    for field, value in widths:
         if value % n:
             raise TgError(
                 f"Tensor-parallel execution splits model.{field} = {value} evenly over "
@@ -58,41 +77,99 @@ def check_shardable(m: ModelSpec, n: int) -> None:
 
 
 def shard_model(m: ModelSpec, n: int) -> ModelSpec:
-    return m.model_copy(update={"n_q": m.n_q // n, "n_kv": max(m.n_kv // n, 1),
-                                "h_i": m.h_i // n, "head_dim": m.d})
+    """GPU's shard of `m` over `n` GPUs: its heads and its columns of every MLP."""
+    update = {"n_q": m.n_q // n, "h_i": m.h_i // n, "head_dim": m.d,
+              "n_kv": m.n_q // n if m.attention == "mla" else max(m.n_kv // n, 1)}
+    if m.shared_experts:      # the shared experts run as one MLP as wide as all of them
+        update.update(shared_experts=1, h_shared=m.shared_experts * m.h_shared // n)
+    if m.dense_count:
+        update["h_dense"] = m.h_dense // n
+    return m.model_copy(update=update)
 
 
-def shard_elements(m: ModelSpec, n: int, g: int) -> torch.Tensor:
+#: How each matrix of a layer is split (by its name without the expert's number, or the part
+#: after "shared." and "dense."): a block of rows (column-parallel), a block of columns
+#: (row-parallel); any other is every GPU's whole (the router, MLA's down-projections, the
+#: shared experts' gate).
+_ROWS = {"q", "k", "v", "q_b", "uk", "uv", "w1", "w3"}
+_COLUMNS = {"o", "w2"}
+
+
+def _part(name: str) -> str:
+    head, _, rest = name.partition(".")
+    return rest if head in ("shared", "dense") else head
+
+
+def shard_elements(m: ModelSpec, n: int, g: int, dense: bool = False) -> torch.Tensor:
     """Indices into the full layer's flat vector of GPU g's elements, in the full layer's
-    order (so increasing)."""
+    order (so increasing): an MoE layer's, or with `dense` a dense layer's."""
     parts = []
-    for s in layer_sections(m):
+    for s in layer_sections(m, dense):
         rows, cols = s.shape
         idx = torch.arange(s.offset, s.offset + s.size).view(rows, cols)
-        base = s.name.split(".")[0]
-        if base in ("k", "v") and n > m.n_kv:          # a copy of the KV head its queries use
+        part = _part(s.name)
+        if part in ("k", "v") and n > m.n_kv:          # a copy of the KV head its queries use
             head = g * m.n_kv // n
             parts.append(idx[head * m.d:(head + 1) * m.d])
-        elif base in ("q", "k", "v", "w1", "w3"):      # column-parallel: a block of rows
+        elif part in _ROWS:                             # column-parallel: a block of rows
             parts.append(idx[g * rows // n:(g + 1) * rows // n])
-        elif base in ("o", "w2"):                      # row-parallel: a block of columns
+        elif part in _COLUMNS:                          # row-parallel: a block of columns
             parts.append(idx[:, g * cols // n:(g + 1) * cols // n])
-        else:                                          # the router: every GPU's whole
+        else:
             parts.append(idx)
     return torch.cat([p.reshape(-1) for p in parts])
+
+
+def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """GPU g's part of a layer's small tensors (kernels.weights.extra_shapes): Q, K and V
+    biases and sinks by head, as their matrices; the experts' gate | up biases by column; a
+    bias added after a partial sum GPU 0's alone (zeros on the others); norms and the router's
+    biases whole."""
+    def block(t: torch.Tensor) -> torch.Tensor:
+        size = t.shape[-1] // n
+        return t[..., g * size:(g + 1) * size]
+
+    out = {}
+    for name, t in extras.items():
+        if name == "qkv_bias":
+            q, k, v = t.split([m.q_dim, m.h_kv, m.h_kv])
+            if n > m.n_kv:
+                head = slice(g * m.n_kv // n * m.d, (g * m.n_kv // n + 1) * m.d)
+                k, v = k[head], v[head]
+            else:
+                k, v = block(k), block(v)
+            out[name] = torch.cat([block(q), k, v])
+        elif name == "sinks":
+            out[name] = block(t)
+        elif name == "b13":
+            gate, up = t.chunk(2, dim=-1)
+            out[name] = torch.cat([block(gate), block(up)], dim=-1)
+        elif name in ("o_bias", "b2"):
+            out[name] = t if g == 0 else torch.zeros_like(t)
+        else:
+            out[name] = t
+    return out
 
 
 def make_shard(plan: Plan, weights: ModelWeights, g: int) -> tuple[Shard, ModelWeights]:
     """GPU g's shard of the plan's model: its spec, weights and page ranges."""
     m, n = plan.scenario.model, plan.tp
-    idx = shard_elements(m, n, g)
-    cut, pages = page_elements(plan.layout, weights.layer_numel, m.dtype_bytes)
-    at = lambda e: int(torch.searchsorted(idx, e))      # noqa: E731 - first shard element >= e
+    dense = [m.is_dense(l) for l in range(m.L)]
+    full, _, _ = layer_pages(plan, m, set(dense))
+    idx = {c: shard_elements(m, n, g, c) for c in full}
+    numel, cut, pages = {}, {}, {}
+    for c in full:
+        at = lambda e: int(torch.searchsorted(idx[c], e))   # noqa: E731 - first shard element >= e
+        first, ranges = page_elements(plan.layouts[c], full[c], m.dtype_bytes)
+        numel[c], cut[c], pages[c] = len(idx[c]), at(first), [(at(a), at(b)) for a, b in ranges]
     vocab = slice(g * m.V // n, (g + 1) * m.V // n)
-    shard_w = ModelWeights(shard_model(m, n), [flat[idx] for flat in weights.layers],
-                           weights.norms, weights.embed, weights.final_norm,
-                           weights.lm_head[vocab])
-    return (Shard(g, shard_w.model, at(cut), [(at(a), at(b)) for a, b in pages]), shard_w)
+    shard_w = ModelWeights(
+        shard_model(m, n), [flat[idx[c]] for flat, c in zip(weights.layers, dense)],
+        weights.norms, weights.embed, weights.final_norm, weights.lm_head[vocab],
+        [shard_extras(m, n, g, small) for small in weights.extras],
+        head_bias=None if weights.head_bias is None else weights.head_bias[vocab])
+    return Shard(g, shard_w.model, numel, cut, pages), shard_w
 
 
 class ShardRuntime(Runtime):
@@ -104,7 +181,7 @@ class ShardRuntime(Runtime):
         super().__init__(plan, weights, prompts, device, shard=shard, **kw)
         m, mu, dtype = self.m, self.mu, weights.embed.dtype
         rows = mu * self.P
-        self.attn_prefill = [torch.zeros(rows, m.q_dim, dtype=dtype, device=device)
+        self.attn_prefill = [torch.zeros(rows, attn_width(m), dtype=dtype, device=device)
                              for _ in range(self.n)]
         self.part = [torch.zeros(rows, m.h, dtype=dtype, device=device) for _ in range(self.n)]
         self.logit_part = [torch.zeros(mu, weights.lm_head.shape[0], dtype=dtype, device=device)
@@ -113,21 +190,20 @@ class ShardRuntime(Runtime):
     @runs("OProj")
     def _OProj(self, s: int, l: int, j: int) -> None:
         attn = self.attn_prefill[j] if s == 0 else self.attn[j]
-        out = attn @ self._view(s, l, j)["o"].T
+        out = o_projection(attn, self._view(s, l, j))
         self.part[j][:out.shape[0]].copy_(out)
 
     @runs("MoE")
     def _MoE(self, s: int, l: int, j: int) -> None:
         x = self._hidden(s, j)
-        normed = rmsnorm(x, self.norms[l][1], self.m.rms_norm_eps)
-        W = self._view(s, l, j)
-        out = experts(normed, *route(normed, W, self.m), W, self.m)
+        out = ffn(norm(x, self.norms[l][1], self.m.rms_norm_eps), self._view(s, l, j), self.m)
         self.part[j][:out.shape[0]].copy_(out)
 
     @runs("LMHead")
     def _LMHead_part(self, s: int, l: int, j: int) -> None:
         x = self._head_input(s, j)
-        self.logit_part[j].copy_(lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps))
+        self.logit_part[j].copy_(lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps,
+                                         self.head_bias))
 
     def partial(self, s: int, j: int) -> torch.Tensor:
         """The partial sum the last part left for micro-batch j (rows of the hidden state)."""

@@ -168,8 +168,20 @@ def KVOut(work: Any, tokens: Number, prefill: bool) -> Work:
     return Work(bytes=(1 - work.policy.r_c) * tokens * work.model.kv_bytes_per_token)
 
 
+def _latent_projections(work: Any, tokens: Number, prefill: bool) -> Work:
+    """MLA's projections down to the Q and KV latents: under tensor parallelism every GPU's
+    shard of attention runs them whole, since all its heads read both latents (and the KV
+    cache holds the latent whole on every GPU: ModelSpec.kv_split)."""
+    m = work.model
+    if m.attention != "mla":
+        return Work()
+    params = m.h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.h * (m.q_lora_rank or 0)
+    return Work(flops=2 * tokens * params, bytes=params * m.bits("attention") / 8)
+
+
 @kind("PreAttn", "RMSNorm + QKV projection on the GPU", "gpu",
-      reads=(Read(HIDDEN, layer=-1),), weights="qkv", colour="#6baed6")
+      reads=(Read(HIDDEN, layer=-1),), weights="qkv", replicated=_latent_projections,
+      colour="#6baed6")
 def PreAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, new = work.model, work.model.dtype_bytes, work.load.admitted
     mu = work.load.seqs + new
@@ -255,7 +267,8 @@ def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
 # --- FFN on the CPU (S5, EP): the GPU routes, the CPU runs the experts where their weights lie --
 
 @kind("PrefillAttn", "one layer's RMSNorm, QKV and causal attention over the prompt, on the GPU",
-      "gpu", reads=(Read(HIDDEN, layer=-1),), weights="qkv", fills="kv")
+      "gpu", reads=(Read(HIDDEN, layer=-1),), weights="qkv", fills="kv",
+      replicated=_latent_projections)
 def PrefillAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
     return Work(flops=2 * tokens * m.qkv_params

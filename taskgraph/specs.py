@@ -488,6 +488,11 @@ class ModelSpec(Spec):
         return self._stored(self.o_params, "attention")
 
     @property
+    def value_up_bytes(self) -> float:
+        """MLA's value half of the up-projection (the first part of o_params), stored."""
+        return self._stored(self.kv_lora_rank * self.n_q * self.v_head_dim, "attention")
+
+    @property
     def router_bytes(self) -> float:
         return self._stored(self.h * self.E, "router")
 

@@ -196,16 +196,70 @@ def test_a_family_the_executor_does_not_compute_is_refused(tmp_path):
                                       "precision": {"experts": "iq4_xs"}}), 64)
 
 
-def test_tensor_parallelism_refuses_what_its_shards_do_not_split():
-    """A Mixtral-named model with a shared expert or a dense layer is refused under tensor
-    parallelism (the shards would leave the shared expert out, or miss the dense layer)."""
-    from taskgraph import execute
+def _tp_run(folder, schedule, prompts, lens, r_w, gpus=2):
+    """The checkpoint on `gpus` GPUs in tensor parallel, every shard in this process."""
+    from taskgraph.exec.tensor import TensorParallel
 
-    for extra in ({"model.shared_experts": 1, "model.h_shared": 128},
-                  {"model.dense_layers": [0], "model.h_dense": 256}):
-        with pytest.raises(TgError, match="tensor parallelism splits Mixtral's layers"):
-            execute("scenarios/tiny.yaml", schedule="S1", overrides={
-                "hardware.gpu.count": 2, "workload.gen_len": 2, **extra})
+    sc = scenario_from_dict({
+        "model": {"hf_config": str(folder / "config.json"), "dtype_bytes": 4},
+        "hardware": {"preset": "t4", "gpu": {"count": gpus}},
+        "workload": {"prompt_len": prompts.shape[1], "gen_len": STEPS},
+        "policy": {"N": len(lens), "mu": 2, "A_g": int(schedule == "S4"), "F_g": 1,
+                   "r_w": r_w, "r_c": 0.0},
+        "schedule": schedule})
+    plan = make_plan(sc)
+    w = load_safetensors(folder, sc.model, torch.float32)
+    rt = TensorParallel(plan, w, prompts, torch.device("cpu"), prompt_lens=lens,
+                        record_logits=True)
+    run = execute(compile_plan(plan), rt)
+    assert not run.interrupted and run.failure is None, run.failure
+    return rt
+
+
+# S1 with a third of each layer resident: the pages' boundaries fall inside matrices (in
+# DeepSeek-V2's dense layer, inside the value up-projection its attention reads)
+@pytest.mark.parametrize("schedule,r_w", [("S1", 0.3), ("S3", 0.0), ("S4", 0.0)])
+def test_tensor_parallelism_computes_each_familys_tokens(checkpoint, schedule, r_w):
+    """Two GPUs, each its block of heads and of every MLP's columns (the shared experts' and
+    the dense layers' too), biases after a partial sum once, norms and routers whole, MLA's
+    latents whole on each: transformers' tokens and logits. OLMoE, whose Q/K norm spans every
+    head, is refused naming why."""
+    folder, prompts, lens, expected = checkpoint
+    if folder.name.startswith("olmoe"):
+        with pytest.raises(TgError, match="olmoe normalises all heads' Q and K at once"):
+            _tp_run(folder, schedule, prompts, lens, r_w)
+        return
+    rt = _tp_run(folder, schedule, prompts, lens, r_w)
+    tokens, step_logits = rt.outputs()[0], rt.shards[0].step_logits
+    for i, (hf_tokens, hf_logits) in enumerate(expected):
+        assert tokens[i].tolist() == hf_tokens.tolist(), f"request {i} ({lens[i]} tokens)"
+        torch.testing.assert_close(step_logits[i], hf_logits, rtol=0, atol=2e-4)
+
+
+def test_the_shards_partition_each_familys_split_matrices(checkpoint):
+    """Over 2 GPUs, every matrix of every class of layer is split into disjoint halves, but
+    for those each GPU holds whole (routers, MLA's down-projections, the shared experts'
+    gate), and each shard's flat layer is the shard model's layout."""
+    from taskgraph.exec.tensor import shard_elements, shard_model
+    from taskgraph.kernels.weights import layer_sections
+    from taskgraph.model_files import model_from_hf_config
+    from taskgraph.specs import ModelSpec
+
+    m = ModelSpec.model_validate(model_from_hf_config(checkpoint[0] / "config.json"))
+    whole = {"router", "kv_a", "q_a", "shared.gate"}
+    for dense in sorted({m.is_dense(l) for l in range(m.L)}):
+        shards = [set(shard_elements(m, 2, g, dense).tolist()) for g in range(2)]
+        for s in layer_sections(m, dense):
+            cells = set(range(s.offset, s.offset + s.size))
+            held = [cells & sh for sh in shards]
+            if s.name in whole:
+                assert all(h == cells for h in held), s.name
+            elif s.name in ("k", "v") and m.n_kv < 2:
+                assert all(len(h) == len(cells) for h in held), s.name
+            else:
+                assert not held[0] & held[1] and set.union(*held) == cells, s.name
+        part = layer_sections(shard_model(m, 2), dense)
+        assert all(len(sh) == part[-1].offset + part[-1].size for sh in shards)
 
 
 def test_a_checkpoint_stored_in_fp8_is_refused(checkpoint, tmp_path):

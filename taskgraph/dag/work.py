@@ -79,7 +79,11 @@ class WeightLayout:
         qkv, o = m.qkv_bytes, m.qkv_bytes + m.o_bytes
         route = end if self.dense else o + m.router_bytes
         shared = route if self.dense else route + m.shared_bytes
-        return {"qkv": (0, qkv), "post": (qkv, end), "route": (qkv, route), "o": (qkv, o),
+        # MLA: attention computed as tg's executor computes it (and transformers) projects the
+        # cached latents to values through the up-projection's value half, the first of the
+        # 'o' bytes: the tasks that wait for 'qkv' wait for it too.
+        attention = qkv + (m.value_up_bytes if m.attention == "mla" else 0.0)
+        return {"qkv": (0, attention), "post": (qkv, end), "route": (qkv, route), "o": (qkv, o),
                 "shared": (route, shared), "moe": (o, end), "all": (0, end)}
 
     def _pages_of(self, section: str) -> range:
