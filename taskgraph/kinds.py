@@ -100,6 +100,9 @@ class Kind:
     collective: str | None = None
     replicated: Callable[[Any, Number, bool], Work] | None = None
     tp_only: bool = False
+    # Its bytes are the KV cache's: a GPU moves its heads' share of it (ModelSpec.kv_copies),
+    # a whole copy past the KV heads or of MLA's latent, not 1/n.
+    cache_bytes: bool = False
     # Whether a layer of a model has this task (None: every layer of every model): a dense
     # layer has no experts to route, copy or run, a model without shared experts no SharedFFN.
     where: Callable[[Any, int], bool] | None = None
@@ -162,7 +165,7 @@ def Prefill(work: Any, tokens: Number, prefill: bool) -> Work:
 
 @kind("KVOut", "new K,V of a micro-batch, GPU -> CPU (the whole prompt's in prefill, one "
       "token's in decode)", "d2h", reads=(Read(("GPUAttn", "PrefillAttn", "Prefill")),),
-      reads_slots=("kv",), colour="#bcbddc")
+      reads_slots=("kv",), cache_bytes=True, colour="#bcbddc")
 def KVOut(work: Any, tokens: Number, prefill: bool) -> Work:
     # only the part of the cache not kept on the GPU (r_c) goes to the host
     return Work(bytes=(1 - work.policy.r_c) * tokens * work.model.kv_bytes_per_token)
@@ -173,9 +176,7 @@ def _latent_projections(work: Any, tokens: Number, prefill: bool) -> Work:
     shard of attention runs them whole, since all its heads read both latents (and the KV
     cache holds the latent whole on every GPU: ModelSpec.kv_split)."""
     m = work.model
-    if m.attention != "mla":
-        return Work()
-    params = m.h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.h * (m.q_lora_rank or 0)
+    params = m.latent_projection_params
     return Work(flops=2 * tokens * params, bytes=params * m.bits("attention") / 8)
 
 

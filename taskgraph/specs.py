@@ -520,6 +520,22 @@ class ModelSpec(Spec):
         return self.qkv_bytes + self.o_bytes + self.dense_bytes
 
     @property
+    def latent_projection_params(self) -> int:
+        """MLA's projections down to the Q and KV latents (none without MLA)."""
+        if self.attention != "mla":
+            return 0
+        return self.h * (self.kv_lora_rank + self.qk_rope_head_dim + (self.q_lora_rank or 0))
+
+    def whole_on_every_gpu_bytes(self, dense: bool) -> float:
+        """A layer's weights that each GPU's shard holds whole under tensor parallelism, not
+        split: MLA's latent projections, which all its heads read, and an MoE layer's router
+        and shared experts' gate."""
+        latent = self._stored(self.latent_projection_params, "attention")
+        if dense:
+            return latent
+        return latent + self.router_bytes + self._stored(self.h * self.shared_gate, "shared")
+
+    @property
     def layers_bytes(self) -> float:
         """Every layer's weights."""
         return self.moe_layers * self.layer_bytes + self.dense_count * self.dense_layer_bytes

@@ -239,7 +239,8 @@ def test_tensor_parallelism_computes_each_familys_tokens(checkpoint, schedule, r
 def test_the_shards_partition_each_familys_split_matrices(checkpoint):
     """Over 2 GPUs, every matrix of every class of layer is split into disjoint halves, but
     for those each GPU holds whole (routers, MLA's down-projections, the shared experts'
-    gate), and each shard's flat layer is the shard model's layout."""
+    gate), which the memory model counts on each GPU; and each shard's flat layer is the
+    shard model's layout."""
     from taskgraph.exec.tensor import shard_elements, shard_model
     from taskgraph.kernels.weights import layer_sections
     from taskgraph.model_files import model_from_hf_config
@@ -249,7 +250,10 @@ def test_the_shards_partition_each_familys_split_matrices(checkpoint):
     whole = {"router", "kv_a", "q_a", "shared.gate"}
     for dense in sorted({m.is_dense(l) for l in range(m.L)}):
         shards = [set(shard_elements(m, 2, g, dense).tolist()) for g in range(2)]
+        twice = 0                           # elements both GPUs hold, but K,V head copies
         for s in layer_sections(m, dense):
+            if s.name not in ("k", "v"):
+                twice += len(set(range(s.offset, s.offset + s.size)) & shards[0] & shards[1])
             cells = set(range(s.offset, s.offset + s.size))
             held = [cells & sh for sh in shards]
             if s.name in whole:
@@ -260,6 +264,7 @@ def test_the_shards_partition_each_familys_split_matrices(checkpoint):
                 assert not held[0] & held[1] and set.union(*held) == cells, s.name
         part = layer_sections(shard_model(m, 2), dense)
         assert all(len(sh) == part[-1].offset + part[-1].size for sh in shards)
+        assert twice * m.dtype_bytes == m.whole_on_every_gpu_bytes(dense)
 
 
 def test_a_checkpoint_stored_in_fp8_is_refused(checkpoint, tmp_path):

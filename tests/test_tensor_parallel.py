@@ -71,8 +71,12 @@ def test_shards_split_every_gpu_task_and_the_hosts_work_for_it_evenly(schedule, 
                      "bytes": (gpus - 1) * m.router_bytes if split > 1 else 0.0}
             if split == 3:
                 extra["bytes"] += 2 * m.dtype_bytes * m.q_dim * tokens
-            # more GPUs than tiny's 2 KV heads: each reads a copy of its head's cache
-            extra["bytes_per_ctx"] = whole["bytes_per_ctx"] * (max(gpus / m.n_kv, 1) - 1)
+            # more GPUs than tiny's 2 KV heads: each reads a copy of its head's cache, and
+            # sends its copy of the new K,V to its host
+            more = max(gpus / m.n_kv, 1) - 1
+            extra["bytes_per_ctx"] = whole["bytes_per_ctx"] * more
+            if whole["kind"] == "KVOut":
+                extra["bytes"] = whole["bytes"] * more
             for field in ("flops", "flops_per_ctx", "bytes", "bytes_per_ctx"):
                 want = whole[field] + extra.get(field, 0.0)
                 assert sum(p[field] for p in parts) == pytest.approx(want, rel=1e-12)
@@ -289,8 +293,31 @@ def test_gpus_past_the_kv_heads_each_hold_and_read_a_copy(model, copies):
         plan = make_plan(sc)
         attention = plan.work.of("GPUAttn")
         kv = memory_footprint(plan).gpu["KV cache on GPU (r_c)"]
-        return attention.bytes_per_ctx, kv
+        return attention.bytes_per_ctx, kv, plan.work.of("KVOut", prefill=True).bytes
 
-    (read1, kv1), (read4, kv4) = priced(1), priced(4)
+    (read1, kv1, out1), (read4, kv4, out4) = priced(1), priced(4)
     assert read4 == pytest.approx(read1 * copies / 4)
     assert kv4 == pytest.approx(kv1 * copies)
+    assert out4 == pytest.approx(out1 * copies / 4)       # each GPU's copy to its host
+
+
+def test_each_gpu_counts_what_its_shard_holds_whole():
+    """DeepSeek-V3 on four GPUs in tensor parallel, every layer resident: each GPU holds the
+    latent projections and routers whole (tests/test_families.py checks which elements the
+    executor's shards hold twice), so the GPUs together hold three more copies of them than
+    one GPU does, and no more of anything else."""
+    from taskgraph.perf.memory import memory_footprint
+
+    def weights(gpus):
+        sc = tiny(model="deepseek-v3", schedule="S4", policy={"N": 8, "mu": 2, "r_w": 1.0,
+                                                              "A_g": 1},
+                  hardware={"preset": "t4", "gpu": {"count": gpus, "memory_gb": 4000}})
+        return sc.model, memory_footprint(make_plan(sc)).gpu
+
+    m, one = weights(1)
+    _, four = weights(4)
+    per_copy = (m.moe_layers * m.whole_on_every_gpu_bytes(False)
+                + m.dense_count * m.whole_on_every_gpu_bytes(True))
+    assert per_copy > 0.5e9                   # 61 layers' latent projections: about 1.9 GB
+    assert four["weights every GPU holds whole"] == pytest.approx(3 * per_copy)
+    assert four["resident weights (r_w)"] == one["resident weights (r_w)"]

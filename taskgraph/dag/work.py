@@ -170,8 +170,10 @@ class TaskWork:
         # what is read per token of context is the KV cache: a GPU past the KV heads (or any,
         # for MLA's latent) reads a copy of its heads' part, not 1/n of it
         kv_share = self.model.kv_copies(n) / n
+        byte_share = kv_share if record.cache_bytes else 1 / n
         return Work((work.flops - whole.flops) / n + whole.flops, work.flops_per_ctx / n,
-                    (work.bytes - whole.bytes) / n + whole.bytes, work.bytes_per_ctx * kv_share)
+                    (work.bytes - whole.bytes) * byte_share + whole.bytes,
+                    work.bytes_per_ctx * kv_share)
 
     # What the FFN's kinds ask.
     def ffn(self, tokens: Number) -> Work:

@@ -97,6 +97,13 @@ def memory_items(sc, schedule, N, mu, r_w, r_c, n_pages):
         "hidden states (N sequences)": 2 * b * N * m.h,
         **_experts_on_gpu(sc, schedule, N, mu),
     }
+    if schedule.parallel == "tensor" and sc.hardware.gpu.count > 1:
+        # what each shard holds whole: every GPU past the first holds another copy, resident
+        # (r_w) and in its double buffer
+        whole = [(n, m.whole_on_every_gpu_bytes(dense))
+                 for (n, _), dense in zip(extents, (False, True))]
+        gpu["weights every GPU holds whole"] = (sc.hardware.gpu.count - 1) * (
+            sum(r_w * n * e for n, e in whole) + 2 * (1 - r_w) * max(e for _, e in whole))
     if schedule.attention == "gpu":
         gpu["KV cache on GPU (r_c)"] = r_c * kv_all * kv_copies
         gpu["KV slots"] = float(schedule.kv_slots * mu * _longest(m, context)
