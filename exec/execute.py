@@ -19,7 +19,6 @@ from taskgraph.exec.batches import (Batch, Inputs, SharedBatches, batch_of, inpu
 from taskgraph.exec.loading import (check_computable, check_host_memory, kept_synthetic_weights,
                                     need_torch, pick_device, torch_dtype)
 from taskgraph.exec.result import Batches, Execution, Measurements
-from taskgraph.kernels.quant import expert_format
 from taskgraph.perf.memory import check_fits, memory_footprint
 from taskgraph.sim.metrics import summarize
 from taskgraph.specs import ModelSpec, Scenario
@@ -207,10 +206,6 @@ def _plan(scenario: Scenario, schedule: str | None, dev: str, shared: SharedBatc
     check_computable(m, scenario.workload.context_prompt + scenario.workload.gen_len)
     dtype, warnings = torch_dtype(torch, m, dev)
     plan = make_plan(scenario, schedule)
-    if expert_format(m) and not plan.schedule.experts_on_host:
-        raise TgError(f"model.precision.experts = {m.precision.experts}: tg execute keeps "
-                      "quantized experts apart from their layer, as S5, EP, EC and ECP do; "
-                      f"{plan.schedule.name} streams them with the layer's other weights.")
     if plan.tp > 1:
         from taskgraph.exec.tensor import check_shardable
 

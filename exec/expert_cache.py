@@ -44,7 +44,7 @@ class ExpertBlocks:
     def host(self, l: int, e: int) -> torch.Tensor:
         """Expert e of layer l in host memory."""
         if self.quantized is not None:
-            return self.w.experts_q[l][e]
+            return self.w.blocks(l)[e]
         a = self.offset[e]
         return self.w.layers[l][a:a + self.numel]
 

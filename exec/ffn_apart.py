@@ -109,7 +109,7 @@ class FFNApart:
         only = self.placed.on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
-            self._host_experts[l], self.m, only, expert_biases(self._host_views[l])))
+            self._host_views[l], self.m, only, expert_biases(self._host_views[l])))
 
     @runs("D6")
     def _D6(self, s: int, l: int, j: int) -> None:
@@ -148,7 +148,7 @@ class FFNApart:
         n = min(p.experts_gpu, m.E)
         if sched.ffn == "split":
             self.placed = PlacedExperts(self._moe_rows(self.plan.held), blocks,
-                                        self._host_experts, self.zero_copy)
+                                        self._host_views, self.zero_copy)
             self.ffn_gpu = [self._dev(self.mu * self.P, m.h) for _ in range(self.n)]
         else:
             self.cache = CachedExperts(
@@ -192,7 +192,7 @@ class FFNApart:
             return
         x = self._hidden(s, j)
         if self.cache.pool is None:                     # zero copy: where they lie
-            x += self._with_shared(j, T, experts(normed, ids, gates, self._host_experts[l],
+            x += self._with_shared(j, T, experts(normed, ids, gates, self._host_views[l],
                                                  self.m, None,
                                                  expert_biases(self._host_views[l])))
             return

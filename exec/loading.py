@@ -148,7 +148,8 @@ def check_computable(m: ModelSpec, context: int) -> None:
                           f"{' and '.join(families)} layers only, as transformers has it "
                           "there (other families' biases and norms come with their "
                           "architecture).")
-    block = block_of(expert_format(m))[0] if expert_format(m) else 1
+    fmt = expert_format(m)
+    block = block_of(fmt)[0] if fmt else 1
     if m.h % block or m.h_i % block:
         raise TgError(f"model.precision.experts = {m.precision.experts}: its blocks hold "
                       f"{block} weights of a row, and the experts' rows are h = {m.h} and "

@@ -30,7 +30,7 @@ from taskgraph.exec.pages import check_pages, layer_pages
 from taskgraph.kernels.ops import (LayerView, Rope, attn_width, decode_attention, decode_mask,
                                    kv_shape, lm_head, post_attention, pre_attention,
                                    prefill_layer, qkv_widths, rotate_qkv, split_qkv)
-from taskgraph.kernels.quant import QuantizedExperts, expert_format
+from taskgraph.kernels.quant import expert_format
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.kinds import HOST_DEVICE_COPIES, PAGED, SENDS
 
@@ -158,9 +158,6 @@ class Runtime(FFNApart):
             for l, flat in enumerate(self.w.layers):
                 if not flat.is_pinned():
                     self.w.layers[l] = flat.pin_memory()
-            for l, store in enumerate(self.w.experts_q or ()):
-                if store is not None and not store.is_pinned():
-                    self.w.experts_q[l] = store.pin_memory()
         self.resident = [flat[:self.cut[dense]].to(self.device)
                          for flat, dense in zip(self.w.layers, self.dense)]
         streamed = max(numel[dense] - self.cut[dense] for dense in numel)   # the largest layer's
@@ -178,12 +175,7 @@ class Runtime(FFNApart):
         self._host_views = [LayerView(self.m, flat, empty, small, dense)
                             for flat, small, dense in zip(self.w.layers, self.w.extras,
                                                           self.dense)]
-        # and each layer's experts there: in its flat vector, or in GGUF blocks apart from it
         self._quantized = expert_format(self.m)
-        self._host_experts = (self._host_views if self._quantized is None else
-                              [QuantizedExperts(self.m, self._quantized, store,
-                                                {e: e for e in range(self.m.E)}, self.dtype)
-                               if store is not None else None for store in self.w.experts_q])
         self.embed = self.w.embed.to(self.device)
         self.final_norm = self.w.final_norm.to(self.device)
         self.head = self.w.lm_head.to(self.device)

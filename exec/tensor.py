@@ -35,6 +35,7 @@ from taskgraph.exec.pages import ByClass, layer_pages, page_elements
 from taskgraph.exec.marks import runs
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.ops import attn_width, ffn, lm_head, norm, o_projection
+from taskgraph.kernels.quant import expert_format
 from taskgraph.kernels.weights import ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
 from taskgraph.specs import ModelSpec
@@ -59,6 +60,11 @@ def check_shardable(m: ModelSpec, n: int) -> None:
             f"olmoe normalises all heads' Q and K at once (one RMSNorm over the whole Q), "
             f"which no GPU's heads alone can compute; run OLMoE on one GPU, or on "
             f"hardware.gpu.count = {n} in pipeline or data parallel.")
+    if expert_format(m):
+        raise TgError(
+            f"Tensor-parallel execution splits each expert's rows, and model.precision.experts "
+            f"= {m.precision.experts} stores them in blocks tg does not split; run quantized "
+            f"experts on one GPU, or on hardware.gpu.count = {n} in pipeline or data parallel.")
     if m.attention != "mla" and m.n_kv % n and n % m.n_kv:
         raise TgError(
             f"Tensor-parallel execution splits model.n_kv = {m.n_kv} KV heads over "

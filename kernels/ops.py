@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from taskgraph.errors import TgError
-from taskgraph.kernels.quant import expert_format
-from taskgraph.kernels.weights import Section, layer_sections
+from taskgraph.kernels.quant import dequantize_part, expert_format, expert_nbytes
+from taskgraph.kernels.weights import QUANTIZED, Section, layer_sections
 from taskgraph.specs import ModelSpec
 
 
@@ -44,7 +44,8 @@ class LayerView:
     stacked) are views too, since they lie next to each other in the flat order: one matmul
     each instead of three and two. A view is made once and kept (the buffers never move; what
     streams in overwrites them in place); a matrix straddling the two buffers is stitched anew
-    on every read."""
+    on every read. Experts in GGUF blocks are dequantized on every read, where the buffer
+    holding their blocks lies (the blocks in it are overwritten as the layer streams)."""
 
     def __init__(self, model: ModelSpec, resident: torch.Tensor, streamed: torch.Tensor,
                  extras: dict[str, torch.Tensor] | None = None, dense: bool = False):
@@ -55,11 +56,16 @@ class LayerView:
         # a family's small per-layer tensors (biases, q/k norms), always where the layer runs
         self.extras = extras or {}
         self._views: dict[str, torch.Tensor] = dict(self.extras)
+        self._format = None if dense else expert_format(model)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         view = self._views.get(name)
         if view is not None:
             return view
+        if self._format and name.startswith(("w13.", "w2.")):
+            part, e = name.split(".")
+            raw = self[f"q.{e}"].view(-1).view(torch.uint8)[:expert_nbytes(self.m, self._format)]
+            return dequantize_part(raw, part, self.m, self._format, self.resident.dtype)
         s: Section = self._sections[name]
         a, b = s.offset, s.offset + s.size
         if a < self.cut < b:
@@ -71,10 +77,11 @@ class LayerView:
 
 def _sections(m: ModelSpec, dense: bool = False) -> dict[str, Section]:
     """Every matrix of a layer by name, plus the stacked ``qkv``, ``w13.{e}`` (and a dense
-    layer's ``dense.w13``, the shared experts' ``shared.w13``)."""
+    layer's ``dense.w13``, the shared experts' ``shared.w13``); experts in blocks, each one's
+    row of them, ``q.{e}``."""
     key = (m.h, m.h_i, m.q_dim, m.h_kv, m.E, m.shared_experts, m.h_shared, m.shared_gate,
            dense and m.h_dense, m.attention, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-           m.qk_rope_head_dim, m.v_head_dim, expert_format(m))
+           m.qk_rope_head_dim, m.v_head_dim, expert_format(m), m.dtype_bytes)
     table = _SECTION_CACHE.get(key)
     if table is None:
         table = {s.name: s for s in layer_sections(m, dense)}
@@ -85,8 +92,12 @@ def _sections(m: ModelSpec, dense: bool = False) -> dict[str, Section]:
                                          table["dense.w1"].offset)
             _SECTION_CACHE[key] = table
             return table
-        for e in range(m.E) if "w1.0" in table else ():     # experts apart: kernels.quant
+        for e in range(m.E) if "w1.0" in table else ():
             table[f"w13.{e}"] = Section(f"w13.{e}", (2 * m.h_i, m.h), table[f"w1.{e}"].offset)
+        blocks = table.get(QUANTIZED)
+        for e in range(m.E) if blocks else ():
+            row = blocks.shape[1]
+            table[f"q.{e}"] = Section(f"q.{e}", (1, row), blocks.offset + e * row)
         if m.shared_experts:
             width = m.shared_experts * m.h_shared
             table["shared.w13"] = Section("shared.w13", (2 * width, m.h),

@@ -16,6 +16,9 @@ Every format cuts a row into blocks and stores each block's weights with its own
 
 An expert is its w1, w3 and w2 rows in blocks, one byte string, so a copy of an expert moves
 exactly the bytes the cost model counts for it (ModelSpec.expert_bytes at the format's bits).
+A layer's experts lie where 16-bit ones would, at the end of its flat vector, their bytes
+filling elements of the model's dtype, so the schedules that stream a layer in pages stream
+them as they stream the rest.
 Block sizes are llama.cpp's own gguf package's (``GGML_QUANT_SIZES``). Weights are quantized
 with that package where it can (Q8_0, Q4_0, MXFP4); it only reads the K-quants, so those are
 quantized here with plain rounding (not llama.cpp's search for the best scales: the blocks are
@@ -96,6 +99,26 @@ def dequantize(raw: torch.Tensor, fmt: str, rows: int, cols: int, dtype: torch.d
     return _DEQUANTIZERS[fmt](blocks).to(dtype).view(rows, cols)
 
 
+def expert_elements(m: ModelSpec, fmt: str) -> int:
+    """The elements of the model's dtype one expert's blocks fill in a layer's flat vector.
+    A whole number: h and h_i are whole blocks of 32 or more weights (the executor refuses
+    others), so each of w1, w3 and w2 is 32 or more rows of whole blocks, a multiple of 32
+    bytes."""
+    return expert_nbytes(m, fmt) // m.dtype_bytes
+
+
+def dequantize_part(raw: torch.Tensor, part: str, m: ModelSpec, fmt: str, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """An expert's stacked gate | up (``w13``) or its down projection (``w2``) from its
+    blocks (`raw`, uint8: w1 | w3 | w2), in `dtype`, where `raw` lies."""
+    cut = 2 * m.h_i * row_bytes(fmt, m.h)
+    if part == "w13":
+        return dequantize(raw[:cut], fmt, 2 * m.h_i, m.h, dtype)
+    if part == "w2":
+        return dequantize(raw[cut:], fmt, m.h, m.h_i, dtype)
+    raise KeyError(part)
+
+
 class QuantizedExperts(Mapping):
     """What :func:`taskgraph.kernels.ops.experts` reads (``w13.{e}``, ``w2.{e}``) over experts
     stored in blocks: `store` [slots, nbytes] (uint8) holding expert `e` in slot `slot_of[e]`;
@@ -104,17 +127,11 @@ class QuantizedExperts(Mapping):
     def __init__(self, m: ModelSpec, fmt: str, store: torch.Tensor, slot_of: dict[int, int],
                  dtype: torch.dtype):
         self.m, self.fmt, self.store, self.slot_of, self.dtype = m, fmt, store, slot_of, dtype
-        self._cut = 2 * m.h_i * row_bytes(fmt, m.h)                 # w1 | w3, then w2
 
     def __getitem__(self, name: str) -> torch.Tensor:
         part, e = name.split(".")
-        raw = self.store[self.slot_of[int(e)]]
-        m = self.m
-        if part == "w13":
-            return dequantize(raw[:self._cut], self.fmt, 2 * m.h_i, m.h, self.dtype)
-        if part == "w2":
-            return dequantize(raw[self._cut:], self.fmt, m.h, m.h_i, self.dtype)
-        raise KeyError(name)
+        return dequantize_part(self.store[self.slot_of[int(e)]], part, self.m, self.fmt,
+                               self.dtype)
 
     def __iter__(self) -> Iterator[str]:
         for e in self.slot_of:

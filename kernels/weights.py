@@ -20,7 +20,7 @@ import torch
 
 from taskgraph.errors import TgError
 from taskgraph.files import note_input, read_json
-from taskgraph.kernels.quant import expert_format, quantize_expert
+from taskgraph.kernels.quant import expert_elements, expert_format, quantize_expert
 from taskgraph.specs import ModelSpec
 
 
@@ -66,11 +66,17 @@ def layer_sections(m: ModelSpec, dense: bool = False) -> list[Section]:
         shapes += [("shared.w1", (width, m.h)), ("shared.w3", (width, m.h)),
                    ("shared.w2", (m.h, width))] + ([("shared.gate", (1, m.h))]
                                                    if m.shared_gate else [])
-    if expert_format(m):     # the experts lie apart, in blocks (ModelWeights.experts_q)
-        return _laid_out(shapes)
+    fmt = expert_format(m)
+    if fmt:     # every expert's blocks, filling elements of the dtype (ModelWeights.blocks)
+        return _laid_out(shapes + [(QUANTIZED, (m.E, expert_elements(m, fmt)))])
     for e in range(m.E):
         shapes += [(f"w1.{e}", (m.h_i, m.h)), (f"w3.{e}", (m.h_i, m.h)), (f"w2.{e}", (m.h, m.h_i))]
     return _laid_out(shapes)
+
+
+#: The section of an MoE layer's flat vector holding its experts' GGUF blocks (kernels.quant),
+#: one row an expert, where the model stores them so.
+QUANTIZED = "experts.q"
 
 
 def _laid_out(shapes: list[tuple[str, tuple[int, int]]]) -> list[Section]:
@@ -125,35 +131,39 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     extras: list[dict[str, torch.Tensor]] | None = None
-    # Each MoE layer's experts in GGUF blocks (kernels.quant), [E, bytes] (None for a dense
-    # layer), where the model stores them so; else None and they lie in the layers' vectors.
-    experts_q: list[torch.Tensor | None] | None = None
     head_bias: torch.Tensor | None = None        # the LM head's (lm_head_bias)
 
     def __post_init__(self) -> None:
         if self.extras is None:
             self.extras = [{} for _ in self.layers]
 
+    def blocks(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s experts in GGUF blocks, [E, bytes] (uint8), a view of its flat
+        vector; None for a dense layer or a model whose experts are in its dtype."""
+        if not expert_format(self.model) or self.model.is_dense(layer):
+            return None
+        return _blocks(self.layers[layer], self.model)
+
     def dequantized(self) -> "ModelWeights":
         """The same weights with the experts dequantized back into each layer's vector, for a
         model that keeps them in its dtype: what a reference run computes with."""
-        if self.experts_q is None:
+        fmt = expert_format(self.model)
+        if fmt is None:
             return self
-        from taskgraph.kernels.quant import QuantizedExperts
+        from taskgraph.kernels.quant import dequantize_part
 
         m = self.model.model_copy(update={"precision": self.model.precision.model_copy(
             update={"experts": None})})
-        fmt, layers = expert_format(self.model), []
-        for l, (flat, store) in enumerate(zip(self.layers, self.experts_q)):
-            if store is None:
+        layers = []
+        for l, flat in enumerate(self.layers):
+            blocks = self.blocks(l)
+            if blocks is None:
                 layers.append(flat)
                 continue
-            read = QuantizedExperts(self.model, fmt, store, {e: e for e in range(m.E)},
-                                    flat.dtype)
-            parts = [flat]
-            for e in range(m.E):
-                w13 = read[f"w13.{e}"]
-                parts += [w13.reshape(-1), read[f"w2.{e}"].reshape(-1)]
+            parts = [flat[:_quantized_section(self.model).offset]]
+            for raw in blocks:
+                parts += [dequantize_part(raw, part, self.model, fmt, flat.dtype).reshape(-1)
+                          for part in ("w13", "w2")]
             layers.append(torch.cat(parts))
         return ModelWeights(m, layers, self.norms, self.embed, self.final_norm, self.lm_head,
                             self.extras, head_bias=self.head_bias)
@@ -173,13 +183,16 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
         numel = sections[-1].offset + sections[-1].size
         flat = torch.empty(numel, dtype=torch.float32)
         for s in sections:
+            if s.name == QUANTIZED:
+                continue                   # bytes, written once the layer is in its dtype
             fan_in = s.shape[1]
             flat[s.offset:s.offset + s.size] = torch.randn(s.size, generator=g) / fan_in ** 0.5
         layers.append(flat.to(dtype))
-    experts_q = None
-    if expert_format(m):
-        experts_q = [None if m.is_dense(l) else _quantized(m, lambda e, part, shape: torch.randn(
-            shape, generator=g) / shape[1] ** 0.5) for l in range(m.L)]
+    if expert_format(m):     # after every layer's other weights, as they were always drawn
+        for l in range(m.L):
+            if not m.is_dense(l):
+                _blocks(layers[l], m).copy_(_quantized(m, lambda e, part, shape: torch.randn(
+                    shape, generator=g) / shape[1] ** 0.5))
     norm_shape = (2, m.h) if layer_norms(m) else (m.h,)     # LayerNorm: weight and bias
     norms = [(1 + 0.1 * torch.randn(norm_shape, generator=g),
               1 + 0.1 * torch.randn(norm_shape, generator=g)) for _ in range(m.L)]
@@ -198,13 +211,26 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
     return ModelWeights(
         model=m, layers=layers, norms=[(a.to(dtype), b.to(dtype)) for a, b in norms],
         embed=embed, final_norm=final_norm,
-        lm_head=embed if m.tie_word_embeddings else head, extras=extras, experts_q=experts_q,
+        lm_head=embed if m.tie_word_embeddings else head, extras=extras,
         head_bias=(0.1 * torch.randn(m.V, generator=g)).to(dtype) if m.lm_head_bias else None)
 
 
 def layer_norms(m: ModelSpec) -> bool:
     """Whether the model's norms are LayerNorms with a bias (Phi-3.5-MoE), not RMSNorms."""
     return m.architecture == "phimoe"
+
+
+def _quantized_section(m: ModelSpec) -> Section:
+    return layer_sections(m)[-1]
+
+
+def _blocks(flat: torch.Tensor, m: ModelSpec) -> torch.Tensor:
+    """An MoE layer's experts' blocks [E, bytes] (uint8), a view of its flat vector."""
+    from taskgraph.kernels.quant import expert_nbytes
+
+    s = _quantized_section(m)
+    nbytes = expert_nbytes(m, expert_format(m))
+    return flat[s.offset:s.offset + s.size].view(s.shape).view(torch.uint8)[:, :nbytes]
 
 
 def _quantized(m: ModelSpec, matrix: Any) -> torch.Tensor:
@@ -317,14 +343,11 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
     (``m.tie_word_embeddings``) shares one matrix between embedding and LM head."""
     checkpoint = _Checkpoint(Path(path), m, dtype)
     layers, norms, extras = [], [], []
-    experts_q: list | None = [] if expert_format(m) else None
     for i in range(m.L):
-        flat, quantized, norm, extra = _layer(checkpoint, i)
+        flat, norm, extra = _layer(checkpoint, i)
         layers.append(flat)
         norms.append(norm)
         extras.append(extra)
-        if experts_q is not None:
-            experts_q.append(quantized)
         checkpoint.close()     # unmap: the pages read stay resident while a handle is open
     embed = checkpoint.read("model.embed_tokens.weight", (m.V, m.h))
     if m.tie_word_embeddings:
@@ -339,7 +362,7 @@ def load_safetensors(path: str | Path, m: ModelSpec, dtype: torch.dtype = torch.
     checkpoint.close()
     return ModelWeights(model=m, layers=layers, norms=norms, embed=embed,
                         final_norm=final_norm, lm_head=head, extras=extras,
-                        experts_q=experts_q, head_bias=head_bias)
+                        head_bias=head_bias)
 
 
 class _Checkpoint:
@@ -399,8 +422,8 @@ class _Checkpoint:
         return torch.stack([self.read(name + ".weight", (h,)), self.read(name + ".bias", (h,))])
 
 
-def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, Any, tuple, dict]:
-    """Layer `i`'s flat vector, its experts quantized (where the model stores them so), its
+def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, tuple, dict]:
+    """Layer `i`'s flat vector (its experts quantized where the model stores them so), its
     two norms and its small tensors."""
     m, read = checkpoint.model, checkpoint.read
     sections = layer_sections(m, m.is_dense(i))
@@ -408,7 +431,11 @@ def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, Any, tuple, d
     fused = _fused_experts(read, m, i) if m.architecture == "gpt_oss" else None
     for s in sections:
         out = flat[s.offset:s.offset + s.size]
-        if fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
+        if s.name == QUANTIZED:
+            _blocks(flat, m).copy_(_quantized(m, lambda e, part, shape: (
+                fused[part][e] if fused is not None
+                else read(_tensor_name(m, i, f"{part}.{e}"), shape))))
+        elif fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
             part, e = s.name.split(".")
             out.copy_(fused[part][int(e)].reshape(-1))
         elif s.name in ("uk", "uv"):      # MLA's up-projection, each head's key | value rows
@@ -418,11 +445,6 @@ def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, Any, tuple, d
             out.copy_((kv_b[:, :nope] if s.name == "uk" else kv_b[:, nope:]).reshape(-1))
         else:
             read(_tensor_name(m, i, s.name), s.shape, out)
-    quantized = None
-    if expert_format(m) and not m.is_dense(i):
-        quantized = _quantized(m, lambda e, part, shape: (
-            fused[part][e] if fused is not None else read(_tensor_name(m, i, f"{part}.{e}"),
-                                                          shape)))
     p = f"model.layers.{i}."
     norms = (checkpoint.read_norm(p + "input_layernorm"),
              checkpoint.read_norm(p + "post_attention_layernorm"))
@@ -434,7 +456,7 @@ def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, Any, tuple, d
         parts = _extra_names(i, name)
         sizes = [m.q_dim, m.h_kv, m.h_kv] if len(parts) == 3 else [shape[0]]
         small[name] = torch.cat([read(t, (n,)) for t, n in zip(parts, sizes)])
-    return flat, quantized, norms, small
+    return flat, norms, small
 
 
 def _fused_experts(read: Any, m: ModelSpec, layer: int) -> dict[str, torch.Tensor]:
@@ -456,8 +478,8 @@ def save_mixtral_safetensors(w: ModelWeights, folder: str | Path) -> Path:
     from safetensors.torch import save_file
 
     m = w.model
-    if m.architecture != "mixtral":
-        raise ValueError("tg writes Mixtral checkpoints only")
+    if m.architecture != "mixtral" or expert_format(m):
+        raise ValueError("tg writes 16-bit Mixtral checkpoints only")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}

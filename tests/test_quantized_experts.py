@@ -1,7 +1,8 @@
 """Routed experts below 16 bits in GGUF's blocks (Q8_0, Q4_0, MXFP4 and the K-quants Q4_K, Q5_K,
-Q6_K), weight-only: the executor keeps them in blocks, copies them as blocks and dequantizes
-where they run, so a run computes what a reference run on the dequantized weights computes, and
-the experts occupy the bytes the model counts for them."""
+Q6_K), weight-only: the executor keeps them in blocks, copies them as blocks (an expert at a
+time, or in a layer's pages) and dequantizes where they run, so a run computes what a reference
+run on the dequantized weights computes, and the experts occupy the bytes the model counts for
+them."""
 
 from __future__ import annotations
 
@@ -108,11 +109,52 @@ def test_quantized_experts_compute_the_dequantized_models_tokens(fmt, schedule, 
     assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
     m = ex.plan.scenario.model
     assert m.expert_bytes == 3 * m.h * m.h_i * PUBLISHED_BITS[fmt] / 8
-    assert all(store.shape == (m.E, m.expert_bytes) and store.dtype == torch.uint8
-               for store in ex.weights.experts_q)
-    # the layers' own vectors hold no expert: they live in the blocks only
-    assert all(flat.numel() * 4 == m.qkv_bytes + m.o_bytes + m.router_bytes
-               for flat in ex.weights.layers)
+    blocks = [ex.weights.blocks(l) for l in range(m.L)]
+    assert all(b.shape == (m.E, m.expert_bytes) and b.dtype == torch.uint8 for b in blocks)
+    # a layer's vector holds its experts' blocks and nothing else of them: the model's bytes
+    assert all(flat.numel() * 4 == m.layer_bytes for flat in ex.weights.layers)
+
+
+# The schedules that stream whole layers in pages, each with a cut (r_w) inside the experts'
+# blocks in some case, so that an expert's blocks straddle the resident part and the pages.
+_LAYER_STREAMING = [("S1", {"policy.r_w": 0.5}), ("S2", {}), ("S3", {"policy.r_w": 0.3}),
+                    ("S4", {}), ("DS", {})]
+
+
+@pytest.mark.parametrize("fmt, schedule, policy", [
+    *(("q4_0", *case) for case in _LAYER_STREAMING),
+    *((fmt, *_LAYER_STREAMING[0]) for fmt in FORMATS if fmt != "q4_0")])
+def test_experts_in_blocks_stream_with_their_layer(fmt, schedule, policy):
+    """The schedules that stream a layer's weights move its experts' blocks in its pages and
+    dequantize them on the GPU: the tokens and logits of the dequantized model."""
+    ex = execute(TINY, schedule=schedule, overrides={
+        "model.precision.experts": fmt, "workload.gen_len": 3, **policy})
+    s = ex.summary
+    assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
+    m = ex.plan.scenario.model
+    layout = ex.plan.layouts[False]
+    assert layout.n_pages and layout.streamed_bytes >= m.E * m.expert_bytes * 0.5
+
+
+def test_the_pages_carry_the_blocks_the_gpu_computes(monkeypatch):
+    """The guard: S1's last page of every layer (experts' blocks only) copied from the next
+    layer's vector computes other logits."""
+    from taskgraph.exec.runtime import Runtime
+
+    real = Runtime._D3
+
+    def other_layers(self, s, l, index):
+        pages = self.pages[self.dense[l]]
+        if index % len(pages) != len(pages) - 1:
+            return real(self, s, l, index)
+        a, b = pages[-1]
+        dst = self.halves[self.plan.weight_buffer(s, l, index // len(pages))]
+        dst[a - self.cut[False]:b - self.cut[False]].copy_(self.w.layers[(l + 1) % self.L][a:b])
+
+    monkeypatch.setattr(Runtime, "_D3", other_layers)
+    s = execute(TINY, schedule="S1", overrides={"model.precision.experts": "q8_0",
+                                                 "workload.gen_len": 3}).summary
+    assert not (s["tokens_match"] and s["max_abs_err"] <= 1e-5), s
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])        # MXFP4: as OpenAI publishes them
@@ -141,15 +183,15 @@ def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
     assert s["tokens_match"] is False
 
 
-@pytest.mark.parametrize("schedule, fmt, message", [
-    ("S4", "q4_0", "keeps quantized experts apart from their layer"),
-    ("EP", "iq4_xs", "model.precision.experts = iq4_xs"),
-    ("S1", "Q4_0", "keeps quantized experts apart"),          # a format's name in any case
+@pytest.mark.parametrize("schedule, overrides, message", [
+    ("EP", {"model.precision.experts": "iq4_xs"}, "model.precision.experts = iq4_xs"),
+    # a format's name in any case; tensor parallelism would split the blocks' rows
+    ("S1", {"model.precision.experts": "Q4_0", "hardware": "2xt4"},
+     "model.precision.experts = Q4_0 stores them in blocks tg does not split"),
 ])
-def test_what_the_executor_does_not_quantize_is_refused(schedule, fmt, message):
+def test_what_the_executor_does_not_quantize_is_refused(schedule, overrides, message):
     with pytest.raises(TgError, match=message):
-        execute(TINY, schedule=schedule, overrides={"model.precision.experts": fmt,
-                                                     "workload.gen_len": 2})
+        execute(TINY, schedule=schedule, overrides={**overrides, "workload.gen_len": 2})
 
 
 def test_a_row_that_is_no_whole_number_of_blocks_is_refused():
