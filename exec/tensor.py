@@ -16,7 +16,9 @@ experts' and the dense MLP's width split too), and one
 
 A shard's weights are the elements of the full layer its GPU reads, in the full layer's order,
 so the plan's weight pages (byte ranges of the full layer) map onto contiguous ranges of the
-shard's: a shard's copy of page p moves exactly the elements of page p it will read.
+shard's: a shard's copy of page p moves exactly the elements of page p it will read. Experts in
+GGUF blocks split the same way in whole blocks (w1's and w3's rows, each w2 row's block of
+columns), byte by byte: the shard's expert is the h_i / n wide expert in the format's blocks.
 
 :class:`TensorParallel` runs every shard in one process (a task of GPU g, or of the host for GPU
 g, on shard g; a collective as a sum over the shards); :mod:`taskgraph.exec.distributed`
@@ -35,8 +37,8 @@ from taskgraph.exec.pages import ByClass, layer_pages, page_elements
 from taskgraph.exec.marks import runs
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.ops import attn_width, ffn, lm_head, norm, o_projection
-from taskgraph.kernels.quant import expert_format
-from taskgraph.kernels.weights import ModelWeights, layer_sections
+from taskgraph.kernels.quant import block_of, expert_format, row_bytes
+from taskgraph.kernels.weights import QUANTIZED, ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
 from taskgraph.specs import ModelSpec
 
@@ -60,11 +62,14 @@ def check_shardable(m: ModelSpec, n: int) -> None:
             f"olmoe normalises all heads' Q and K at once (one RMSNorm over the whole Q), "
             f"which no GPU's heads alone can compute; run OLMoE on one GPU, or on "
             f"hardware.gpu.count = {n} in pipeline or data parallel.")
-    if expert_format(m):
+    fmt = expert_format(m)
+    if fmt and (m.h_i // n) % block_of(fmt)[0]:
         raise TgError(
-            f"Tensor-parallel execution splits each expert's rows, and model.precision.experts "
-            f"= {m.precision.experts} stores them in blocks tg does not split; run quantized "
-            f"experts on one GPU, or on hardware.gpu.count = {n} in pipeline or data parallel.")
+            f"Tensor-parallel execution splits each expert's down projection by columns, and "
+            f"model.precision.experts = {m.precision.experts} stores a row in blocks of "
+            f"{block_of(fmt)[0]} weights: model.h_i = {m.h_i} over hardware.gpu.count = {n} "
+            f"GPUs is {m.h_i // n} columns each, no whole number of blocks; choose another GPU "
+            "count or format.")
     if m.attention != "mla" and m.n_kv % n and n % m.n_kv:
         raise TgError(
             f"Tensor-parallel execution splits model.n_kv = {m.n_kv} KV heads over "
@@ -108,10 +113,15 @@ def _part(name: str) -> str:
 
 def shard_elements(m: ModelSpec, n: int, g: int, dense: bool = False) -> torch.Tensor:
     """Indices into the full layer's flat vector of GPU g's elements, in the full layer's
-    order (so increasing): an MoE layer's, or with `dense` a dense layer's."""
+    order (so increasing): an MoE layer's, or with `dense` a dense layer's. Of experts in
+    blocks, the element holding the first byte of each of the shard's (:func:`block_bytes`
+    gives their bytes), so that a page's range maps onto the shard's as any other's does."""
     parts = []
     for s in layer_sections(m, dense):
         rows, cols = s.shape
+        if s.name == QUANTIZED:
+            parts.append(block_bytes(m, n, g)[::m.dtype_bytes] // m.dtype_bytes)
+            continue
         idx = torch.arange(s.offset, s.offset + s.size).view(rows, cols)
         part = _part(s.name)
         if part in ("k", "v") and n > m.n_kv:          # a copy of the KV head its queries use
@@ -124,6 +134,33 @@ def shard_elements(m: ModelSpec, n: int, g: int, dense: bool = False) -> torch.T
         else:
             parts.append(idx)
     return torch.cat([p.reshape(-1) for p in parts])
+
+
+def block_bytes(m: ModelSpec, n: int, g: int) -> torch.Tensor:
+    """Indices into an MoE layer's bytes of GPU g's share of its experts' GGUF blocks, in
+    order: of each expert, its block of w1's and w3's rows (whole rows of blocks) and of each
+    of w2's rows its block of columns (whole blocks: check_shardable), which is the shard's
+    expert (h_i / n wide) in blocks as the format stores it."""
+    fmt = expert_format(m)
+    s = layer_sections(m)[-1]
+    gate_row, down_row = row_bytes(fmt, m.h), row_bytes(fmt, m.h_i)
+    rows, cols = m.h_i // n, down_row // n
+    w1 = torch.arange(g * rows * gate_row, (g + 1) * rows * gate_row)
+    w2 = (2 * m.h_i * gate_row + g * cols + torch.arange(m.h).unsqueeze(1) * down_row
+          + torch.arange(cols)).reshape(-1)
+    expert = torch.cat([w1, m.h_i * gate_row + w1, w2])
+    first = (s.offset + torch.arange(m.E) * s.shape[1]) * m.dtype_bytes
+    return (first.unsqueeze(1) + expert).reshape(-1)
+
+
+def _shard_layer(flat: torch.Tensor, idx: torch.Tensor, m: ModelSpec, n: int, g: int,
+                 dense: bool) -> torch.Tensor:
+    """GPU g's elements of a layer's flat vector: those `idx` names, and experts in blocks
+    byte by byte."""
+    if dense or not expert_format(m):
+        return flat[idx]
+    blocks = flat.view(torch.uint8)[block_bytes(m, n, g)].view(flat.dtype)
+    return torch.cat([flat[idx[:len(idx) - len(blocks)]], blocks])
 
 
 def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
@@ -171,7 +208,8 @@ def make_shard(plan: Plan, weights: ModelWeights, g: int) -> tuple[Shard, ModelW
         numel[c], cut[c], pages[c] = len(idx[c]), at(first), [(at(a), at(b)) for a, b in ranges]
     vocab = slice(g * m.V // n, (g + 1) * m.V // n)
     shard_w = ModelWeights(
-        shard_model(m, n), [flat[idx[c]] for flat, c in zip(weights.layers, dense)],
+        shard_model(m, n), [_shard_layer(flat, idx[c], m, n, g, c)
+                            for flat, c in zip(weights.layers, dense)],
         weights.norms, weights.embed, weights.final_norm, weights.lm_head[vocab],
         [shard_extras(m, n, g, small) for small in weights.extras],
         head_bias=None if weights.head_bias is None else weights.head_bias[vocab])

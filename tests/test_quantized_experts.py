@@ -183,11 +183,51 @@ def test_the_blocks_copied_are_what_the_gpu_computes(monkeypatch):
     assert s["tokens_match"] is False
 
 
+@pytest.mark.parametrize("fmt, schedule, hardware", [
+    ("q4_k", "S1", "2xt4"), ("q6_k", "S3", "2xt4"), ("q4_0", "S4", "4xt4"),
+    ("mxfp4", "S1", "4xt4"), ("Q8_0", "S3", "4xt4")])         # a format's name in any case
+def test_tensor_parallel_shards_split_the_blocks(fmt, schedule, hardware):
+    """Each GPU's shard holds its rows of every expert's w1 and w3 and its block of columns of
+    each w2 row, in whole blocks: the dequantized model's tokens and logits, and a shard's
+    layer holds the bytes the model counts for a shard (its heads, a KV head's copy where GPUs
+    outnumber them, 1/n of every expert, the router whole)."""
+    ex = execute(TINY, schedule=schedule, overrides={
+        "model.precision.experts": fmt, "hardware": hardware, "workload.gen_len": 3,
+        "policy.r_w": 0.4})
+    s = ex.summary
+    assert s["tokens_match"] is True and s["max_abs_err"] <= 1e-5, s
+    m, n = ex.plan.scenario.model, ex.plan.tp
+    from taskgraph.exec.tensor import make_shard, shard_model
+
+    for g in range(n):
+        _, shard = make_shard(ex.plan, ex.weights, g)
+        assert shard.blocks(0).shape == (m.E, m.expert_bytes / n)
+        assert shard.layers[0].numel() * 4 == shard_model(m, n).layer_bytes
+
+
+def test_gloo_processes_run_shards_of_blocks():
+    """One process a GPU over torch.distributed: the same shards, the reference's tokens."""
+    from taskgraph.dag.builder import make_plan
+    from taskgraph.exec.distributed import execute_processes
+    from taskgraph.kernels.reference import reference_forward, synthetic_prompts
+    from taskgraph.kernels.weights import synthetic_weights
+    from taskgraph.scenario import load_scenario
+
+    sc = load_scenario(TINY, ["model.precision.experts=q4_0", "hardware=2xt4",
+                              "workload.gen_len=3"])
+    w = synthetic_weights(sc.model, seed=1)
+    prompts = synthetic_prompts(8, 6, sc.model.V, seed=2)
+    run = execute_processes(make_plan(sc), w, prompts, delay_s=0.001, seed=2)
+    ref = reference_forward(w.dequantized(), prompts, 2, 3)
+    assert torch.equal(run.tokens, ref.tokens)
+    torch.testing.assert_close(run.logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("schedule, overrides, message", [
     ("EP", {"model.precision.experts": "iq4_xs"}, "model.precision.experts = iq4_xs"),
-    # a format's name in any case; tensor parallelism would split the blocks' rows
-    ("S1", {"model.precision.experts": "Q4_0", "hardware": "2xt4"},
-     "model.precision.experts = Q4_0 stores them in blocks tg does not split"),
+    # four GPUs split each w2 row's 512 columns into 128, half a K-quant's super-block
+    ("S1", {"model.precision.experts": "q4_k", "hardware": "4xt4"},
+     "model.h_i = 512 over hardware.gpu.count = 4 GPUs is 128 columns each, no whole number"),
 ])
 def test_what_the_executor_does_not_quantize_is_refused(schedule, overrides, message):
     with pytest.raises(TgError, match=message):
