@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from taskgraph.errors import TgError
-from taskgraph.kernels.quant import dequantize_part, expert_format, expert_nbytes
+from taskgraph.kernels.quant import dequantize_part, expert_format
 from taskgraph.kernels.weights import QUANTIZED, Section, layer_sections
 from taskgraph.specs import ModelSpec
 
@@ -64,7 +64,7 @@ class LayerView:
             return view
         if self._format and name.startswith(("w13.", "w2.")):
             part, e = name.split(".")
-            raw = self[f"q.{e}"].view(-1).view(torch.uint8)[:expert_nbytes(self.m, self._format)]
+            raw = self[f"q.{e}"].view(-1).view(torch.uint8)
             return dequantize_part(raw, part, self.m, self._format, self.resident.dtype)
         s: Section = self._sections[name]
         a, b = s.offset, s.offset + s.size

@@ -51,6 +51,11 @@ def attention_shapes(m: ModelSpec) -> tuple[list[tuple[str, tuple[int, int]]],
             [("uv", (n * v, m.kv_lora_rank)), ("o", (m.h, n * v))])
 
 
+#: The section of an MoE layer's flat vector holding its experts' GGUF blocks (kernels.quant),
+#: one row an expert, where the model stores them so.
+QUANTIZED = "experts.q"
+
+
 def layer_sections(m: ModelSpec, dense: bool = False) -> list[Section]:
     """The matrices of one layer in flat order (rows are output features): an MoE layer's, or
     with `dense` a dense layer's (its MLP where the router and experts would be)."""
@@ -72,11 +77,6 @@ def layer_sections(m: ModelSpec, dense: bool = False) -> list[Section]:
     for e in range(m.E):
         shapes += [(f"w1.{e}", (m.h_i, m.h)), (f"w3.{e}", (m.h_i, m.h)), (f"w2.{e}", (m.h, m.h_i))]
     return _laid_out(shapes)
-
-
-#: The section of an MoE layer's flat vector holding its experts' GGUF blocks (kernels.quant),
-#: one row an expert, where the model stores them so.
-QUANTIZED = "experts.q"
 
 
 def _laid_out(shapes: list[tuple[str, tuple[int, int]]]) -> list[Section]:
@@ -226,11 +226,8 @@ def _quantized_section(m: ModelSpec) -> Section:
 
 def _blocks(flat: torch.Tensor, m: ModelSpec) -> torch.Tensor:
     """An MoE layer's experts' blocks [E, bytes] (uint8), a view of its flat vector."""
-    from taskgraph.kernels.quant import expert_nbytes
-
     s = _quantized_section(m)
-    nbytes = expert_nbytes(m, expert_format(m))
-    return flat[s.offset:s.offset + s.size].view(s.shape).view(torch.uint8)[:, :nbytes]
+    return flat[s.offset:s.offset + s.size].view(s.shape).view(torch.uint8)
 
 
 def _quantized(m: ModelSpec, matrix: Any) -> torch.Tensor:
