@@ -16,7 +16,9 @@
 #      (128 fine-grained experts, top-8) at batch 1 under EP, EC and ECP, measured and simulated
 #      with PROFILE;
 #   8. (`quantized`) the same Qwen3-30B-A3B layers with Q4_0 experts (EP: the CPU dequantizes;
-#      EC: the GPU does), and DeepSeek-V2-Lite's layers (MLA) under S1 and S2, whose CPU
+#      EC: the GPU does); the tiny model's experts in blocks under S1 (streamed in pages) on one
+#      GPU and in tensor parallel over two (one device), at Q4_0, Q4_K and MXFP4, against the
+#      dequantized reference; and DeepSeek-V2-Lite's layers (MLA) under S1 and S2, whose CPU
 #      attention projects every cached latent (as transformers computes it), with PROFILE.
 # On a lent machine, first `. bench/device_setup.sh`.
 # Everything lands in OUT (default cuda-check/): log, JSON summaries, the profile, the trace.
@@ -133,6 +135,16 @@ if [[ $STEPS == *quantized* ]]; then
         --set policy.mu=1 --set policy.experts_gpu=32 --set model.precision.experts=q4_0 \
         --set workload.gen_len=8 --set hardware="$PROFILE" --json > "$OUT/validate-qwen3-q4_0.json" \
         && print_pairs "$OUT/validate-qwen3-q4_0.json"
+    echo "== experts in blocks streamed in a layer's pages (S1) and split over two GPUs' shards"
+    for fmt in q4_0 q4_k mxfp4; do
+        for hw in t4 2xt4; do
+            tg execute scenarios/tiny.yaml --device cuda --schedule S1 --set hardware=$hw \
+                --set model.precision.experts=$fmt --set policy.r_w=0.5 --json \
+                > "$OUT/execute-S1-$hw-$fmt.json" \
+                && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('S1', sys.argv[2], sys.argv[3], 'tokens_match', s['tokens_match'], 'max_abs_err', s['max_abs_err'])" \
+                    "$OUT/execute-S1-$hw-$fmt.json" "$hw" "$fmt"
+        done
+    done
     echo "== DeepSeek-V2-Lite's layers (MLA) with CPU attention over 512-token prompts"
     tg validate scenarios/mixtral-2layer.yaml --device cuda --schedules S1,S2 --mu 4 \
         --repeats 1 --set model.preset=deepseek-v2-lite --set model.L=2 --set policy.N=8 \
