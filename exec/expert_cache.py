@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from taskgraph.kernels.quant import QuantizedExperts, expert_nbytes
-from taskgraph.kernels.weights import ModelWeights, layer_sections
+from taskgraph.kernels.weights import QUANTIZED, ModelWeights, layer_sections
 from taskgraph.specs import ModelSpec
 
 
@@ -35,18 +35,22 @@ class ExpertBlocks:
                  dtype: torch.dtype, device: torch.device):
         self.m, self.w, self.quantized = m, weights, quantized
         self.dtype, self.device = dtype, device
+        # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector, as
+        # matrices or as one row of blocks.
+        sections = {s.name: s for s in layer_sections(m)}
         if quantized is None:
-            # An expert's w1, w3 and w2 lie next to each other in a layer's flat vector.
-            sections = {s.name: s for s in layer_sections(m)}
             self.offset = [sections[f"w1.{e}"].offset for e in range(m.E)]
             self.numel = 3 * m.h_i * m.h
+        else:
+            blocks = sections[QUANTIZED]
+            self.numel = blocks.shape[1]
+            self.offset = [blocks.offset + e * self.numel for e in range(m.E)]
 
     def host(self, l: int, e: int) -> torch.Tensor:
-        """Expert e of layer l in host memory."""
-        if self.quantized is not None:
-            return self.w.blocks(l)[e]
+        """Expert e of layer l in host memory (its blocks as bytes, where it has them)."""
         a = self.offset[e]
-        return self.w.layers[l][a:a + self.numel]
+        expert = self.w.layers[l][a:a + self.numel]
+        return expert if self.quantized is None else expert.view(torch.uint8)
 
     def area(self, slots: int) -> torch.Tensor:
         """Zeroed device slots for `slots` experts, one block each."""

@@ -109,7 +109,7 @@ class FFNApart:
         only = self.placed.on_host[l] if self.plan.schedule.ffn == "split" else None
         self.ffn_out_host[j][:T].copy_(experts(
             self.normed_host[j][:T], self.expert_ids_host[j][:T], self.gates_host[j][:T],
-            self._host_views[l], self.m, only, expert_biases(self._host_views[l])))
+            self._host_views[l], self.m, only))
 
     @runs("D6")
     def _D6(self, s: int, l: int, j: int) -> None:
@@ -193,8 +193,7 @@ class FFNApart:
         x = self._hidden(s, j)
         if self.cache.pool is None:                     # zero copy: where they lie
             x += self._with_shared(j, T, experts(normed, ids, gates, self._host_views[l],
-                                                 self.m, None,
-                                                 expert_biases(self._host_views[l])))
+                                                 self.m))
             return
         parts = ExpertSum(normed, ids, gates, self.m, expert_biases(self._view(s, l, j)))
         for weights, chosen in self.cache.rounds(l, j):

@@ -125,10 +125,10 @@ def _mismatched_alone(outputs: list[dict[str, Any]], prompts: dict[Any, Any], we
     torch = need_torch()
     from taskgraph.kernels.reference import reference_forward
 
-    mismatched = []
+    mismatched, reference = [], weights.dequantized()
     for row in outputs:
         p = prompts[row["id"]]
-        alone = reference_forward(weights.dequantized(), torch.tensor([p.prompt_ids]), 1,
+        alone = reference_forward(reference, torch.tensor([p.prompt_ids]), 1,
                                   max(1, p.max_new_tokens - 1))
         if alone.tokens[0, :p.max_new_tokens].tolist() != row["output_ids"]:
             mismatched.append(row["id"])

@@ -37,7 +37,7 @@ from taskgraph.exec.pages import ByClass, layer_pages, page_elements
 from taskgraph.exec.marks import runs
 from taskgraph.exec.runtime import Runtime
 from taskgraph.kernels.ops import attn_width, ffn, lm_head, norm, o_projection
-from taskgraph.kernels.quant import block_of, expert_format, row_bytes
+from taskgraph.kernels.quant import block_of, expert_elements, expert_format, row_bytes
 from taskgraph.kernels.weights import QUANTIZED, ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
 from taskgraph.specs import ModelSpec
@@ -114,13 +114,13 @@ def _part(name: str) -> str:
 def shard_elements(m: ModelSpec, n: int, g: int, dense: bool = False) -> torch.Tensor:
     """Indices into the full layer's flat vector of GPU g's elements, in the full layer's
     order (so increasing): an MoE layer's, or with `dense` a dense layer's. Of experts in
-    blocks, the element holding the first byte of each of the shard's (:func:`block_bytes`
-    gives their bytes), so that a page's range maps onto the shard's as any other's does."""
+    blocks, for each of the shard's elements of them the full layer's element holding its
+    first byte, so that a page's range maps onto the shard's as any other's does."""
     parts = []
     for s in layer_sections(m, dense):
         rows, cols = s.shape
         if s.name == QUANTIZED:
-            parts.append(block_bytes(m, n, g)[::m.dtype_bytes] // m.dtype_bytes)
+            parts.append(_block_elements(m, n, g, s.offset))
             continue
         idx = torch.arange(s.offset, s.offset + s.size).view(rows, cols)
         part = _part(s.name)
@@ -136,31 +136,51 @@ def shard_elements(m: ModelSpec, n: int, g: int, dense: bool = False) -> torch.T
     return torch.cat([p.reshape(-1) for p in parts])
 
 
-def block_bytes(m: ModelSpec, n: int, g: int) -> torch.Tensor:
-    """Indices into an MoE layer's bytes of GPU g's share of its experts' GGUF blocks, in
-    order: of each expert, its block of w1's and w3's rows (whole rows of blocks) and of each
-    of w2's rows its block of columns (whole blocks: check_shardable), which is the shard's
-    expert (h_i / n wide) in blocks as the format stores it."""
+# Experts in GGUF blocks split as their 16-bit matrices do, in whole blocks: of each expert,
+# GPU g's block of w1's and w3's rows (whole rows of blocks) and of each of w2's rows its
+# block of columns (whole blocks: check_shardable), which is the h_i / n wide expert in blocks
+# as the format stores it. The bytes move as strided views, never as an index a byte.
+
+def _block_split(m: ModelSpec, n: int) -> tuple[int, int, int, int]:
+    """(bytes of a w1 or w3 row, of a w2 row, GPU's rows of w1 and w3, its bytes of a w2 row)."""
     fmt = expert_format(m)
-    s = layer_sections(m)[-1]
     gate_row, down_row = row_bytes(fmt, m.h), row_bytes(fmt, m.h_i)
-    rows, cols = m.h_i // n, down_row // n
-    w1 = torch.arange(g * rows * gate_row, (g + 1) * rows * gate_row)
-    w2 = (2 * m.h_i * gate_row + g * cols + torch.arange(m.h).unsqueeze(1) * down_row
-          + torch.arange(cols)).reshape(-1)
-    expert = torch.cat([w1, m.h_i * gate_row + w1, w2])
-    first = (s.offset + torch.arange(m.E) * s.shape[1]) * m.dtype_bytes
-    return (first.unsqueeze(1) + expert).reshape(-1)
+    return gate_row, down_row, m.h_i // n, down_row // n
 
 
-def _shard_layer(flat: torch.Tensor, idx: torch.Tensor, m: ModelSpec, n: int, g: int,
-                 dense: bool) -> torch.Tensor:
-    """GPU g's elements of a layer's flat vector: those `idx` names, and experts in blocks
-    byte by byte."""
-    if dense or not expert_format(m):
+def shard_blocks(blocks: torch.Tensor, m: ModelSpec, n: int, g: int) -> torch.Tensor:
+    """GPU g's share of a layer's experts' blocks ([E, bytes], uint8) as [E, bytes / n]."""
+    gate_row, down_row, rows, cols = _block_split(m, n)
+    cut = 2 * m.h_i * gate_row
+    w13 = blocks[:, :cut].reshape(m.E, 2, m.h_i, gate_row)[:, :, g * rows:(g + 1) * rows]
+    w2 = blocks[:, cut:].reshape(m.E, m.h, down_row)[:, :, g * cols:(g + 1) * cols]
+    return torch.cat([w13.reshape(m.E, -1), w2.reshape(m.E, -1)], dim=1)
+
+
+def _block_elements(m: ModelSpec, n: int, g: int, offset: int) -> torch.Tensor:
+    """For each element of GPU g's share of the blocks (as :func:`shard_blocks` lays them
+    out), the element of the full layer (whose blocks start at element `offset`) holding its
+    first byte."""
+    gate_row, down_row, rows, cols = _block_split(m, n)
+    b, part = m.dtype_bytes, rows * gate_row
+    at = torch.arange(0, 2 * part + m.h * cols, b)          # an expert's shard, every b-th byte
+    w2_row, w2_col = (at - 2 * part).div(cols, rounding_mode="floor"), (at - 2 * part) % cols
+    full = torch.where(at < part, g * part + at,
+                       torch.where(at < 2 * part, m.h_i * gate_row + g * part + at - part,
+                                   2 * m.h_i * gate_row + w2_row * down_row + g * cols + w2_col))
+    expert = expert_elements(m, expert_format(m))
+    return offset + (torch.arange(m.E).unsqueeze(1) * expert + full // b).reshape(-1)
+
+
+def _shard_layer(weights: ModelWeights, l: int, idx: torch.Tensor, n: int, g: int
+                 ) -> torch.Tensor:
+    """GPU g's elements of layer l's flat vector: those `idx` names (the first its blocks'
+    elements are, for experts in blocks), the blocks split by :func:`shard_blocks`."""
+    flat, blocks = weights.layers[l], weights.blocks(l)
+    if blocks is None:
         return flat[idx]
-    blocks = flat.view(torch.uint8)[block_bytes(m, n, g)].view(flat.dtype)
-    return torch.cat([flat[idx[:len(idx) - len(blocks)]], blocks])
+    mine = shard_blocks(blocks, weights.model, n, g).reshape(-1).view(flat.dtype)
+    return torch.cat([flat[idx[:len(idx) - len(mine)]], mine])
 
 
 def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
@@ -208,8 +228,7 @@ def make_shard(plan: Plan, weights: ModelWeights, g: int) -> tuple[Shard, ModelW
         numel[c], cut[c], pages[c] = len(idx[c]), at(first), [(at(a), at(b)) for a, b in ranges]
     vocab = slice(g * m.V // n, (g + 1) * m.V // n)
     shard_w = ModelWeights(
-        shard_model(m, n), [_shard_layer(flat, idx[c], m, n, g, c)
-                            for flat, c in zip(weights.layers, dense)],
+        shard_model(m, n), [_shard_layer(weights, l, idx[c], n, g) for l, c in enumerate(dense)],
         weights.norms, weights.embed, weights.final_norm, weights.lm_head[vocab],
         [shard_extras(m, n, g, small) for small in weights.extras],
         head_bias=None if weights.head_bias is None else weights.head_bias[vocab])

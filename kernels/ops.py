@@ -3,7 +3,8 @@
 A layer's matrices are read through a :class:`LayerView`: a page table from matrix name to a
 slice of the layer's flat vector, which lives in two buffers: the part kept on the GPU (``r_w``)
 and the streamed part, in one half of the double-buffered weight pages. Only a matrix that
-straddles the two is stitched together; every other one is a view, no copy.
+straddles the two is stitched together; every other one is a view, no copy. Experts stored in
+GGUF blocks are the exception: each read dequantizes one (kernels.quant).
 """
 
 from __future__ import annotations

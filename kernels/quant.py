@@ -101,9 +101,9 @@ def dequantize(raw: torch.Tensor, fmt: str, rows: int, cols: int, dtype: torch.d
 
 def expert_elements(m: ModelSpec, fmt: str) -> int:
     """The elements of the model's dtype one expert's blocks fill in a layer's flat vector.
-    A whole number: h and h_i are whole blocks of 32 or more weights (the executor refuses
-    others), so each of w1, w3 and w2 is 32 or more rows of whole blocks, a multiple of 32
-    bytes."""
+    A whole number: h and h_i are multiples of the block's 32 or 256 weights (the executor
+    refuses others), so each of w1, w3 (h_i rows) and w2 (h rows) is a multiple of 32 rows of
+    whole blocks, a multiple of 32 bytes."""
     return expert_nbytes(m, fmt) // m.dtype_bytes
 
 

@@ -226,6 +226,11 @@ def _quantized_section(m: ModelSpec) -> Section:
 
 def _blocks(flat: torch.Tensor, m: ModelSpec) -> torch.Tensor:
     """An MoE layer's experts' blocks [E, bytes] (uint8), a view of its flat vector."""
+    if flat.element_size() != m.dtype_bytes:
+        raise ValueError(f"Experts in blocks fill elements of model.dtype_bytes = "
+                         f"{m.dtype_bytes} bytes, and this layer's vector holds "
+                         f"{flat.element_size()}-byte {flat.dtype}: build it in the model's "
+                         "dtype.")
     s = _quantized_section(m)
     return flat[s.offset:s.offset + s.size].view(s.shape).view(torch.uint8)
 
