@@ -191,8 +191,8 @@ def synthetic_weights(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
     if expert_format(m):     # after every layer's other weights, as they were always drawn
         for l in range(m.L):
             if not m.is_dense(l):
-                _blocks(layers[l], m).copy_(_quantized(m, lambda e, part, shape: torch.randn(
-                    shape, generator=g) / shape[1] ** 0.5))
+                _quantize_into(layers[l], m, lambda e, part, shape: torch.randn(
+                    shape, generator=g) / shape[1] ** 0.5)
     norm_shape = (2, m.h) if layer_norms(m) else (m.h,)     # LayerNorm: weight and bias
     norms = [(1 + 0.1 * torch.randn(norm_shape, generator=g),
               1 + 0.1 * torch.randn(norm_shape, generator=g)) for _ in range(m.L)]
@@ -235,13 +235,14 @@ def _blocks(flat: torch.Tensor, m: ModelSpec) -> torch.Tensor:
     return flat[s.offset:s.offset + s.size].view(s.shape).view(torch.uint8)
 
 
-def _quantized(m: ModelSpec, matrix: Any) -> torch.Tensor:
-    """A layer's experts in blocks [E, bytes], from `matrix(e, part, shape)` giving each of an
-    expert's w1, w3, w2 (rows are output features)."""
+def _quantize_into(flat: torch.Tensor, m: ModelSpec, matrix: Any) -> None:
+    """Write an MoE layer's experts into its vector's blocks, an expert at a time (the layer's
+    blocks are never held twice), from `matrix(e, part, shape)` giving each of an expert's
+    w1, w3, w2 (rows are output features)."""
     shapes = {"w1": (m.h_i, m.h), "w3": (m.h_i, m.h), "w2": (m.h, m.h_i)}
-    return torch.stack([quantize_expert(*(matrix(e, part, shape)
-                                          for part, shape in shapes.items()), expert_format(m))
-                        for e in range(m.E)])
+    for e, blocks in enumerate(_blocks(flat, m)):
+        blocks.copy_(quantize_expert(*(matrix(e, part, shape) for part, shape in shapes.items()),
+                                     expert_format(m)))
 
 
 _ATTENTION = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -434,9 +435,9 @@ def _layer(checkpoint: _Checkpoint, i: int) -> tuple[torch.Tensor, tuple, dict]:
     for s in sections:
         out = flat[s.offset:s.offset + s.size]
         if s.name == QUANTIZED:
-            _blocks(flat, m).copy_(_quantized(m, lambda e, part, shape: (
+            _quantize_into(flat, m, lambda e, part, shape: (
                 fused[part][e] if fused is not None
-                else read(_tensor_name(m, i, f"{part}.{e}"), shape))))
+                else read(_tensor_name(m, i, f"{part}.{e}"), shape)))
         elif fused is not None and s.name.split(".")[0] in ("w1", "w3", "w2"):
             part, e = s.name.split(".")
             out.copy_(fused[part][int(e)].reshape(-1))
