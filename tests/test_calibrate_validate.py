@@ -38,30 +38,35 @@ def test_calibration_is_a_hardware_profile(profile):
     assert sc.hardware.link.h2d_gbps == 1
 
 
-def test_the_executors_dequantization_is_measured_and_priced(profile):
-    """tg calibrate times the executor's experts stored in Q4_0 blocks (EP at batch 1) and writes
-    the rate it dequantizes them at; priced with it, a Q4_0 run's CPUFFN tasks are as long as
-    they ran. Without it (the stored bytes at the fp32 run's rate) they were priced ~10x short:
-    each read unpacks the blocks through fp32 temporaries. Compared on one run, so the machine's
-    speed cancels."""
+@pytest.mark.parametrize("schedule,kind,sequences", [("EP", "CPUFFN", 1), ("S1", "PostAttn", 2)])
+def test_the_executors_dequantization_is_measured_and_priced(profile, schedule, kind, sequences):
+    """tg calibrate times the executor's experts stored in Q4_0 blocks (EP at batch 1, whose
+    CPUFFN unpacks them on the CPU; S1, whose PostAttn unpacks a streamed layer's) and writes
+    the rate each kind dequantizes them at; priced with it, a Q4_0 run's tasks of that kind are
+    as long as they ran. Without it (the stored bytes at the fp32 run's rate) they were priced
+    several times short: each read unpacks the blocks through fp32 temporaries. Compared on one
+    run, so the machine's speed cancels."""
     from taskgraph.dag.compiled import KIND_NAMES
     from taskgraph.exec.execute import execute_scenario
     from taskgraph.perf.cost import CostModel
     from taskgraph.scenario import for_schedule
 
     sc = load_scenario("scenarios/tiny.yaml", [
-        f"hardware={profile}", "model.precision.experts=q4_0", "policy.N=1", "policy.mu=1",
-        "policy.experts_gpu=2", "workload.gen_len=8"])
-    assert sc.hardware.task_dequant_gweights.get("CPUFFN", 0) > 0
-    ex = execute_scenario(for_schedule(sc, "EP")[0], "EP", device="cpu", check=False)
+        f"hardware={profile}", "model.precision.experts=q4_0", f"policy.N={sequences}",
+        "policy.mu=1", "policy.experts_gpu=2", "workload.gen_len=8"])
+    assert sc.hardware.task_dequant_gweights.get(kind, 0) > 0
+    # tensor parallelism's expert part is priced as the kind it splits, which one GPU times
+    assert sc.hardware.task_dequant_gweights.get("MoE") == sc.hardware.task_dequant_gweights.get(
+        "PostAttn")
+    ex = execute_scenario(for_schedule(sc, schedule)[0], schedule, device="cpu", check=False)
     prog, run = ex.program, ex.run
-    cpu_ffn = (prog.column("kind") == KIND_NAMES.index("CPUFFN")) & run.finished
-    assert cpu_ffn.sum() >= 10
+    tasks = (prog.column("kind") == KIND_NAMES.index(kind)) & run.finished
+    assert tasks.sum() >= 10
 
     def error(hw) -> float:
-        """Median |log(priced / measured)| of the run's CPUFFN tasks."""
+        """Median |log(priced / measured)| of the run's tasks of that kind."""
         priced = prog.durations(CostModel(hw, expert_bits=sc.model.bits("experts")))
-        return float(np.median(np.abs(np.log(priced[cpu_ffn] / run.durations[cpu_ffn]))))
+        return float(np.median(np.abs(np.log(priced[tasks] / run.durations[tasks]))))
 
     without = sc.hardware.model_copy(update={"task_dequant_gweights": {}})
     assert error(sc.hardware) < error(without) - np.log(2)   # at least twice as close

@@ -129,6 +129,11 @@ def test_a_quantized_runs_unpacking_is_fitted_back():
     params = [p for p in free_parameters(cells) if "dequant" in p.name]
     assert [p.name for p in params] == ["llama.cpp kinds.CPUFFN.dequant_gweights",
                                         "llama.cpp kinds.GPUFFN.dequant_gweights"]
+    # a streamed layer unpacks its experts inside its decode and prefill tasks
+    layers = Cell.model_validate(_cell(precision={"experts": "q4_0"}))
+    assert {p.name for p in free_parameters([layers]) if "dequant" in p.name} == {
+        "moe-lightning kinds.PostAttn.dequant_gweights",
+        "moe-lightning kinds.Prefill.dequant_gweights"}
     # a format in any case, the classes in any order: one precision
     assert quantized(0, {"head": "Q6_K", "experts": "Q4_0"}).precision == {
         "experts": "q4_0", "head": "q6_k"}

@@ -164,26 +164,41 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
 DEQUANT_FORMAT = "q4_0"
 
 
+#: Where the executor dequantizes routed experts, and the runs that time those kinds: EP at
+#: batch 1 (the expert-level schedules' kinds, on the CPU and on the GPU) and S1 (a layer
+#: streamed whole: its experts unpacked inside decode's PostAttn and prefill's Prefill).
+DEQUANT_RUNS = {"EP": ("CPUFFN", "GPUFFN"), "S1": ("PostAttn", "Prefill")}
+#: Tensor parallelism's parts of a layer run the kernel of the kind they split (one GPU cannot
+#: time them): the MoE part unpacks a shard's experts as decode's PostAttn does.
+DEQUANT_AS = {"MoE": "PostAttn"}
+
+
 def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict[str, float]],
                  device: str, repeats: int) -> dict[str, float | None]:
     """Per kind that computes routed experts, the rate the executor dequantizes them at (G
-    weights/s): EP's batch-1 runs with Q4_0 experts, each CPUFFN and GPUFFN task's time with
+    weights/s): the :data:`DEQUANT_RUNS` at batch 1 with Q4_0 experts, each task's time with
     the slowdown divided out, less what the fitted costs price for its bytes, is its unpacking;
-    the weights over that time, the median over the tasks (None where it is not positive:
-    no cost the fit can tell)."""
+    the weights over that time, the median over the tasks (None where it is not positive: no
+    cost the fit can tell). A task's bytes are priced as experts' (as :class:`CostModel` prices
+    them), so a layer's other weights in PostAttn are fitted into its rate."""
     from taskgraph.dag.compiled import KIND_NAMES
+    from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.formats import bits
     from taskgraph.scenario import for_schedule
 
-    kinds = ("CPUFFN", "GPUFFN")
     m = one.model
     quantized = one.model_copy(update={"model": m.model_copy(update={
         "precision": m.precision.model_copy(update={"experts": DEQUANT_FORMAT})})})
     fitted = CostModel(hardware, expert_bytes=quantized.model.expert_bytes)
     tasks = _MeasuredTasks(fitted, device)
     for _ in range(repeats):
-        tasks.measure(for_schedule(quantized, "EP")[0], "EP",
-                      skip=frozenset(KIND_NAMES) - set(kinds))
+        for schedule, kinds in DEQUANT_RUNS.items():
+            # a sequence a micro-batch, as many as the schedule needs (S1 overlaps two)
+            n = max(1, SCHEDULES[schedule].min_micro_batches)
+            run = quantized.model_copy(update={"policy": quantized.policy.model_copy(
+                update={"mu": 1, "N": n})})
+            tasks.measure(for_schedule(run, schedule)[0], schedule,
+                          skip=frozenset(KIND_NAMES) - set(kinds))
     out = {}
     for kind, smp in tasks.samples.items():
         k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
@@ -191,6 +206,8 @@ def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict
         unpacking = smp.alone(slowdown) - fitted.times(smp.resource, 0.0, nbytes, k)
         seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
         out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
+    for kind, like in DEQUANT_AS.items():
+        out[kind] = out.get(like)
     return out
 
 

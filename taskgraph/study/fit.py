@@ -130,7 +130,8 @@ EVERY_IMPLEMENTATION = [
     Mechanism(("kinds", kind, "dequant_gweights"), 1.0, 1e5, 100.0, None,
               f"the rate its {where} experts unpack quantized weights at (G weights/s), a "
               "time added to their reading", quantized=True)
-    for kind, where in (("CPUFFN", "CPU's"), ("GPUFFN", "GPU's"))]
+    for kind, where in (("CPUFFN", "CPU's"), ("GPUFFN", "GPU's"),
+                        ("PostAttn", "streamed decode layer's"), ("Prefill", "prefill layer's"))]
 
 
 def free_parameters(cells: list[Cell]) -> list[Param]:
