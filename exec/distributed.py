@@ -123,9 +123,9 @@ class _Shard:
             self.dist.all_gather(parts, rt.logit_part[index])
             rt.take(step, index, torch.cat(parts, dim=-1))
         elif kind in COLLECTIVES:
-            total = rt.partial(step, index)
+            total = rt.partial(step, index, kind)
             self.dist.all_reduce(total)
-            rt.add(step, index, total)
+            rt.add(step, index, total, kind)
         else:
             rt.run(step, kind, layer, index)
 

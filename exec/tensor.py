@@ -36,7 +36,8 @@ from taskgraph.errors import TgError
 from taskgraph.exec.pages import ByClass, layer_pages, page_elements
 from taskgraph.exec.marks import runs
 from taskgraph.exec.runtime import Runtime
-from taskgraph.kernels.ops import attn_width, ffn, lm_head, norm, o_projection
+from taskgraph.kernels.ops import (attn_width, ffn, lm_head, norm, norm_qk_by, o_projection,
+                                   project_qkv, prompt_attention, qk_square_sums, rotate_qkv)
 from taskgraph.kernels.quant import block_of, expert_elements, expert_format, row_bytes
 from taskgraph.kernels.weights import QUANTIZED, ModelWeights, layer_sections
 from taskgraph.kinds import COLLECTIVES
@@ -56,12 +57,13 @@ class Shard:
 
 
 def check_shardable(m: ModelSpec, n: int) -> None:
-    if m.architecture == "olmoe":
+    if m.qk_norm_whole and m.n_kv % n:
         raise TgError(
             f"Tensor-parallel execution splits attention by head, and model.architecture = "
-            f"olmoe normalises all heads' Q and K at once (one RMSNorm over the whole Q), "
-            f"which no GPU's heads alone can compute; run OLMoE on one GPU, or on "
-            f"hardware.gpu.count = {n} in pipeline or data parallel.")
+            f"{m.architecture} normalises every head's K at once, from sums of squares the GPUs "
+            f"all-reduce: model.n_kv = {m.n_kv} KV heads over hardware.gpu.count = {n} GPUs "
+            "would hold copies of a head and count it twice; choose a GPU count that divides "
+            "them.")
     fmt = expert_format(m)
     if fmt and (m.h_i // n) % block_of(fmt)[0]:
         raise TgError(
@@ -187,8 +189,8 @@ def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
     """GPU g's part of a layer's small tensors (kernels.weights.extra_shapes): Q, K and V
     biases and sinks by head, as their matrices; the experts' gate | up biases by column; a
-    bias added after a partial sum GPU 0's alone (zeros on the others); norms and the router's
-    biases whole."""
+    bias added after a partial sum GPU 0's alone (zeros on the others); Q and K norms over
+    every head (OLMoE's) by head; other norms and the router's biases whole."""
     def block(t: torch.Tensor) -> torch.Tensor:
         size = t.shape[-1] // n
         return t[..., g * size:(g + 1) * size]
@@ -210,6 +212,8 @@ def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
             out[name] = torch.cat([block(gate), block(up)], dim=-1)
         elif name in ("o_bias", "b2"):
             out[name] = t if g == 0 else torch.zeros_like(t)
+        elif name in ("q_norm", "k_norm") and m.qk_norm_whole:   # over every head: by head
+            out[name] = block(t)
         else:
             out[name] = t
     return out
@@ -249,6 +253,40 @@ class ShardRuntime(Runtime):
         self.part = [torch.zeros(rows, m.h, dtype=dtype, device=device) for _ in range(self.n)]
         self.logit_part = [torch.zeros(mu, weights.lm_head.shape[0], dtype=dtype, device=device)
                            for _ in range(self.n)]
+        if m.qk_norm_whole:
+            # QKV's output before the norm, and its sums of squares (all-reduced in place)
+            self.raw_qkv = [torch.zeros(rows, m.q_dim + 2 * m.h_kv, dtype=dtype, device=device)
+                            for _ in range(self.n)]
+            self.squares = [torch.zeros(rows, 2, device=device) for _ in range(self.n)]
+
+    @runs("QKV")
+    def _QKV(self, s: int, l: int, j: int) -> None:
+        if s == 0:
+            if l == 0:           # the residual stream starts at the prompts' embeddings
+                rows = slice(j * self.mu, (j + 1) * self.mu)
+                self.x_prefill[j].copy_(self.embed[self.prompts[rows]])
+            x = self.x_prefill[j].view(-1, self.m.h)
+        else:
+            x = self.x[j]
+        qkv = project_qkv(x, self.norms[l][0], self._view(s, l, j))
+        T = qkv.shape[0]
+        self.raw_qkv[j][:T].copy_(qkv)
+        self.squares[j][:T].copy_(qk_square_sums(qkv, self.m, self.plan.tp))
+
+    @runs("QKNorm")
+    def _QKNorm(self, s: int, l: int, j: int) -> None:
+        T = self.x[j].shape[0]
+        qkv = norm_qk_by(self.raw_qkv[j][:T], self.squares[j][:T], self._view(s, l, j))
+        self.qkv[j].copy_(rotate_qkv(qkv, self.lens[j] + (s - 1), self.rope, self.m))
+
+    @runs("PromptAttn")
+    def _PromptAttn(self, s: int, l: int, j: int) -> None:
+        W, T = self._view(s, l, j), self.mu * self.P
+        qkv = norm_qk_by(self.raw_qkv[j][:T], self.squares[j][:T], W)
+        attn, k, v = prompt_attention(qkv.view(self.mu, self.P, -1), W, self.m, self.rope,
+                                      self.lens[j] if self.ragged else None, self.m.window(l))
+        self.attn_prefill[j].copy_(attn)
+        self._prompt_kv(s, l, j, k, v)
 
     @runs("OProj")
     def _OProj(self, s: int, l: int, j: int) -> None:
@@ -268,13 +306,19 @@ class ShardRuntime(Runtime):
         self.logit_part[j].copy_(lm_head(x, self.final_norm, self.head, self.m.rms_norm_eps,
                                          self.head_bias))
 
-    def partial(self, s: int, j: int) -> torch.Tensor:
-        """The partial sum the last part left for micro-batch j (rows of the hidden state)."""
-        return self.part[j][:self._hidden(s, j).shape[0]]
+    def partial(self, s: int, j: int, collective: str) -> torch.Tensor:
+        """The partial sum the part before `collective` left for micro-batch j: rows of the
+        hidden state, or of QKV's sums of squares."""
+        rows = self._hidden(s, j).shape[0]
+        return (self.squares if collective == "AllReduceNorm" else self.part)[j][:rows]
 
-    def add(self, s: int, j: int, total: torch.Tensor) -> None:
-        """A completed sum into the residual stream."""
-        self._hidden(s, j).add_(total)
+    def add(self, s: int, j: int, total: torch.Tensor, collective: str) -> None:
+        """A completed sum into the residual stream, or the sums of squares in place of the
+        GPU's own."""
+        if collective == "AllReduceNorm":
+            self.partial(s, j, collective).copy_(total)
+        else:
+            self._hidden(s, j).add_(total)
 
     def take(self, s: int, j: int, logits: torch.Tensor) -> None:
         """The gathered logits: sample, as the one-GPU LM head does."""
@@ -303,10 +347,10 @@ class TensorParallel:
             logits = torch.cat([rt.logit_part[index] for rt in self.shards], dim=-1)
             for rt in self.shards:
                 rt.take(step, index, logits)
-        else:                         # AllReduceAttn, AllReduce
-            total = sum(rt.partial(step, index) for rt in self.shards)
+        else:                         # AllReduceNorm, AllReduceAttn, AllReduce
+            total = sum(rt.partial(step, index, kind) for rt in self.shards)
             for rt in self.shards:
-                rt.add(step, index, total)
+                rt.add(step, index, total, kind)
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.shards[0].outputs()

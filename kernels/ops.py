@@ -267,13 +267,11 @@ def pre_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView) -> to
              rmsnorm(h @ W["q_a"].T, W["q_a_norm"], _MLA_NORM_EPS) @ W["q_b"].T)
         latent, k_rope = (h @ W["kv_a"].T).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         return torch.cat([q, rmsnorm(latent, W["kv_a_norm"], _MLA_NORM_EPS), k_rope], dim=-1)
-    qkv = norm(x, layer_norm, m.rms_norm_eps) @ W["qkv"].T
-    if "qkv_bias" in W.extras:
-        qkv = qkv + W["qkv_bias"]
+    qkv = project_qkv(x, layer_norm, W)
     if "q_norm" not in W.extras:
         return qkv
     q, k, v = qkv.split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
-    if m.architecture == "olmoe":
+    if m.qk_norm_whole:
         q, k = rmsnorm(q, W["q_norm"], m.rms_norm_eps), rmsnorm(k, W["k_norm"], m.rms_norm_eps)
     else:
         shape = q.shape[:-1]
@@ -282,6 +280,36 @@ def pre_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView) -> to
         k = rmsnorm(k.reshape(*shape, m.n_kv, m.d), W["k_norm"], m.rms_norm_eps).reshape(
             *shape, -1)
     return torch.cat([q, k, v], dim=-1)
+
+
+def project_qkv(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView) -> torch.Tensor:
+    """Norm + QKV projection with the family's bias, before any Q/K norm (not MLA)."""
+    qkv = norm(x, layer_norm, W.m.rms_norm_eps) @ W["qkv"].T
+    return qkv + W["qkv_bias"] if "qkv_bias" in W.extras else qkv
+
+
+# Tensor parallelism over a model that norms Q and K over every head (OLMoE): each GPU sums
+# its heads' squares, the sums are all-reduced, and each GPU norms its heads by the whole's.
+
+def qk_square_sums(qkv: torch.Tensor, m: ModelSpec, n: int) -> torch.Tensor:
+    """[..., 2]: each token's sums of its Q's and of its K's squares, in fp32, over the heads
+    of `qkv` (a GPU's, of `n`), each over the whole's width: all-reduced, the means."""
+    q, k, _ = qkv.float().split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
+    return torch.stack([q.pow(2).sum(-1) / (m.q_dim * n), k.pow(2).sum(-1) / (m.h_kv * n)],
+                       dim=-1)
+
+
+def norm_qk_by(qkv: torch.Tensor, means: torch.Tensor, W: LayerView) -> torch.Tensor:
+    """A GPU's heads' Q and K RMS-normed by every head's mean squares (`means` [..., 2], all
+    GPUs' :func:`qk_square_sums` summed), as :func:`rmsnorm` norms the whole."""
+    m, eps = W.m, W.m.rms_norm_eps
+    q, k, v = qkv.split([m.q_dim, m.h_kv, m.h_kv], dim=-1)
+
+    def normed(x: torch.Tensor, mean: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x.float() * torch.rsqrt(mean.unsqueeze(-1) + eps)).to(x.dtype)
+
+    return torch.cat([normed(q, means[..., 0], W["q_norm"]),
+                      normed(k, means[..., 1], W["k_norm"]), v], dim=-1)
 
 
 def split_qkv(qkv: torch.Tensor, m: ModelSpec) -> tuple[torch.Tensor, ...]:
@@ -614,14 +642,22 @@ def prefill_attention(x: torch.Tensor, layer_norm: torch.Tensor, W: LayerView, m
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, QKV and causal attention over whole prompts: x [B, P, h] -> (attention output
     [B*P, q_dim], k, v [B, P, n_kv, d], k rotated), padding masked as in prefill_layer."""
-    B, P, _ = x.shape
-    positions = torch.arange(P, device=x.device)
-    q, k, v = split_qkv(rotate_qkv(pre_attention(x, layer_norm, W), positions, rope, m), m)
+    return prompt_attention(pre_attention(x, layer_norm, W), W, m, rope, lens, window)
+
+
+def prompt_attention(qkv: torch.Tensor, W: LayerView, m: ModelSpec, rope: Rope,
+                     lens: torch.Tensor | None = None, window: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention over whole prompts from their normed, unrotated q | k | v [B, P, ...]
+    (:func:`pre_attention`): as :func:`prefill_attention`."""
+    B, P, _ = qkv.shape
+    positions = torch.arange(P, device=qkv.device)
+    q, k, v = split_qkv(rotate_qkv(qkv, positions, rope, m), m)
     mask = None
     if window is not None and window >= P:
         window = None                   # the window holds every prompt token
     if lens is not None or window is not None:
-        cols = torch.arange(P, device=x.device)
+        cols = torch.arange(P, device=qkv.device)
         causal = cols[None, :] <= cols[:, None]                          # [P, P]
         if window is not None:
             causal &= cols[None, :] > cols[:, None] - window

@@ -97,6 +97,9 @@ class Kind:
     # Tensor parallelism: the parts it runs as (each between two all-reduces), the collective
     # that completes its partial sum, and what every GPU's shard of it runs whole.
     tp_parts: tuple[str, ...] = ()
+    # The parts instead where the model normalises Q and K over every head at once (OLMoE),
+    # which no GPU's heads alone can: the projection, its sums of squares all-reduced, the rest.
+    tp_parts_whole_norm: tuple[str, ...] = ()
     collective: str | None = None
     replicated: Callable[[Any, Number, bool], Work] | None = None
     tp_only: bool = False
@@ -151,7 +154,8 @@ def shared_layer(model: Any, layer: int) -> bool:
 
 @kind("Prefill", "one layer of the prompt on the GPU: attention and MoE FFN over mu*p tokens",
       "gpu", reads=(Read(HIDDEN, layer=-1),), weights="all", fills="kv",
-      tp_parts=("PrefillAttn", "OProj", "MoE"), send="Send", colour="#4292c6")
+      tp_parts=("PrefillAttn", "OProj", "MoE"),
+      tp_parts_whole_norm=("QKV", "PromptAttn", "OProj", "MoE"), send="Send", colour="#4292c6")
 def Prefill(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, load = work.model, work.model.dtype_bytes, work.load
     t = load.prompt_tokens
@@ -182,7 +186,7 @@ def _latent_projections(work: Any, tokens: Number, prefill: bool) -> Work:
 
 @kind("PreAttn", "RMSNorm + QKV projection on the GPU", "gpu",
       reads=(Read(HIDDEN, layer=-1),), weights="qkv", replicated=_latent_projections,
-      colour="#6baed6")
+      tp_parts_whole_norm=("QKV", "QKNorm"), colour="#6baed6")
 def PreAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b, new = work.model, work.model.dtype_bytes, work.load.admitted
     mu = work.load.seqs + new
@@ -269,7 +273,7 @@ def LMHead(work: Any, tokens: Number, prefill: bool) -> Work:
 
 @kind("PrefillAttn", "one layer's RMSNorm, QKV and causal attention over the prompt, on the GPU",
       "gpu", reads=(Read(HIDDEN, layer=-1),), weights="qkv", fills="kv",
-      replicated=_latent_projections)
+      replicated=_latent_projections, tp_parts_whole_norm=("QKV", "PromptAttn"))
 def PrefillAttn(work: Any, tokens: Number, prefill: bool) -> Work:
     m, b = work.model, work.model.dtype_bytes
     return Work(flops=2 * tokens * m.qkv_params
@@ -360,6 +364,54 @@ def MoE(work: Any, tokens: Number, prefill: bool) -> Work:
 def AllReduce(work: Any, tokens: Number, prefill: bool) -> Work:
     n = work.tp         # a ring all-reduce: each GPU sends 2 (n - 1) / n of the sum
     return Work(bytes=2 * (n - 1) / n * work.model.dtype_bytes * tokens * work.model.h)
+
+
+# Where a model normalises Q and K over every head at once (OLMoE), a GPU's heads alone cannot:
+# each GPU projects its heads and sums their squares, the sums are all-reduced (two figures a
+# token; vLLM all-gathers Q and K instead), and the rest of the attention runs on the normed
+# Q and K.
+
+@kind("QKV", "RMSNorm + QKV projection of a GPU's heads, and each token's sums of their Q's and "
+      "K's squares (a partial sum)", "gpu", weights="qkv", collective="AllReduceNorm",
+      tp_only=True, colour="#6baed6")
+def QKV(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    return Work(flops=2 * tokens * m.qkv_params,
+                bytes=m.qkv_bytes + b * tokens * (m.h + m.q_width + m.kv_width))
+
+
+@kind("AllReduceNorm", "each token's sums of Q's and K's squares all-reduced (a norm over every "
+      "head), over the GPUs' interconnect", "peer", colour="#e7298a")
+def AllReduceNorm(work: Any, tokens: Number, prefill: bool) -> Work:
+    n = work.tp         # two fp32 figures a token, in a ring
+    return Work(bytes=2 * (n - 1) / n * 8 * tokens)
+
+
+def _qk_norm(work: Any, tokens: Number) -> Work:
+    """Q and K normed by the all-reduced sums and rotated: read and written once."""
+    m, b = work.model, work.model.dtype_bytes
+    width = m.q_width + m.kv_width
+    return Work(flops=4 * tokens * width, bytes=2 * b * tokens * width)
+
+
+@kind("QKNorm", "a GPU's heads' Q and K normed over every head and rotated (decode)", "gpu",
+      tp_only=True, colour="#6baed6")
+def QKNorm(work: Any, tokens: Number, prefill: bool) -> Work:
+    """And, as PreAttn prices it, the attention of prompts admitted into the step."""
+    m, norm = work.model, _qk_norm(work, tokens)
+    admitted = work.causal_squares(work.load.admitted, work.load.admitted_sq)
+    return Work(flops=norm.flops + admitted * (m.prefill_pair_flops // 2), bytes=norm.bytes)
+
+
+@kind("PromptAttn", "a GPU's heads' Q and K normed over every head and rotated, and causal "
+      "attention over the prompt", "gpu", fills="kv", tp_only=True)
+def PromptAttn(work: Any, tokens: Number, prefill: bool) -> Work:
+    m, b = work.model, work.model.dtype_bytes
+    attention = PrefillAttn.work(work, tokens, prefill)
+    projection = QKV.work(work, tokens, prefill)
+    norm = _qk_norm(work, tokens)
+    return Work(flops=attention.flops - projection.flops + norm.flops,
+                bytes=attention.bytes - m.qkv_bytes - b * tokens * m.h + norm.bytes)
 
 
 @kind("GatherLogits", "the vocabulary shards' logits gathered for sampling, over the "
@@ -455,12 +507,21 @@ HOST_KINDS = frozenset(k.name for k in KINDS.values() if k.stream in ("cpu", "pi
 COLLECTIVE_AFTER: dict[str, str] = {k.name: k.collective for k in KINDS.values()
                                     if k.collective}
 COLLECTIVES = frozenset(COLLECTIVE_AFTER.values())
-#: Under tensor parallelism, a kind that holds an all-reduce inside it runs as its parts: the
-#: residual, norm and router after the O projection need the whole hidden state.
-TP_PARTS: dict[str, tuple[str, ...]] = {k.name: k.tp_parts for k in KINDS.values()
-                                        if k.tp_parts}
-#: Kinds that only tensor parallelism launches.
-TP_ONLY = frozenset(k.name for k in KINDS.values() if k.tp_only)
+#: Under tensor parallelism, a kind that holds an all-reduce inside it runs as its parts (the
+#: residual, norm and router after the O projection need the whole hidden state) on some model
+#: (:func:`tp_parts`), prefill's Prefill first.
+TP_WHOLES: tuple[str, ...] = tuple(k.name for k in KINDS.values()
+                                   if k.tp_parts or k.tp_parts_whole_norm)
+
+
+def tp_parts(kind: str, model: Any) -> tuple[str, ...]:
+    """The parts `kind` runs as under tensor parallelism on `model` (none: it runs whole)."""
+    record = KINDS[kind]
+    if record.tp_parts_whole_norm and model.qk_norm_whole:
+        return record.tp_parts_whole_norm
+    return record.tp_parts
+
+
 #: Under pipeline parallelism, a kind whose output another stage reads, and the send carrying it
 #: there: a stage's last layer's hidden state; the sampled tokens back to the first stage.
 SEND_AFTER: dict[str, str] = {k.name: k.send for k in KINDS.values() if k.send}

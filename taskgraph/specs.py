@@ -370,6 +370,12 @@ class ModelSpec(Spec):
     # projected from every cached latent).
 
     @property
+    def qk_norm_whole(self) -> bool:
+        """Q and K are RMS-normed over every head at once (OLMoE's q_norm and k_norm), not
+        head by head: under tensor parallelism no GPU's heads alone can compute the norm."""
+        return self.architecture == "olmoe"
+
+    @property
     def q_width(self) -> int:
         """Elements of one token's queries as attention reads them."""
         if self.attention == "mla":

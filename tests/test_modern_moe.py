@@ -193,7 +193,7 @@ def test_mla_decode_is_priced_as_each_implementation_computes_it(context):
     torch = pytest.importorskip("torch")
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kernels.ops import mla_attention
+    from taskgraph.kernels.ops import mla_attention
 
     decompressed = _plan("S4", r_c=0.0, model={**DEEPSEEKISH, "mla_absorbed": False})
     m = decompressed.scenario.model

@@ -106,6 +106,46 @@ def test_gpus_meet_only_in_collectives(schedule):
     assert collectives
 
 
+@pytest.mark.parametrize("schedule", ["S1", "S4"])
+def test_a_norm_over_every_head_runs_between_the_projection_and_attention(schedule):
+    """OLMoE norms Q and K over every head, which no GPU's heads alone can: under tensor
+    parallelism each PreAttn (prefill's attention too) runs as QKV (a GPU's heads and their
+    sums of squares) -> AllReduceNorm (two fp32 figures a token) -> the rest on the normed Q and
+    K, which the GPU's own attention then reads. A model that norms head by head keeps PreAttn
+    whole."""
+    gpus = 2
+    for model, split in ((_OLMOE, True), (None, False)):
+        sc = _tp(schedule, gpus, model=model)
+        for d, rest in ((0, "PromptAttn"), (1, "QKNorm")):
+            g = _graph(sc, d)
+            a = dict(g.nodes(data=True))
+            own = {n: x for n, x in a.items() if not x["external"]}
+            kinds = {x["kind"] for x in own.values()}
+            assert ({"QKV", "AllReduceNorm", rest} <= kinds) == split
+            assert d == 0 or ("PreAttn" in kinds) == (not split)
+            if not split:
+                continue
+            for n, x in own.items():
+                preds = [a[p] for p in g.predecessors(n)
+                         if g.edges[p, n]["why"] == "data"]
+                if x["kind"] == "AllReduceNorm":
+                    assert sorted(p["gpu"] for p in preds) == list(range(gpus))
+                    assert {p["kind"] for p in preds} == {"QKV"}
+                    tokens = sc.policy.mu * (sc.workload.context_prompt if x["step"] == 0 else 1)
+                    assert x["bytes"] == pytest.approx(2 * (gpus - 1) / gpus * 8 * tokens)
+                if x["kind"] == rest:
+                    assert [p["kind"] for p in preds if p["kind"] in COLLECTIVES] == [
+                        "AllReduceNorm"]
+                reads = {"D1": "QKNorm", "GPUAttn": "QKNorm", "KVOut": "PromptAttn"}
+                if x["kind"] in reads and (x["kind"] != "KVOut" or x["step"] == 0):
+                    # the GPU's own normed heads, not another GPU's
+                    normed = [p for p in preds if p["kind"] == reads[x["kind"]]]
+                    assert normed and all(p["gpu"] == x["gpu"] for p in normed), n
+    with pytest.raises(Exception, match="model.n_kv = 2 KV heads over hardware.gpu.count = 4"):
+        from taskgraph.exec.tensor import check_shardable
+        check_shardable(_tp("S1", 4, model=_OLMOE).model, 4)
+
+
 def test_two_gpus_halve_a_gpu_bound_layer_and_a_slow_interconnect_binds():
     # Everything on the GPU (weights resident, KV cache there too), no fixed costs: a GPU-bound
     # layer whose work two GPUs split in half.
@@ -190,6 +230,9 @@ def test_the_search_runs_the_pipeline_on_several_gpus_and_the_one_gpu_schedule_o
 torch = pytest.importorskip("torch")
 
 _KV4 = {"preset": "tiny", "n_kv": 4}      # tiny has 2 KV heads: at most 2 GPUs
+# Q and K RMS-normed over every head at once, as OLMoE norms them
+_OLMOE = {"preset": "tiny", "architecture": "olmoe"}
+_OLMOE4 = {**_OLMOE, "n_kv": 4}
 
 
 def _tp(schedule, gpus, N=8, mu=2, r_w=0.0, r_c=0.0, model=None):
@@ -225,6 +268,9 @@ def test_the_shards_partition_every_split_matrix_and_share_the_router():
     ("S1", 4, 8, 2, 0.0, 0.0, _KV4), ("S4", 4, 6, 2, 0.5, 0.0, _KV4),
     # more GPUs than tiny's 2 KV heads: each GPU a copy of the one its queries use (vLLM)
     ("S1", 4, 8, 2, 0.0, 0.0, None), ("S4", 4, 6, 2, 0.5, 0.5, None),
+    # Q and K normed over every head: each GPU's sums of squares all-reduced
+    ("S1", 2, 6, 2, 0.3, 0.0, _OLMOE), ("S4", 4, 6, 2, 0.5, 0.5, _OLMOE4),
+    ("S3", 2, 6, 3, 0.0, 0.0, _OLMOE),
 ])
 def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
         schedule, gpus, N, mu, r_w, r_c, model):
@@ -253,7 +299,8 @@ def test_one_process_runs_every_gpus_shard_and_computes_the_reference(
     torch.testing.assert_close(hidden, ref.hidden, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule,gpus,model", [("S1", 2, None), ("S4", 4, _KV4)])
+@pytest.mark.parametrize("schedule,gpus,model", [("S1", 2, None), ("S4", 4, _KV4),
+                                                  ("S1", 2, _OLMOE)])
 def test_one_process_per_gpu_over_gloo_computes_the_reference(schedule, gpus, model):
     """torch.distributed (gloo, CPU): each GPU's shard a process of its own, all-reduces and
     the logits' gather as collectives, random delays."""

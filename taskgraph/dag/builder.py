@@ -49,7 +49,7 @@ from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, PLACEMENT_MEANS, SC
 from taskgraph.dag.work import TaskWork, WeightLayout
 from taskgraph.errors import ScheduleError
 from taskgraph.kinds import (COLLECTIVE_AFTER, COLLECTIVES, KINDS, PAGED, SEND_AFTER, SENDS,
-                             SHARDED, TP_PARTS, WEIGHT_SECTIONS, Read)
+                             SHARDED, TP_WHOLES, WEIGHT_SECTIONS, Read, tp_parts)
 from taskgraph.specs import ModelSpec, Scenario
 
 
@@ -422,7 +422,7 @@ def _shard(plan: Plan, keys: list[TaskKey]) -> list[TaskKey]:
         if key.kind not in SHARDED:
             out.append(key)
             continue
-        for kind in TP_PARTS.get(key.kind, (key.kind,)):
+        for kind in tp_parts(key.kind, plan.scenario.model) or (key.kind,):
             out += [key._replace(kind=kind, gpu=g) for g in range(plan.tp)]
             if kind in COLLECTIVE_AFTER:
                 out.append(TaskKey(key.step, COLLECTIVE_AFTER[kind], key.layer, key.index))
@@ -519,43 +519,46 @@ def _deps(plan: Plan, t: TaskKey) -> list[TaskKey]:
     if t.kind in COLLECTIVES:
         producer = next(k for k, c in COLLECTIVE_AFTER.items() if c == t.kind)
         return [TaskKey(t.step, producer, t.layer, t.index, g) for g in range(plan.tp)]
-    whole, first = _whole_of(t)
+    model = plan.scenario.model
+    whole, parts = _whole_of(t, model)
     out: list[TaskKey] = []
-    if whole.kind != t.kind and t.kind != first:
+    if parts and t.kind != parts[0]:
         # a later part of a split task: after the part before it (through its collective)
-        parts = TP_PARTS[whole.kind]
         before = t._replace(kind=parts[parts.index(t.kind) - 1])
         out.append(TaskKey(t.step, COLLECTIVE_AFTER[before.kind], t.layer, t.index)
                    if before.kind in COLLECTIVE_AFTER else before)
         deps = []
     else:
         deps = _data_deps(plan, whole)
-    split = whole.kind != t.kind
+    split = bool(parts)
     for d in deps:
         if d.kind == "D3" and split:
             continue                      # a part reads only its own section's pages (below)
+        read = tp_parts(d.kind, model) or (d.kind,)
         if d.kind not in SHARDED:
             out.append(d)
-        elif d.kind in TP_PARTS and t.kind == "KVOut":   # K,V: the shard's own attention's
-            out.append(d._replace(kind=TP_PARTS[d.kind][0], gpu=t.gpu))
-        elif d.kind in TP_PARTS or d.kind in COLLECTIVE_AFTER:   # a partial sum: completed
-            last = TP_PARTS.get(d.kind, (d.kind,))[-1]
-            out.append(TaskKey(d.step, COLLECTIVE_AFTER[last], d.layer, d.index))
-        else:
-            out.append(d._replace(gpu=t.gpu))
+        elif t.kind == "KVOut" and len(read) > 1:   # K,V: the shard's own attention's
+            out.append(d._replace(kind=next(p for p in read if KINDS[p].fills == "kv"),
+                                  gpu=t.gpu))
+        elif read[-1] in COLLECTIVE_AFTER:   # a partial sum: completed
+            out.append(TaskKey(d.step, COLLECTIVE_AFTER[read[-1]], d.layer, d.index))
+        else:                             # the shard's own output, on its GPU
+            out.append(d._replace(kind=read[-1], gpu=t.gpu))
     if split and t.kind in WEIGHT_SECTIONS:
         out += [TaskKey(t.step, "D3", t.layer, p, t.gpu)
                 for p in plan.weight_pages(t.layer, t.index, WEIGHT_SECTIONS[t.kind])]
     return out
 
 
-def _whole_of(t: TaskKey) -> tuple[TaskKey, str]:
+def _whole_of(t: TaskKey, model: Any) -> tuple[TaskKey, tuple[str, ...]]:
     """The one-GPU task a shard belongs to (a part of a split task belongs to the whole), and
-    the first part of it."""
-    for whole, parts in TP_PARTS.items():
+    the whole's parts (none: the shard runs it whole). A part of several wholes (PrefillAttn,
+    QKV) is prefill's Prefill's in prefill, a decode kind's in decode."""
+    for whole in TP_WHOLES:
+        parts = tp_parts(whole, model)
         if t.kind in parts and (t.step == 0) == (whole == "Prefill"):
-            return t._replace(kind=whole, gpu=-1), parts[0]
-    return t._replace(gpu=-1), t.kind
+            return t._replace(kind=whole, gpu=-1), parts
+    return t._replace(gpu=-1), ()
 
 
 def _stage_deps(plan: Plan, t: TaskKey) -> list[TaskKey]:

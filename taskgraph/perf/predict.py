@@ -42,9 +42,9 @@ import numpy as np
 from taskgraph.dag.schedules import (EXPERT_FIELDS, PER_GPU, RESOURCES, STREAM_RESOURCE, Op,
                                       Schedule)
 from taskgraph.dag.work import TaskWork, WeightLayout
-from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, KINDS, PAGED, TP_PARTS
+from taskgraph.kinds import COLLECTIVE_AFTER, KIND_INDEX, KINDS, PAGED, tp_parts
 from taskgraph.perf.cost import POOLS, CostModel, cost_model
-from taskgraph.specs import PolicySpec, Scenario
+from taskgraph.specs import ModelSpec, PolicySpec, Scenario
 
 
 @dataclass(frozen=True)
@@ -177,14 +177,14 @@ def _layer_time(scenario: Scenario, schedule: Schedule, work: TaskWork, cost: Co
     in each step (n, steps), and each resource's prefill work (ROWS, n)."""
     m, w, tp = scenario.model, scenario.workload, work.tp
     L = m.L
-    decode_ops = _with_collectives(_ops_of(m, schedule.decode, layer), tp)
+    decode_ops = _with_collectives(_ops_of(m, schedule.decode, layer), tp, m)
     # each kind's decode work, priced once for the layer's total and the parts of it below
     terms: dict[tuple[str, str], list[tuple[int, np.ndarray]]] = {}
     decode = _per_layer_time(schedule, decode_ops, work, cost, n, n_pages, L, contexts,
                              prefill=False, terms=terms)          # (resources, n, steps)
     prefill_ops = _with_collectives(_ops_of(
         m, tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), layer),
-        tp)
+        tp, m)
     prefill = _per_layer_time(schedule, prefill_ops, work, cost, n, n_pages, L,
                               np.array([float(w.context_prompt)]), prefill=True)[..., 0]
 
@@ -240,7 +240,7 @@ def _ahead_of_copy(schedule: Schedule, ops) -> int:
     return schedule.kv_slots if own and d3 not in own else 1
 
 
-def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
+def _with_collectives(ops: tuple[Op, ...], tp: int, model: ModelSpec) -> tuple[Op, ...]:
     """Under tensor parallelism, each op as the builder launches it: a task holding an
     all-reduce as its parts, each part whose output is a partial sum followed by its collective
     (every GPU's shard takes one GPU's time, so a resource's time below is that of each
@@ -249,7 +249,7 @@ def _with_collectives(ops: tuple[Op, ...], tp: int) -> tuple[Op, ...]:
         return ops
     out: list[Op] = []
     for op in ops:
-        for kind in TP_PARTS.get(op.kind, (op.kind,)):
+        for kind in tp_parts(op.kind, model) or (op.kind,):
             out.append(Op(kind, op.ahead, op.layer, op.when))
             if kind in COLLECTIVE_AFTER:
                 out.append(Op(COLLECTIVE_AFTER[kind], op.ahead, op.layer, op.when))
