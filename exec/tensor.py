@@ -12,7 +12,8 @@ experts' down projections) is GPU 0's, so the sum holds it once.
 So a shard is the model with n_q/n heads, n_kv/n KV heads and h_i/n expert width (the shared
 experts' and the dense MLP's width split too), and one
 :class:`~taskgraph.exec.runtime.Runtime` runs it, with the parts only tensor parallelism has
-(``OProj``, ``MoE``, the partial LM head) added here.
+(``OProj``, ``MoE``, the partial LM head; ``QKV``, ``QKNorm`` and ``PromptAttn`` for a model that
+norms Q and K over every head) added here.
 
 A shard's weights are the elements of the full layer its GPU reads, in the full layer's order,
 so the plan's weight pages (byte ranges of the full layer) map onto contiguous ranges of the
@@ -57,13 +58,6 @@ class Shard:
 
 
 def check_shardable(m: ModelSpec, n: int) -> None:
-    if m.qk_norm_whole and m.n_kv % n:
-        raise TgError(
-            f"Tensor-parallel execution splits attention by head, and model.architecture = "
-            f"{m.architecture} normalises every head's K at once, from sums of squares the GPUs "
-            f"all-reduce: model.n_kv = {m.n_kv} KV heads over hardware.gpu.count = {n} GPUs "
-            "would hold copies of a head and count it twice; choose a GPU count that divides "
-            "them.")
     fmt = expert_format(m)
     if fmt and (m.h_i // n) % block_of(fmt)[0]:
         raise TgError(
@@ -195,12 +189,12 @@ def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
         size = t.shape[-1] // n
         return t[..., g * size:(g + 1) * size]
 
+    head = slice(g * m.n_kv // n * m.d, (g * m.n_kv // n + 1) * m.d)   # a GPU past the KV heads
     out = {}
     for name, t in extras.items():
         if name == "qkv_bias":
             q, k, v = t.split([m.q_dim, m.h_kv, m.h_kv])
             if n > m.n_kv:
-                head = slice(g * m.n_kv // n * m.d, (g * m.n_kv // n + 1) * m.d)
                 k, v = k[head], v[head]
             else:
                 k, v = block(k), block(v)
@@ -212,8 +206,10 @@ def shard_extras(m: ModelSpec, n: int, g: int, extras: dict[str, torch.Tensor]
             out[name] = torch.cat([block(gate), block(up)], dim=-1)
         elif name in ("o_bias", "b2"):
             out[name] = t if g == 0 else torch.zeros_like(t)
-        elif name in ("q_norm", "k_norm") and m.qk_norm_whole:   # over every head: by head
+        elif name == "q_norm" and m.qk_norm_whole:      # over every head: by head
             out[name] = block(t)
+        elif name == "k_norm" and m.qk_norm_whole:      # as K: its heads, or a copy of one
+            out[name] = t[head] if n > m.n_kv else block(t)
         else:
             out[name] = t
     return out
@@ -241,7 +237,9 @@ def make_shard(plan: Plan, weights: ModelWeights, g: int) -> tuple[Shard, ModelW
 
 class ShardRuntime(Runtime):
     """One GPU's shard: the Runtime's tasks on the shard's heads and columns, plus the parts
-    tensor parallelism splits PostAttn into, each leaving a partial sum for a collective."""
+    tensor parallelism splits PostAttn into, each leaving a partial sum for a collective, and
+    PreAttn and prefill's attention where the model norms Q and K over every head (OLMoE):
+    the projection and its sums of squares, then the norm by the all-reduced sums."""
 
     def __init__(self, plan: Plan, weights: ModelWeights, prompts: torch.Tensor,
                  device: torch.device, shard: Shard, **kw):

@@ -40,6 +40,12 @@ POOL_NAMES = {"host_memory": "host memory", "pcie_h2d": "shared PCIe CPU->GPU",
               "pcie_d2h": "shared PCIe GPU->CPU"}
 
 
+#: Tensor parallelism's expert part unpacks a shard's experts with decode's PostAttn kernel
+#: (in prefill too), so where no figure of its own is given it takes PostAttn's: one GPU, where
+#: `tg calibrate` measures, and `tg fit`'s one-GPU cells cannot time it apart.
+DEQUANT_AS = {"MoE": "PostAttn"}
+
+
 class CostModel:
     """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
 
@@ -90,9 +96,12 @@ class CostModel:
         effects = [several.get(kind) or impl.kinds.get(kind) for kind in KINDS]
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
-        # Seconds a kind spends unpacking each byte of experts stored below 16 bits (0: none)
-        rates = [hw.task_dequant_gweights.get(kind, e.dequant_gweights if e else None)
-                 for kind, e in zip(KINDS, effects)]
+        # Seconds a kind spends unpacking each byte of experts stored below 16 bits (0: none);
+        # a kind without a rate of its own runs the kernel of the kind in DEQUANT_AS
+        own = {kind: hw.task_dequant_gweights.get(kind, e.dequant_gweights if e else None)
+               for kind, e in zip(KINDS, effects)}
+        rates = [own[kind] if own[kind] is not None or kind not in DEQUANT_AS
+                 else own[DEQUANT_AS[kind]] for kind in KINDS]
         self.kind_dequant = np.array([8 / expert_bits / (r * 1e9) if r and expert_bits < 16
                                       else 0.0 for r in rates])
         # Seconds each routed expert a task touches adds beyond its bytes (its own operators,

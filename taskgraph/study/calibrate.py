@@ -150,13 +150,13 @@ def fit_tasks(scenario: Scenario, base: dict[str, Any], device: str = "cpu", rep
                for k, m in measured.items()}
     gaps = tasks.gaps
     handoff = max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
-    dequant = {}
+    dequant, unfitted = {}, []
     if scenario.hardware.gpu.count == 1:
         fitted = HardwareSpec.model_validate(base | {
             "task_overhead_us": fixed, "task_gbps": gbps,
             "task_expert_us": {k: v for k, v in per_expert.items() if v > 0}})
-        dequant = _fit_dequant(one, fitted, slowdown, device, repeats)
-    findings = _implausible(tasks, fixed, gbps)
+        dequant, unfitted = _fit_dequant(one, fitted, slowdown, device, repeats)
+    findings = _implausible(tasks, fixed, gbps) + unfitted
     return TaskFit(fixed, gbps, handoff, slowdown, summary, dequant, per_expert, findings)
 
 
@@ -168,19 +168,16 @@ DEQUANT_FORMAT = "q4_0"
 #: batch 1 (the expert-level schedules' kinds, on the CPU and on the GPU) and S1 (a layer
 #: streamed whole: its experts unpacked inside decode's PostAttn and prefill's Prefill).
 DEQUANT_RUNS = {"EP": ("CPUFFN", "GPUFFN"), "S1": ("PostAttn", "Prefill")}
-#: Tensor parallelism's parts of a layer run the kernel of the kind they split (one GPU cannot
-#: time them): the MoE part unpacks a shard's experts as decode's PostAttn does.
-DEQUANT_AS = {"MoE": "PostAttn"}
-
-
 def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict[str, float]],
-                 device: str, repeats: int) -> dict[str, float | None]:
+                 device: str, repeats: int) -> tuple[dict[str, float | None], list[str]]:
     """Per kind that computes routed experts, the rate the executor dequantizes them at (G
     weights/s): the :data:`DEQUANT_RUNS` at batch 1 with Q4_0 experts, each task's time with
     the slowdown divided out, less what the fitted costs price for its bytes, is its unpacking;
     the weights over that time, the median over the tasks (None where it is not positive: no
     cost the fit can tell). A task's bytes are priced as experts' (as :class:`CostModel` prices
-    them), so a layer's other weights in PostAttn are fitted into its rate."""
+    them), so a layer's other weights in PostAttn are fitted into its rate (tensor parallelism's
+    MoE part takes it: :data:`taskgraph.perf.cost.DEQUANT_AS`). A run that fails leaves its
+    kinds unfitted, said in the findings, and the profile is written without them."""
     from taskgraph.dag.compiled import KIND_NAMES
     from taskgraph.dag.schedules import SCHEDULES
     from taskgraph.formats import bits
@@ -190,25 +187,31 @@ def _fit_dequant(one: Scenario, hardware: HardwareSpec, slowdown: dict[str, dict
     quantized = one.model_copy(update={"model": m.model_copy(update={
         "precision": m.precision.model_copy(update={"experts": DEQUANT_FORMAT})})})
     fitted = CostModel(hardware, expert_bytes=quantized.model.expert_bytes)
-    tasks = _MeasuredTasks(fitted, device)
+    tasks, findings, failed = _MeasuredTasks(fitted, device), [], set()
     for _ in range(repeats):
         for schedule, kinds in DEQUANT_RUNS.items():
             # a sequence a micro-batch, as many as the schedule needs (S1 overlaps two)
             n = max(1, SCHEDULES[schedule].min_micro_batches)
             run = quantized.model_copy(update={"policy": quantized.policy.model_copy(
                 update={"mu": 1, "N": n})})
-            tasks.measure(for_schedule(run, schedule)[0], schedule,
-                          skip=frozenset(KIND_NAMES) - set(kinds))
+            if schedule in failed:
+                continue
+            try:
+                tasks.measure(for_schedule(run, schedule)[0], schedule,
+                              skip=frozenset(KIND_NAMES) - set(kinds))
+            except TgError as e:
+                failed.add(schedule)
+                findings.append(f"{', '.join(kinds)}: no dequantization rate, {schedule} with "
+                                f"{DEQUANT_FORMAT} experts did not run here: {e}")
     out = {}
     for kind, smp in tasks.samples.items():
         k, nbytes = KIND_NAMES.index(kind), smp.array("nbytes")
-        # what the fitted costs price for its bytes, at 16 bits (no dequantization rate yet)
-        unpacking = smp.alone(slowdown) - fitted.times(smp.resource, 0.0, nbytes, k)
+        # what the fitted costs price for its work (its roofline: bytes or FLOPs), without a
+        # dequantization rate yet
+        unpacking = smp.alone(slowdown) - fitted.fixed(smp.resource, k) - smp.array("roof")
         seconds_a_weight = float(np.median(unpacking / (nbytes * 8 / bits(DEQUANT_FORMAT))))
         out[kind] = 1e-9 / seconds_a_weight if seconds_a_weight > 0 else None
-    for kind, like in DEQUANT_AS.items():
-        out[kind] = out.get(like)
-    return out
+    return out, findings
 
 
 class _MeasuredTasks:
@@ -219,16 +222,16 @@ class _MeasuredTasks:
         self.samples: dict[str, _Samples] = {}
         self.gaps: list[float] = []
         self.staged: set[str] = set()       # kinds measured in a run without pageable copies
-        self.warm = False                   # a first run's one-off costs paid (warm_up)
+        self.warm: set[str] = set()         # schedules whose one-off costs are paid (warm_up)
 
     def measure(self, sc: Scenario, schedule: str, skip: frozenset[str] = frozenset()) -> None:
         """Execute `sc` with `schedule` and add its tasks to the samples, but those of the
         kinds in `skip`, and its hand-offs to the gaps (a batch run's: nothing skipped)."""
         from taskgraph.exec.execute import execute_scenario, warm_up
 
-        if not self.warm:
+        if schedule not in self.warm:       # each schedule's kernels load at their first call
             warm_up(sc, schedule, self.device)
-            self.warm = True
+            self.warm.add(schedule)
         ex = execute_scenario(sc, schedule, device=self.device, check=False)
         # The executor keeps what ran before Ctrl-C or a failed task (a trace of it is useful);
         # a profile fitted to part of a run is not: stop, and write nothing.
