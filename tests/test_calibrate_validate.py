@@ -74,6 +74,32 @@ def test_the_executors_dequantization_is_measured_and_priced(profile, schedule, 
     assert error(sc.hardware) < error(without) - np.log(2)   # at least twice as close
 
 
+def test_a_dequantization_run_that_fails_leaves_its_kinds_unfitted(profile, monkeypatch):
+    """Where a quantized run cannot execute here, its kinds get no rate and a finding says
+    which and why, while the other run's kinds are still fitted: the profile is written, not
+    the calibration aborted."""
+    from taskgraph.errors import TgError
+    from taskgraph.study import calibrate
+
+    measure = calibrate._MeasuredTasks.measure
+
+    def s1_fails(self, sc, schedule, skip=frozenset()):
+        if schedule == "S1":
+            raise TgError("no room for the streamed layer")
+        return measure(self, sc, schedule, skip)
+
+    monkeypatch.setattr(calibrate._MeasuredTasks, "measure", s1_fails)
+    sc = load_scenario("scenarios/tiny.yaml", [
+        f"hardware={profile}", "policy.N=1", "policy.mu=1", "policy.experts_gpu=2",
+        "workload.gen_len=8"])
+    rates, findings = calibrate._fit_dequant(sc, sc.hardware, {}, "cpu", repeats=1)
+    assert rates.get("CPUFFN", 0) > 0
+    assert not {"PostAttn", "Prefill"} & rates.keys()
+    assert len(findings) == 1
+    assert findings[0].startswith("PostAttn, Prefill: no dequantization rate, S1 with q4_0")
+    assert "no room for the streamed layer" in findings[0]
+
+
 def test_a_dequantization_rate_prices_only_weights_below_16_bits():
     """A kind's unpacking adds the experts' weights over its rate to the task, at any precision
     below 16 bits and at none other; the calibrated figure takes the implementation's place."""
