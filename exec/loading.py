@@ -131,13 +131,17 @@ def check_computable(m: ModelSpec, context: int) -> None:
                       f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
                       "executed (docs/models.md).")
 
+    # a class stored at the dtype's width (a GGUF file's F16 attention) runs in the dtype
     quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
-                 and not (c == "experts" and expert_format(m))]
+                 and m.bits(c) != 8 * m.dtype_bytes and not (c == "experts" and expert_format(m))]
     if quantized:
-        raise TgError(f"model.precision.{quantized[0]} = {getattr(m.precision, quantized[0])}: "
-                      "tg execute runs weights in the model's dtype, and routed experts in it "
-                      f"or in GGUF's {', '.join(FORMATS)} blocks; other precisions are "
-                      "simulated, not executed.")
+        value = getattr(m.precision, quantized[0])
+        mixed = (" bits per weight, a GGUF file's mix of types," if isinstance(value, float)
+                 else "")
+        raise TgError(f"model.precision.{quantized[0]} = {value}{mixed}: tg execute runs "
+                      f"weights in the model's dtype ({8 * m.dtype_bytes:g} bits), and routed "
+                      f"experts in it or in GGUF's {', '.join(FORMATS)} blocks; other "
+                      "precisions are simulated, not executed.")
     if m.attention_sinks != (m.architecture == "gpt_oss"):
         raise TgError(f"model.attention_sinks = {m.attention_sinks}: tg execute computes sinks "
                       "as gpt-oss has them, and only there.")

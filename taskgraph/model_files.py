@@ -33,8 +33,9 @@ _HF_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
         "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group", "kv_lora_rank",
         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "max_window_layers", "bits", "group_size"), _INT),
-    **dict.fromkeys(("rope_theta", "rms_norm_eps", "factor", "routed_scaling_factor"),
-                    _NUMBER),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "factor", "routed_scaling_factor",
+                     "swiglu_limit", "swiglu_alpha", "router_jitter_noise",
+                     "partial_rotary_factor"), _NUMBER),
     **dict.fromkeys(("torch_dtype", "dtype", "hidden_act", "_name_or_path", "rope_type", "type",
                      "model_type", "topk_method", "scoring_func", "quant_method"),
                     ("a string", (str,))),
@@ -45,6 +46,13 @@ _HF_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "use_sliding_window",
                      "rope_interleave"), ("true or false", (bool,))),
 }
+# Fields read with a fallback where they are unset (a layer pattern's step, the KV heads), so
+# that 0 would silently mean the fallback, and counts of what may be absent: checked here.
+_AT_LEAST_ONE = frozenset({"num_key_value_heads", "decoder_sparse_step", "moe_layer_freq",
+                           "n_group", "topk_group"})
+_NOT_NEGATIVE = frozenset({"first_k_dense_replace", "n_shared_experts",
+                           "shared_expert_intermediate_size", "max_window_layers"})
+_ABOVE_ZERO = frozenset({"factor", "rope_theta", "swiglu_limit", "swiglu_alpha"})
 _JSON_KIND = {bool: "true/false", int: "a number", float: "a number with a decimal point",
               str: "a string", list: "a list", dict: "an object"}
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,6 +76,12 @@ def hf_config_json(path: str | Path) -> dict[str, Any]:
             if isinstance(value, bool) != (want[1] == (bool,)) or not isinstance(value, want[1]):
                 raise TgError(f"Model config '{path}': {prefix}{key} must be {want[0]}, not "
                               f"{_JSON_KIND.get(type(value), 'that')}.")
+            bound = ("at least 1" if key in _AT_LEAST_ONE and value < 1 else
+                     "0 or more" if key in _NOT_NEGATIVE and value < 0 else
+                     "above 0" if key in _ABOVE_ZERO and value <= 0 else None)
+            if bound:
+                raise TgError(f"Model config '{path}': {prefix}{key} must be {bound}, not "
+                              f"{value}.")
     return cfg
 
 
@@ -78,13 +92,13 @@ def model_from_hf_config(path: str | Path) -> dict[str, Any]:
     from ``quantization_config``, how each class of tensor is stored."""
     path = Path(path)
     cfg = hf_config_json(path)
-    family = cfg.get("model_type") or ("dbrx" if "d_model" in cfg else "mixtral")
+    family = cfg.get("model_type") or _family_of(cfg, path)
     reader = _FAMILIES.get(family)
     if reader is None:
         raise TgError(f"Model config '{path}': model_type '{family}' is not a family tg "
                       f"describes ({', '.join(ARCHITECTURES)}).")
     try:
-        fields = reader(cfg)
+        fields = reader({**cfg, "model_type": family})     # the readers branch on it
     except KeyError as missing:
         raise TgError(f"Model config '{path}': a {family} config needs the field {missing}."
                       ) from None
@@ -106,6 +120,29 @@ def model_from_hf_config(path: str | Path) -> dict[str, Any]:
             raise TgError(f"Model config '{path}': quantization_config.{err}") from None
     name = cfg.get("_name_or_path") or path.parent.name or path.stem
     return dict(name=str(name), **fields)
+
+
+#: transformers' model class of each family (a config's "architectures"), for a config
+#: without its model_type.
+_CLASSES = {"MixtralForCausalLM": "mixtral", "DbrxForCausalLM": "dbrx",
+            "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+            "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+            "OlmoeForCausalLM": "olmoe", "PhimoeForCausalLM": "phimoe",
+            "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe"}
+
+
+def _family_of(cfg: dict[str, Any], path: Path) -> str:
+    """The family of a config without a model_type: its transformers class, or, with neither,
+    the oldest configs' (DBRX's d_model, else Mixtral's)."""
+    classes = cfg.get("architectures")
+    if not classes:
+        return "dbrx" if "d_model" in cfg else "mixtral"
+    named = [_CLASSES[c] for c in classes if isinstance(c, str) and c in _CLASSES]
+    if not named:
+        raise TgError(f"Model config '{path}' has no model_type, and its architectures "
+                      f"{str(classes)[:80]} name no family tg describes "
+                      f"({', '.join(ARCHITECTURES)}).")
+    return named[0]
 
 
 class _Unsupported(Exception):
@@ -163,8 +200,9 @@ def _qwen_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     fields["h_i"] = cfg["moe_intermediate_size"]
     fields["renormalize"] = bool(cfg.get("norm_topk_prob", False))
     only = cfg.get("mlp_only_layers") or []
-    if any(not isinstance(i, int) or isinstance(i, bool) for i in only):
-        raise _Unsupported("mlp_only_layers must list layer numbers.")
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < L for i in only):
+        raise _Unsupported(f"mlp_only_layers must list layer numbers from 0 to {L - 1} "
+                           f"(num_hidden_layers {L}), not {str(only)[:60]}.")
     dense = sorted(set(only) | {i for i in range(L) if (i + 1) % step})
     if dense:
         fields.update(dense_layers=tuple(dense), h_dense=cfg["intermediate_size"])
@@ -241,6 +279,9 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise _Unsupported(f"layer_types holds {str(unknown[0])[:40]!r}; tg describes "
                            "sliding_attention and full_attention layers.")
+    if types and len(types) != fields["L"]:
+        raise _Unsupported(f"layer_types lists {len(types)} layers, num_hidden_layers "
+                           f"{fields['L']}: one type a layer.")
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if sliding:
         fields.update(sliding_window=cfg["sliding_window"], sliding_layers=sliding)
@@ -321,9 +362,11 @@ def _precision(quant: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         fmt, converted = "mxfp4", ("experts",)
     elif method in ("awq", "gptq"):
         bits, group = quant.get("bits", 4), quant.get("group_size", 128)
-        if bits not in (2, 3, 4, 8) or not isinstance(group, int) or group < -1 or group == 0:
-            raise _Unsupported(f"bits {bits} in groups of {group}: tg prices 2, 3, 4 or 8 bits "
-                               "in groups of 8 to 4096 (or -1, a group per row).")
+        if bits not in (2, 3, 4, 8):
+            raise _Unsupported(f"bits {bits}: tg prices {method} at 2, 3, 4 or 8 bits.")
+        if not (group == -1 or 8 <= group <= 4096):
+            raise _Unsupported(f"group_size {group}: tg prices {method} in groups of 8 to 4096 "
+                               "weights (or -1, a group per row).")
         fmt = f"int{bits}-g{group if group > 0 else 4096}"
         converted = _LINEAR
     else:
@@ -347,24 +390,98 @@ _GGUF_FAMILIES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen
 
 
 def model_from_gguf(path: str | Path) -> dict[str, Any]:
-    """Model fields from a GGUF file's metadata, and each class of tensor's bits per weight
-    from its tensors' types (as llama.cpp stores them: a class's bytes over its weights)."""
-    import gguf
+    """Model fields from a GGUF file's metadata (a split file's first shard), and each class
+    of tensor's format from its tensors' types, checked against each other."""
     from gguf.constants import Keys
 
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError, KeyError, IndexError) as err:
-        raise TgError(f"GGUF file '{path}' cannot be read: {err}") from None
+    reader = _gguf_reader(path)
+    tensors = _gguf_shards(reader, path)
     meta = _Metadata(reader, path)
     fields = _gguf_shape(meta)
+    _check_experts_tensor(meta, tensors, fields)
     fields.update(_gguf_ffn(meta, fields["h_i"]))
     fields.update(_gguf_attention(meta, fields))
     fields.update(_gguf_rope(meta))
-    fields.update(_gguf_tensors(reader, meta.family))
+    fields.update(_gguf_tensors(tensors, meta.family))
     name = meta.value(Keys.General.NAME) or path.stem
     return dict(name=str(name), **fields)
+
+
+def _gguf_reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        raise TgError(f"GGUF file '{path}' cannot be read (truncated, or not a GGUF file?): "
+                      f"{err}") from None
+
+
+#: How llama.cpp's gguf-split names the shards of a model: <name>-00001-of-00003.gguf.
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _gguf_shards(reader: Any, path: Path) -> list[Any]:
+    """The tensors of the whole model: a file split by gguf-split (split.count > 1) holds the
+    metadata in its first shard and the tensors across all of them, which are read from
+    beside it by their names; a later shard given, or one missing, is an error naming it."""
+    from gguf.constants import Keys
+
+    def value(r: Any, key: str) -> Any:
+        field = r.get_field(key)
+        return None if field is None else field.contents()
+
+    count = value(reader, Keys.Split.LLM_KV_SPLIT_COUNT)
+    if count is None or count == 1:
+        return list(reader.tensors)
+    number = value(reader, Keys.Split.LLM_KV_SPLIT_NO) or 0
+    named = _SHARD.search(path.name)
+    if not isinstance(count, int) or named is None or int(named[2]) != count:
+        raise TgError(f"GGUF file '{path}' is one of {count} shards (split.count), but its name "
+                      "is not gguf-split's <name>-00001-of-0000N.gguf: tg cannot find the others.")
+    shard = lambda i: path.with_name(_SHARD.sub(f"-{i:05d}-of-{count:05d}.gguf", path.name))
+    if number != 0:
+        raise TgError(f"GGUF file '{path}' is shard {number + 1} of {count} (split.no); give "
+                      f"the first, '{shard(1).name}', which holds the model's metadata.")
+    tensors = list(reader.tensors)
+    for i in range(2, count + 1):
+        other = shard(i)
+        if not other.is_file():
+            raise TgError(f"GGUF file '{path}' is split in {count} shards, and '{other}' is "
+                          "missing.")
+        tensors += _gguf_reader(other).tensors
+    expected = value(reader, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if isinstance(expected, int) and expected != len(tensors):
+        raise TgError(f"GGUF file '{path}': its {count} shards hold {len(tensors)} tensors, "
+                      f"split.tensors.count says {expected}.")
+    return tensors
+
+
+def _check_experts_tensor(meta: "_Metadata", tensors: list[Any], fields: dict[str, Any]
+                          ) -> None:
+    """The metadata's expert count and width are the first routed-expert tensor's shape
+    (ggml's order: the hidden size, the expert's width, the experts), as llama.cpp's loader
+    requires."""
+    from gguf.constants import Keys
+
+    for tensor in tensors:
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up)_exps\.weight", tensor.name):
+            shape = [int(x) for x in tensor.shape]
+            break
+    else:
+        return
+    width = (Keys.LLM.EXPERT_FEED_FORWARD_LENGTH if meta.value(
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=meta.arch)) is not None
+        else Keys.LLM.FEED_FORWARD_LENGTH).format(arch=meta.arch)
+    for key, said, held in ((Keys.LLM.EXPERT_COUNT.format(arch=meta.arch), fields["E"],
+                             shape[2] if len(shape) > 2 else None),
+                            (width, fields["h_i"], shape[1] if len(shape) > 1 else None),
+                            (Keys.LLM.EMBEDDING_LENGTH.format(arch=meta.arch), fields["h"],
+                             shape[0])):
+        if held is not None and said != held:
+            raise TgError(f"GGUF file '{meta.path}': {key} is {said}, but the tensor "
+                          f"'{tensor.name}' holds {held} (its shape {shape}, ggml's order).")
 
 
 class _Metadata:
@@ -468,7 +585,10 @@ def _gguf_attention(meta: _Metadata, shape: dict[str, Any]) -> dict[str, Any]:
     from gguf.constants import Keys
 
     fields: dict[str, Any] = {}
-    kv_lora = meta.key(Keys.Attention.KV_LORA_RANK)
+    kv_lora = meta.key(Keys.Attention.KV_LORA_RANK, required=meta.arch == "deepseek2")
+    if meta.arch == "deepseek2" and kv_lora < 1:
+        raise TgError(f"GGUF file '{meta.path}': deepseek2.attention.kv_lora_rank is "
+                      f"{kv_lora}; MLA caches a latent of at least one element.")
     if kv_lora:
         rope = meta.key(Keys.Rope.DIMENSION_COUNT, required=True)
         k_len = (meta.key(Keys.Attention.KEY_LENGTH_MLA)
@@ -526,11 +646,11 @@ def _gguf_rope(meta: _Metadata) -> dict[str, Any]:
     return fields
 
 
-def _gguf_tensors(reader: Any, family: str) -> dict[str, Any]:
-    """What the tensors say: each class's bits per weight, a head apart from the embedding,
-    and Phi-3.5-MoE's and GLM-4.5's biases and norms."""
-    names = {t.name for t in reader.tensors}
-    fields = dict(precision=_gguf_precision(reader),
+def _gguf_tensors(tensors: list[Any], family: str) -> dict[str, Any]:
+    """What the tensors say: each class's format, a head apart from the embedding, and
+    Phi-3.5-MoE's and GLM-4.5's biases and norms."""
+    names = {t.name for t in tensors}
+    fields = dict(precision=_gguf_precision(tensors),
                   tie_word_embeddings="output.weight" not in names)
     if family in ("phimoe", "glm4_moe"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -541,25 +661,32 @@ def _gguf_tensors(reader: Any, family: str) -> dict[str, Any]:
     return fields
 
 
-def _gguf_precision(reader: Any) -> dict[str, float]:
-    """Each class of tensor's bits per weight: the bytes of its tensors over their weights.
-    A tensor type tg does not price is an error naming the tensor and the type."""
+def _gguf_precision(tensors: list[Any]) -> dict[str, str | float]:
+    """Each class of tensor's format: its tensors' GGUF type where they share one (q4_k, f16
+    ...), else its bits per weight, the bytes of its tensors over their weights (a Q4_K_M
+    file's experts mix Q4_K and Q6_K). A tensor type no weight is priced in (an integer type,
+    F64) is an error naming the tensor and the type."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    stored = {cls: [0, 0] for cls in TENSOR_CLASSES}          # weights, bytes
-    for tensor in reader.tensors:
+    from taskgraph.formats import gguf_bits
+
+    stored: dict[str, list[int]] = {cls: [0, 0] for cls in TENSOR_CLASSES}  # weights, bytes
+    types: dict[str, set[str]] = {cls: set() for cls in TENSOR_CLASSES}
+    for tensor in tensors:
         cls = _gguf_class(tensor.name)
         if cls is None:
             continue
-        if tensor.tensor_type not in GGML_QUANT_SIZES:
-            raise TgError(f"GGUF tensor '{tensor.name}' is of type "
-                          f"{getattr(tensor.tensor_type, 'name', tensor.tensor_type)}, which tg "
-                          "does not price.")
+        name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        if name.lower() not in gguf_bits():
+            raise TgError(f"GGUF tensor '{tensor.name}' is of type {name}, which tg does not "
+                          "price as a weight.")
         block, size = GGML_QUANT_SIZES[tensor.tensor_type]
         stored[cls][0] += int(tensor.n_elements)
         stored[cls][1] += int(tensor.n_elements) // block * size
-    return {cls: round(8.0 * nbytes / weights, 4) for cls, (weights, nbytes) in stored.items()
-            if weights}
+        types[cls].add(name.lower())
+    return {cls: (next(iter(types[cls])) if len(types[cls]) == 1
+                  else round(8.0 * nbytes / weights, 4))
+            for cls, (weights, nbytes) in stored.items() if weights}
 
 
 def _gguf_class(name: str) -> str | None:

@@ -317,7 +317,7 @@ def apply_override(doc: dict[str, Any], item: str) -> None:
 _PRESETS = {
     # section: (presets, what they are called, where else the section can come from)
     "model": (presets.MODELS, "models",
-              " (or give a Hugging Face config.json or a GGUF file's path)"),
+              " (or give a Hugging Face config.json, its folder or a GGUF file's path)"),
     "hardware": (presets.HARDWARE, "machines", " (or local: this machine; or give a hardware "
                                                "profile .yaml)"),
     "workload": (presets.WORKLOADS, "workloads", ""),
@@ -331,7 +331,9 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
     """A section given as a preset name, a file, or a mapping that starts from either
     (``preset:``, ``file:``, ``hf_config:``) and overrides fields, as plain fields."""
     if isinstance(value, str):
-        value = {"file": value} if _is_file(value) else {"preset": value}
+        # a model's folder, as transformers saves one, stands for the config.json in it
+        folder = section == "model" and _resolve_path(value, base_dir).is_dir()
+        value = {"file": value} if _is_file(value) or folder else {"preset": value}
     if not isinstance(value, dict):
         return value     # validation will say what is wrong with it
     value = dict(value)
@@ -374,6 +376,11 @@ def _name_machine(base: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any
 
 
 def _section_file(section: str, path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if section == "model" and path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TgError(f"The model folder '{path}' holds no config.json; give a Hugging Face "
+                          "config.json, a GGUF file or a preset.")
+        path = path / "config.json"
     if section == "model":
         return model_from_gguf(path) if path.suffix == ".gguf" else model_from_hf_config(path)
     if section in ("hardware", "implementation"):

@@ -169,6 +169,18 @@ def test_quantization_configs_set_each_classs_format(tmp_path):
     ({"topk_method": "sinkhorn"}, "topk_method 'sinkhorn'"),
     ({"quantization_config": {"quant_method": "bitnet"}}, "quant_method 'bitnet'"),
     ({"n_routed_experts": "8"}, "n_routed_experts must be a whole number"),
+    # read with a fallback where unset: 0 or a negative must not mean the fallback
+    ({"moe_layer_freq": 0}, "moe_layer_freq must be at least 1, not 0"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace must be 0 or more, not -1"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be at least 1, not 0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0}},
+     "rope_scaling.factor must be above 0, not 0"),
+    ({"model_type": None, "architectures": ["MambaForCausalLM"]},
+     r"has no model_type, and its architectures \['MambaForCausalLM'\] name no family"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 7}},
+     "quantization_config.group_size 7: tg prices gptq in groups of 8 to 4096"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 5}},
+     "quantization_config.bits 5: tg prices awq at 2, 3, 4 or 8 bits"),
 ])
 def test_what_tg_cannot_describe_is_named(tmp_path, change, message):
     _, path = _save(tmp_path, "deepseek_v3")
@@ -177,6 +189,43 @@ def test_what_tg_cannot_describe_is_named(tmp_path, change, message):
     path.write_text(json.dumps(cfg))
     with pytest.raises(TgError, match=message):
         model_from_hf_config(path)
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be at least 1, not 0"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 100]},
+     r"mlp_only_layers must list layer numbers from 0 to {last} \(num_hidden_layers {L}\), "
+     r"not \[0, 100\]"),
+    ("gpt_oss", {"layer_types": "one too many"},
+     "layer_types lists {more} layers, num_hidden_layers {L}: one type a layer"),
+    ("gpt_oss", {"swiglu_limit": "7"}, "swiglu_limit must be a number, not a string"),
+])
+def test_a_familys_own_fields_out_of_range_are_named(tmp_path, family, change, message):
+    _, path = _save(tmp_path, family)
+    cfg = json.loads(path.read_text())
+    L = cfg["num_hidden_layers"]
+    if change.get("layer_types") == "one too many":
+        change = {"layer_types": ["full_attention"] * (L + 1)}
+    cfg.update(change)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(TgError, match=message.format(L=L, last=L - 1, more=L + 1)):
+        model_from_hf_config(path)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_a_config_without_model_type_is_read_by_its_class(tmp_path, family):
+    """Some configs leave model_type out; transformers' causal-LM class in architectures (the
+    name transformers' own table gives the family) says the family. Read as Mixtral's fields
+    before, a Qwen3-MoE config was refused for lacking num_local_experts."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    _, path = _save(tmp_path, family)
+    want = ModelSpec.model_validate(model_from_hf_config(path))
+    cfg = json.loads(path.read_text())
+    del cfg["model_type"]
+    cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]]
+    path.write_text(json.dumps(cfg))
+    assert ModelSpec.model_validate(model_from_hf_config(path)) == want
 
 
 def test_modules_kept_unconverted_keep_only_their_class(tmp_path):
@@ -223,17 +272,20 @@ def test_a_shared_expert_without_a_size_is_refused():
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K"):
+def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shards=1):
+    """A tiny qwen3moe file: 8 experts (`said_experts` in its metadata), its tensors over
+    `shards` files as gguf-split writes them (<name>-00001-of-0000N.gguf)."""
     gguf = pytest.importorskip("gguf")
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
     h, h_i, E, L, n_q, n_kv, d, V = 256, 256, 8, 2, 4, 2, 64, 512
-    w = gguf.GGUFWriter(path, arch)
+    # the writer splits by its tensors' count: 20 tensors over `shards` files
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=0 if shards == 1 else -(-20 // shards))
     w.add_block_count(L)
     w.add_embedding_length(h)
     w.add_feed_forward_length(1024)
     w.add_expert_feed_forward_length(h_i)
-    w.add_expert_count(E)
+    w.add_expert_count(said_experts)
     w.add_expert_used_count(2)
     w.add_head_count(n_q)
     w.add_head_count_kv(n_kv)
@@ -245,8 +297,10 @@ def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K"):
 
     def tensor(name, shape, qtype):
         block, size = GGML_QUANT_SIZES[qtype]
-        if qtype in (Q.F32, Q.F16):
-            w.add_tensor(name, np.zeros(shape, dtype=np.float32 if qtype == Q.F32 else np.float16))
+        plain = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8,
+                 Q.I32: np.int32}
+        if qtype in plain:
+            w.add_tensor(name, np.zeros(shape, dtype=plain[qtype]))
             return
         byte_shape = (*shape[:-1], shape[-1] // block * size)
         w.add_tensor(name, np.zeros(byte_shape, dtype=np.uint8), raw_dtype=qtype)
@@ -296,6 +350,57 @@ def test_gguf_metadata_of_the_wrong_type_is_named(tmp_path):
         model_from_gguf(path)
 
 
+def test_a_split_gguf_is_read_from_all_its_shards(tmp_path):
+    """Large quants ship as gguf-split shards: the first holds the metadata, the tensors lie
+    across all of them, and the model is the one the unsplit file describes. A later shard,
+    or a set with one missing, is refused naming the file."""
+    _write_gguf(tmp_path / "whole.gguf")
+    whole = ModelSpec.model_validate(model_from_gguf(tmp_path / "whole.gguf"))
+    (tmp_path / "split").mkdir()
+    _write_gguf(tmp_path / "split" / "m.gguf", shards=4)
+    shards = sorted(p.name for p in (tmp_path / "split").iterdir())
+    assert shards == [f"m-0000{i}-of-00004.gguf" for i in range(1, 5)]
+    first = tmp_path / "split" / shards[0]
+    split = ModelSpec.model_validate(model_from_gguf(first))
+    assert split.model_dump(exclude={"name"}) == whole.model_dump(exclude={"name"})
+    assert split.bits("experts") < 16 and split.expert_bytes == whole.expert_bytes
+    with pytest.raises(TgError, match="shard 2 of 4 .*give the first, 'm-00001-of-00004.gguf'"):
+        model_from_gguf(tmp_path / "split" / shards[1])
+    (tmp_path / "split" / shards[2]).unlink()
+    with pytest.raises(TgError, match="split in 4 shards, and .*m-00003-of-00004.gguf' is missing"):
+        model_from_gguf(first)
+
+
+def test_gguf_metadata_that_its_tensors_contradict_is_named(tmp_path):
+    """llama.cpp's loader checks each tensor's shape against the metadata; so does tg, naming
+    the key and the tensor, instead of pricing 64 experts the file does not hold."""
+    path = tmp_path / "e64.gguf"
+    _write_gguf(path, said_experts=64)
+    with pytest.raises(TgError, match=r"qwen3moe.expert_count is 64, but the tensor "
+                                      r"'blk.0.ffn_gate_exps.weight' holds 8"):
+        model_from_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", ["F64", "I8", "I32"])
+def test_a_gguf_tensor_of_a_type_no_weight_is_stored_in_is_named(tmp_path, qtype):
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, expert_type=qtype)
+    with pytest.raises(TgError, match=f"tensor 'blk.0.ffn_gate_exps.weight' is of type {qtype}"):
+        model_from_gguf(path)
+
+
+def test_a_class_of_one_gguf_type_keeps_its_name(tmp_path):
+    """Where every tensor of a class has one type, the class is stored in that format (which
+    tg execute can run, for the expert formats it dequantizes); a mix is its average bits."""
+    path = tmp_path / "q8.gguf"
+    _write_gguf(path, expert_type="Q6_K")
+    spec = ModelSpec.model_validate(model_from_gguf(path))
+    assert (spec.precision.experts, spec.precision.attention, spec.precision.head) == (
+        "q6_k", "q8_0", "q6_k")
+    _write_gguf(path, expert_type="Q4_K")           # gate and up Q4_K, down Q6_K
+    assert isinstance(ModelSpec.model_validate(model_from_gguf(path)).precision.experts, float)
+
+
 def test_a_gguf_of_an_unknown_architecture_is_refused(tmp_path):
     path = tmp_path / "rwkv.gguf"
     _write_gguf(path, arch="rwkv6")
@@ -335,3 +440,16 @@ def test_every_published_figures_scenario_runs():
         sc = load_scenario(f"scenarios/small-batch/{entry['scenario']}")
         s = simulate_scenario(for_schedule(sc, entry["schedule"])[0], entry["schedule"]).summary
         assert np.isfinite(s["token_latency_ms"]) and s["token_latency_ms"] > 0, entry["scenario"]
+
+
+def test_a_models_folder_stands_for_its_config_json(tmp_path):
+    """`model: path/to/Qwen3-30B-A3B/` (the folder transformers saves) reads its config.json;
+    a folder without one is refused naming it, not taken for a preset's name."""
+    from taskgraph.scenario import load_scenario
+
+    _, path = _save(tmp_path / "qwen3", "qwen3_moe")
+    by_file = load_scenario("t4", [f"model={path}"]).model
+    assert load_scenario("t4", [f"model={path.parent}"]).model == by_file
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TgError, match="The model folder '.*empty' holds no config.json"):
+        load_scenario("t4", [f"model={tmp_path / 'empty'}"])

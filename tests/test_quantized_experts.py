@@ -234,6 +234,23 @@ def test_what_the_executor_does_not_quantize_is_refused(schedule, overrides, mes
         execute(TINY, schedule=schedule, overrides={**overrides, "workload.gen_len": 2})
 
 
+def test_a_class_stored_at_the_models_own_width_runs_and_others_are_named():
+    """tiny is fp32: attention stated as fp32 is what runs (a GGUF file's F16 attention in a
+    16-bit model likewise), attention at Q8_0 is refused naming the field and the dtype, and
+    a mix of types (bits per weight, as a Q4_K_M file's experts) says it is one."""
+    s = execute(TINY, schedule="EP", overrides={"model.precision.attention": "fp32",
+                                                "workload.gen_len": 2})
+    assert s.summary["tokens_match"] is True
+    with pytest.raises(TgError, match=r"model.precision.attention = q8_0: tg execute runs "
+                                      r"weights in the model's dtype \(32 bits\)"):
+        execute(TINY, schedule="EP", overrides={"model.precision.attention": "q8_0",
+                                                "workload.gen_len": 2})
+    with pytest.raises(TgError, match="model.precision.experts = 4.85 bits per weight, a GGUF "
+                                      "file's mix of types"):
+        execute(TINY, schedule="EP", overrides={"model.precision.experts": 4.85,
+                                                "workload.gen_len": 2})
+
+
 def test_a_row_that_is_no_whole_number_of_blocks_is_refused():
     """Q4_K's super-blocks hold 256 weights of a row: an expert 288 wide runs at Q4_0 (blocks
     of 32) and is refused at Q4_K, naming the field."""
