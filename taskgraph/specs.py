@@ -295,6 +295,13 @@ class ModelSpec(Spec):
         if self.architecture == "phimoe" and self.k != 2:
             raise ValueError(f"k = {self.k}: a phimoe layer's SparseMixer router picks 2 "
                              "experts per token, whatever else its config says")
+        yarn = self.rope_yarn or {}
+        for name in ("factor", "original_max_position_embeddings", "max_position_embeddings"):
+            value = yarn.get(name)
+            if value is not None and not (isinstance(value, (int, float))
+                                          and not isinstance(value, bool)
+                                          and 0 < value < float("inf")):
+                raise ValueError(f"rope_yarn.{name} must be a number above 0, not {value}")
         # Layers past L are the model's beyond the first L that run (--set model.L=2 on a
         # 61-layer model): kept, and counted nowhere.
         for name in ("dense_layers", "sliding_layers"):

@@ -270,6 +270,15 @@ def test_a_shared_expert_without_a_size_is_refused():
         ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": "q4_z"}})
 
 
+@pytest.mark.parametrize("factor", [0, -40])
+def test_a_yarn_factor_that_scales_nothing_is_refused(factor):
+    """The executor divides RoPE's frequencies by it: 0 or a negative would compute something,
+    silently (a config.json's rope_scaling.factor is refused so too)."""
+    yarn = {"factor": factor, "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match="rope_yarn.factor must be a number above 0"):
+        ModelSpec(**{**MODELS["deepseek-v3"], "rope_yarn": yarn})
+
+
 # --- GGUF ---------------------------------------------------------------------------------------
 
 def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shards=1):
