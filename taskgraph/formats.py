@@ -60,6 +60,13 @@ def bits(fmt: str | float) -> float:
     gguf = gguf_bits()
     if name in gguf:
         return gguf[name]
+    try:
+        quoted = float(name)
+    except ValueError:
+        quoted = None
+    if quoted is not None and MIN_BITS <= quoted <= MAX_BITS:
+        raise TgError(f"'{fmt}' is text, not a number of bits: give bits per weight unquoted "
+                      f"({name}), or a format's name.")
     raise TgError(f"Unknown weight format '{fmt}'; tg knows {', '.join(known())}, "
                   "int<bits>-g<group>, and bits per weight as a number.")
 

@@ -268,6 +268,9 @@ def test_a_shared_expert_without_a_size_is_refused():
         ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": 0.5}})
     with pytest.raises(ValueError, match="Unknown weight format 'q4_z'"):
         ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": "q4_z"}})
+    # YAML's "4" (or --set ...="4") is text: said so, not an unknown format
+    with pytest.raises(ValueError, match="'4' is text, not a number of bits"):
+        ModelSpec(**{**MODELS["mixtral-8x7b"], "precision": {"experts": "4"}})
 
 
 @pytest.mark.parametrize("factor", [0, -40])
