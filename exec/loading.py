@@ -122,6 +122,14 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
     return model.model_copy(update={f: getattr(ckpt, f) for f in _MATH_FIELDS}), warnings
 
 
+#: Float formats by their names: what the executor runs in the model's dtype.
+_FLOATS = frozenset({"fp32", "float32", "f32", "fp16", "float16", "f16", "bf16", "bfloat16"})
+
+
+def _is_float(fmt: str | float) -> bool:
+    return isinstance(fmt, str) and fmt.lower() in _FLOATS
+
+
 def check_computable(m: ModelSpec, context: int) -> None:
     """Refuse what the kernels would compute differently from the model."""
     from taskgraph.kernels.ops import ROPE_TYPES
@@ -131,13 +139,18 @@ def check_computable(m: ModelSpec, context: int) -> None:
                       f"{', '.join(EXECUTED)} layers; {m.architecture} is simulated, not "
                       "executed (docs/models.md).")
 
-    # a class stored at the dtype's width (a GGUF file's F16 attention) runs in the dtype
+    # Weights stored as floats (a GGUF file's F16 attention, the F32 router llama.cpp's
+    # converter keeps) run in the model's dtype, as every executed weight does: the tokens are
+    # the dtype's, the bytes the simulator prices the stored ones. Quantized classes but the
+    # routed experts, and any KV cache but the dtype's, are not computed.
     quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
-                 and m.bits(c) != 8 * m.dtype_bytes and not (c == "experts" and expert_format(m))]
+                 and not (c != "kv_cache" and _is_float(getattr(m.precision, c)))
+                 and not (c == "kv_cache" and m.bits(c) == 8 * m.dtype_bytes)
+                 and not (c == "experts" and expert_format(m))]
     if quantized:
         value = getattr(m.precision, quantized[0])
-        mixed = (" bits per weight, a GGUF file's mix of types," if isinstance(value, float)
-                 else "")
+        mixed = (" bits per weight (a mix of types, as a GGUF file's class may be)"
+                 if isinstance(value, float) else "")
         raise TgError(f"model.precision.{quantized[0]} = {value}{mixed}: tg execute runs "
                       f"weights in the model's dtype ({8 * m.dtype_bytes:g} bits), and routed "
                       f"experts in it or in GGUF's {', '.join(FORMATS)} blocks; other "

@@ -135,6 +135,9 @@ def _family_of(cfg: dict[str, Any], path: Path) -> str:
     """The family of a config without a model_type: its transformers class, or, with neither,
     the oldest configs' (DBRX's d_model, else Mixtral's)."""
     classes = cfg.get("architectures")
+    if classes is not None and not isinstance(classes, list):
+        raise TgError(f"Model config '{path}': architectures must be a list, not "
+                      f"{_JSON_KIND.get(type(classes), 'that')}.")
     if not classes:
         return "dbrx" if "d_model" in cfg else "mixtral"
     named = [_CLASSES[c] for c in classes if isinstance(c, str) and c in _CLASSES]
@@ -361,7 +364,8 @@ def _precision(quant: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     elif method == "mxfp4":
         fmt, converted = "mxfp4", ("experts",)
     elif method in ("awq", "gptq"):
-        bits, group = quant.get("bits", 4), quant.get("group_size", 128)
+        bits, group = quant.get("bits"), quant.get("group_size")     # null: the default
+        bits, group = 4 if bits is None else bits, 128 if group is None else group
         if bits not in (2, 3, 4, 8):
             raise _Unsupported(f"bits {bits}: tg prices {method} at 2, 3, 4 or 8 bits.")
         if not (group == -1 or 8 <= group <= 4096):
@@ -398,13 +402,13 @@ def model_from_gguf(path: str | Path) -> dict[str, Any]:
     reader = _gguf_reader(path)
     tensors = _gguf_shards(reader, path)
     meta = _Metadata(reader, path)
-    fields = _gguf_shape(meta)
-    _check_experts_tensor(meta, tensors, fields)
+    fields, width_key = _gguf_shape(meta)
+    _check_experts_tensor(meta, tensors, fields, width_key)
     fields.update(_gguf_ffn(meta, fields["h_i"]))
     fields.update(_gguf_attention(meta, fields))
     fields.update(_gguf_rope(meta))
     fields.update(_gguf_tensors(tensors, meta.family))
-    name = meta.value(Keys.General.NAME) or path.stem
+    name = meta.value(Keys.General.NAME) or _SHARD.sub("", path.name).removesuffix(".gguf")
     return dict(name=str(name), **fields)
 
 
@@ -422,25 +426,30 @@ def _gguf_reader(path: Path) -> Any:
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
+def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
 def _gguf_shards(reader: Any, path: Path) -> list[Any]:
     """The tensors of the whole model: a file split by gguf-split (split.count > 1) holds the
     metadata in its first shard and the tensors across all of them, which are read from
-    beside it by their names; a later shard given, or one missing, is an error naming it."""
+    beside it by their names; a later shard given, or one missing or not the shard its name
+    says, is an error naming it."""
     from gguf.constants import Keys
 
-    def value(r: Any, key: str) -> Any:
-        field = r.get_field(key)
-        return None if field is None else field.contents()
-
-    count = value(reader, Keys.Split.LLM_KV_SPLIT_COUNT)
+    count = _gguf_value(reader, Keys.Split.LLM_KV_SPLIT_COUNT)
     if count is None or count == 1:
         return list(reader.tensors)
-    number = value(reader, Keys.Split.LLM_KV_SPLIT_NO) or 0
     named = _SHARD.search(path.name)
     if not isinstance(count, int) or named is None or int(named[2]) != count:
         raise TgError(f"GGUF file '{path}' is one of {count} shards (split.count), but its name "
                       "is not gguf-split's <name>-00001-of-0000N.gguf: tg cannot find the others.")
-    shard = lambda i: path.with_name(_SHARD.sub(f"-{i:05d}-of-{count:05d}.gguf", path.name))
+
+    def shard(i: int) -> Path:
+        return path.with_name(_SHARD.sub(f"-{i:05d}-of-{count:05d}.gguf", path.name))
+
+    number = _gguf_value(reader, Keys.Split.LLM_KV_SPLIT_NO, 0)
     if number != 0:
         raise TgError(f"GGUF file '{path}' is shard {number + 1} of {count} (split.no); give "
                       f"the first, '{shard(1).name}', which holds the model's metadata.")
@@ -450,19 +459,26 @@ def _gguf_shards(reader: Any, path: Path) -> list[Any]:
         if not other.is_file():
             raise TgError(f"GGUF file '{path}' is split in {count} shards, and '{other}' is "
                           "missing.")
-        tensors += _gguf_reader(other).tensors
-    expected = value(reader, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+        part = _gguf_reader(other)
+        said = (_gguf_value(part, Keys.Split.LLM_KV_SPLIT_NO),
+                _gguf_value(part, Keys.Split.LLM_KV_SPLIT_COUNT))
+        if said != (i - 1, count):
+            raise TgError(f"GGUF file '{other}' should be shard {i} of {count}, but its "
+                          f"split.no and split.count say {said}.")
+        tensors += part.tensors
+    expected = _gguf_value(reader, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     if isinstance(expected, int) and expected != len(tensors):
         raise TgError(f"GGUF file '{path}': its {count} shards hold {len(tensors)} tensors, "
                       f"split.tensors.count says {expected}.")
     return tensors
 
 
-def _check_experts_tensor(meta: "_Metadata", tensors: list[Any], fields: dict[str, Any]
-                          ) -> None:
-    """The metadata's expert count and width are the first routed-expert tensor's shape
-    (ggml's order: the hidden size, the expert's width, the experts), as llama.cpp's loader
-    requires."""
+def _check_experts_tensor(meta: "_Metadata", tensors: list[Any], fields: dict[str, Any],
+                          width_key: str) -> None:
+    """The metadata's expert count, width (read from `width_key`) and hidden size are the
+    first stacked routed-expert tensor's shape (ggml's order: the hidden size, the expert's
+    width, the experts), as llama.cpp's loader requires of every tensor; files whose experts
+    are tensors of their own (old Mixtral conversions) carry no count to check."""
     from gguf.constants import Keys
 
     for tensor in tensors:
@@ -471,12 +487,9 @@ def _check_experts_tensor(meta: "_Metadata", tensors: list[Any], fields: dict[st
             break
     else:
         return
-    width = (Keys.LLM.EXPERT_FEED_FORWARD_LENGTH if meta.value(
-        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=meta.arch)) is not None
-        else Keys.LLM.FEED_FORWARD_LENGTH).format(arch=meta.arch)
     for key, said, held in ((Keys.LLM.EXPERT_COUNT.format(arch=meta.arch), fields["E"],
                              shape[2] if len(shape) > 2 else None),
-                            (width, fields["h_i"], shape[1] if len(shape) > 1 else None),
+                            (width_key, fields["h_i"], shape[1] if len(shape) > 1 else None),
                             (Keys.LLM.EMBEDDING_LENGTH.format(arch=meta.arch), fields["h"],
                              shape[0])):
         if held is not None and said != held:
@@ -498,8 +511,7 @@ class _Metadata:
                           f"family tg describes ({', '.join(sorted(_GGUF_FAMILIES))}).")
 
     def value(self, key: str, default: Any = None) -> Any:
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
+        return _gguf_value(self.reader, key, default)
 
     def key(self, template: str, default: Any = None, required: bool = False) -> Any:
         """A number of the architecture's: a count must be a whole number (a head count may
@@ -520,8 +532,9 @@ class _Metadata:
         return got
 
 
-def _gguf_shape(meta: _Metadata) -> dict[str, Any]:
-    """Layers, widths, heads, experts and vocabulary."""
+def _gguf_shape(meta: _Metadata) -> tuple[dict[str, Any], str]:
+    """Layers, widths, heads, experts and vocabulary; and the key the experts' width is read
+    from."""
     from gguf.constants import Keys
 
     # llama.cpp loads a model's NextN (MTP) layers after the ones that run, and skips them
@@ -533,6 +546,9 @@ def _gguf_shape(meta: _Metadata) -> dict[str, Any]:
         raise TgError(f"GGUF file '{meta.path}': {meta.arch} with no experts is no MoE.")
     n_q = meta.key(Keys.Attention.HEAD_COUNT, required=True)
     n_kv = meta.key(Keys.Attention.HEAD_COUNT_KV, n_q)
+    # the experts' width: their own key, else (Mixtral, OLMoE, DBRX) the FFN's
+    width_key = (Keys.LLM.EXPERT_FEED_FORWARD_LENGTH if meta.key(
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) else Keys.LLM.FEED_FORWARD_LENGTH)
     tokens = meta.value(Keys.Tokenizer.LIST)
     vocab = meta.key(Keys.LLM.VOCAB_SIZE) or (len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -543,10 +559,9 @@ def _gguf_shape(meta: _Metadata) -> dict[str, Any]:
         n_q=n_q if isinstance(n_q, int) else max(n_q),
         n_kv=n_kv if isinstance(n_kv, int) else max(n_kv), E=E,
         k=meta.key(Keys.LLM.EXPERT_USED_COUNT, required=True), V=vocab,
-        h_i=(meta.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
-             or meta.key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
+        h_i=meta.key(width_key, required=True),
         rms_norm_eps=float(meta.key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
-        architecture=meta.family)
+        architecture=meta.family), width_key.format(arch=meta.arch)
 
 
 def _gguf_ffn(meta: _Metadata, h_i: int) -> dict[str, Any]:
@@ -631,7 +646,9 @@ def _gguf_rope(meta: _Metadata) -> dict[str, Any]:
         fields.update(rope_type="linear", rope_scaling_factor=float(factor))
     elif kind == "yarn" and factor:
         yarn = {"factor": factor,
-                "original_max_position_embeddings": meta.key(Keys.Rope.SCALING_ORIG_CTX_LEN),
+                # 0: unset (llama.cpp then takes the training context)
+                "original_max_position_embeddings": meta.key(Keys.Rope.SCALING_ORIG_CTX_LEN)
+                or None,
                 "beta_fast": meta.key(Keys.Rope.SCALING_YARN_BETA_FAST),
                 "beta_slow": meta.key(Keys.Rope.SCALING_YARN_BETA_SLOW),
                 "attention_factor": meta.key(Keys.Rope.SCALING_YARN_ATTN_FACTOR),
@@ -694,6 +711,8 @@ def _gguf_class(name: str) -> str | None:
     what tg does not count (norms, biases, sinks)."""
     if not name.endswith(".weight"):
         return None
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+        return "experts"            # old Mixtral conversions: an expert's matrix a tensor
     return _gguf_classes().get(re.sub(r"^blk\.\d+\.", "blk.{bid}.", name[:-len(".weight")]))
 
 

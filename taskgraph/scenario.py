@@ -331,8 +331,10 @@ def _resolve_section(section: str, value: Any, source: str, base_dir: Path,
     """A section given as a preset name, a file, or a mapping that starts from either
     (``preset:``, ``file:``, ``hf_config:``) and overrides fields, as plain fields."""
     if isinstance(value, str):
-        # a model's folder, as transformers saves one, stands for the config.json in it
-        folder = section == "model" and _resolve_path(value, base_dir).is_dir()
+        # a model's folder, as transformers saves one, stands for the config.json in it (a
+        # preset's name is the preset's, whatever folder of that name lies about)
+        folder = (section == "model" and value not in presets.MODELS
+                  and _resolve_path(value, base_dir).is_dir())
         value = {"file": value} if _is_file(value) or folder else {"preset": value}
     if not isinstance(value, dict):
         return value     # validation will say what is wrong with it

@@ -247,6 +247,8 @@ def test_modules_kept_unconverted_keep_only_their_class(tmp_path):
     p = precision(["mlp.experts"])
     assert (p.experts, p.shared) == (None, "int4-g128")
     assert precision([], group_size=-1).experts == "int4-g4096"
+    # null is unset, as everywhere in a config: GPTQ's defaults, 4 bits in groups of 128
+    assert precision([], bits=None, group_size=None).experts == "int4-g128"
 
 
 def test_a_config_that_is_not_an_object_is_refused(tmp_path):
@@ -284,9 +286,12 @@ def test_a_yarn_factor_that_scales_nothing_is_refused(factor):
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shards=1):
-    """A tiny qwen3moe file: 8 experts (`said_experts` in its metadata), its tensors over
-    `shards` files as gguf-split writes them (<name>-00001-of-0000N.gguf)."""
+def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shards=1,
+                others=("Q8_0", "Q4_K", "Q6_K"), width=256):
+    """A tiny qwen3moe file: 8 experts 256 wide (`said_experts` and `width` in its metadata;
+    width None: no expert_feed_forward_length), its attention, embedding and head of the types
+    `others`, its tensors over `shards` files as gguf-split writes them
+    (<name>-00001-of-0000N.gguf)."""
     gguf = pytest.importorskip("gguf")
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
@@ -296,7 +301,8 @@ def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shard
     w.add_block_count(L)
     w.add_embedding_length(h)
     w.add_feed_forward_length(1024)
-    w.add_expert_feed_forward_length(h_i)
+    if width is not None:
+        w.add_expert_feed_forward_length(width)
     w.add_expert_count(said_experts)
     w.add_expert_used_count(2)
     w.add_head_count(n_q)
@@ -317,18 +323,20 @@ def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shard
         byte_shape = (*shape[:-1], shape[-1] // block * size)
         w.add_tensor(name, np.zeros(byte_shape, dtype=np.uint8), raw_dtype=qtype)
 
-    tensor("token_embd.weight", (V, h), Q.Q4_K)
-    tensor("output.weight", (V, h), Q.Q6_K)
+    attention, embedding, head = (Q[t] for t in others)
+    tensor("token_embd.weight", (V, h), embedding)
+    tensor("output.weight", (V, h), head)
     for l in range(L):
-        tensor(f"blk.{l}.attn_q.weight", (n_q * d, h), Q.Q8_0)
-        tensor(f"blk.{l}.attn_k.weight", (n_kv * d, h), Q.Q8_0)
-        tensor(f"blk.{l}.attn_v.weight", (n_kv * d, h), Q.Q8_0)
-        tensor(f"blk.{l}.attn_output.weight", (h, n_q * d), Q.Q8_0)
+        tensor(f"blk.{l}.attn_q.weight", (n_q * d, h), attention)
+        tensor(f"blk.{l}.attn_k.weight", (n_kv * d, h), attention)
+        tensor(f"blk.{l}.attn_v.weight", (n_kv * d, h), attention)
+        tensor(f"blk.{l}.attn_output.weight", (h, n_q * d), attention)
         tensor(f"blk.{l}.attn_norm.weight", (h,), Q.F32)
         tensor(f"blk.{l}.ffn_gate_inp.weight", (E, h), Q.F32)
         for part in ("gate", "up"):
             tensor(f"blk.{l}.ffn_{part}_exps.weight", (E, h_i, h), Q[expert_type])
-        tensor(f"blk.{l}.ffn_down_exps.weight", (E, h, h_i), Q.Q6_K)
+        tensor(f"blk.{l}.ffn_down_exps.weight", (E, h, h_i),
+               Q.Q6_K if expert_type == "Q4_K" else Q[expert_type])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -376,21 +384,63 @@ def test_a_split_gguf_is_read_from_all_its_shards(tmp_path):
     split = ModelSpec.model_validate(model_from_gguf(first))
     assert split.model_dump(exclude={"name"}) == whole.model_dump(exclude={"name"})
     assert split.bits("experts") < 16 and split.expert_bytes == whole.expert_bytes
+    assert split.name == "m"          # the set's name, not its first shard's
     with pytest.raises(TgError, match="shard 2 of 4 .*give the first, 'm-00001-of-00004.gguf'"):
         model_from_gguf(tmp_path / "split" / shards[1])
+    # a shard renamed from another position of the set
+    (tmp_path / "split" / shards[1]).rename(tmp_path / "second")
+    (tmp_path / "split" / shards[3]).rename(tmp_path / "split" / shards[1])
+    with pytest.raises(TgError, match="m-00002-of-00004.gguf' should be shard 2 of 4, but its "
+                                      r"split.no and split.count say \(3, 4\)"):
+        model_from_gguf(first)
+    (tmp_path / "split" / shards[1]).rename(tmp_path / "split" / shards[3])
+    (tmp_path / "second").rename(tmp_path / "split" / shards[1])
     (tmp_path / "split" / shards[2]).unlink()
     with pytest.raises(TgError, match="split in 4 shards, and .*m-00003-of-00004.gguf' is missing"):
         model_from_gguf(first)
 
 
 def test_gguf_metadata_that_its_tensors_contradict_is_named(tmp_path):
-    """llama.cpp's loader checks each tensor's shape against the metadata; so does tg, naming
-    the key and the tensor, instead of pricing 64 experts the file does not hold."""
+    """llama.cpp's loader checks each tensor's shape against the metadata; so does tg (the
+    first stacked expert tensor), naming the key and the tensor, instead of pricing 64 experts
+    the file does not hold, or experts as wide as the dense FFN where no width of their own is
+    given."""
     path = tmp_path / "e64.gguf"
     _write_gguf(path, said_experts=64)
     with pytest.raises(TgError, match=r"qwen3moe.expert_count is 64, but the tensor "
                                       r"'blk.0.ffn_gate_exps.weight' holds 8"):
         model_from_gguf(path)
+    import gguf
+
+    reader = gguf.GGUFReader(tmp_path / "e64.gguf")
+    assert reader.get_field("qwen3moe.feed_forward_length").contents() == 1024
+    _write_gguf(path, said_experts=8, width=None)
+    with pytest.raises(TgError, match=r"qwen3moe.feed_forward_length is 1024, but the tensor "
+                                      r"'blk.0.ffn_gate_exps.weight' holds 256"):
+        model_from_gguf(path)
+
+
+def test_an_expert_a_tensor_counts_as_the_experts(tmp_path):
+    """Old Mixtral conversions store each expert's matrices as tensors of their own
+    (blk.N.ffn_gate.E.weight): still the routed experts, at their type's bits."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    from taskgraph.model_files import _gguf_precision
+
+    block, size = GGML_QUANT_SIZES[Q.Q4_0]
+    w = gguf.GGUFWriter(tmp_path / "old.gguf", "llama")
+    for e in range(2):
+        for part in ("gate", "up", "down"):
+            w.add_tensor(f"blk.0.ffn_{part}.{e}.weight",
+                         np.zeros((64, 64 // block * size), np.uint8), raw_dtype=Q.Q4_0)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tensors = gguf.GGUFReader(tmp_path / "old.gguf").tensors
+    assert _gguf_precision(tensors) == {"experts": "q4_0", "attention": "f16"}
 
 
 @pytest.mark.parametrize("qtype", ["F64", "I8", "I32"])
@@ -402,15 +452,35 @@ def test_a_gguf_tensor_of_a_type_no_weight_is_stored_in_is_named(tmp_path, qtype
 
 
 def test_a_class_of_one_gguf_type_keeps_its_name(tmp_path):
-    """Where every tensor of a class has one type, the class is stored in that format (which
-    tg execute can run, for the expert formats it dequantizes); a mix is its average bits."""
-    path = tmp_path / "q8.gguf"
+    """Where every tensor of a class has one type, the class is stored in that format; a mix
+    (Q4_K_M's experts: gate and up Q4_K, down Q6_K) is its average bits."""
+    path = tmp_path / "q6.gguf"
     _write_gguf(path, expert_type="Q6_K")
     spec = ModelSpec.model_validate(model_from_gguf(path))
-    assert (spec.precision.experts, spec.precision.attention, spec.precision.head) == (
-        "q6_k", "q8_0", "q6_k")
-    _write_gguf(path, expert_type="Q4_K")           # gate and up Q4_K, down Q6_K
-    assert isinstance(ModelSpec.model_validate(model_from_gguf(path)).precision.experts, float)
+    assert (spec.precision.experts, spec.precision.attention, spec.precision.router,
+            spec.precision.head) == ("q6_k", "q8_0", "f32", "q6_k")
+    _write_gguf(path, expert_type="Q4_K")
+    assert ModelSpec.model_validate(model_from_gguf(path)).precision.experts == pytest.approx(
+        (2 * bits("q4_k") + bits("q6_k")) / 3, abs=1e-4)
+
+
+def test_a_gguf_whose_experts_the_executor_dequantizes_is_executed(tmp_path):
+    """Q4_0 experts, float attention, embedding and head, the router in F32 as llama.cpp's
+    converter keeps it: tg execute runs the file's model (its float weights in the model's
+    dtype) and computes the reference's tokens; the same file with Q8_0 attention is refused
+    naming the class."""
+    from taskgraph import api
+
+    path = tmp_path / "q4.gguf"
+    _write_gguf(path, expert_type="Q4_0", others=("F16", "F16", "F16"))
+    run = api.execute("tiny", schedule="EP", overrides={
+        "model": str(path), "workload.gen_len": 2, "workload.prompt_len": 8,
+        "workload.max_prompt_len": 8, "policy.N": 1, "policy.mu": 1, "policy.experts_gpu": 2})
+    assert run.summary["tokens_match"] is True
+    _write_gguf(path, expert_type="Q4_0", others=("Q8_0", "F16", "F16"))
+    with pytest.raises(TgError, match="model.precision.attention = q8_0: tg execute runs"):
+        api.execute("tiny", schedule="EP", overrides={"model": str(path),
+                                                      "workload.gen_len": 2})
 
 
 def test_a_gguf_of_an_unknown_architecture_is_refused(tmp_path):
@@ -465,3 +535,14 @@ def test_a_models_folder_stands_for_its_config_json(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TgError, match="The model folder '.*empty' holds no config.json"):
         load_scenario("t4", [f"model={tmp_path / 'empty'}"])
+
+
+def test_a_folder_named_as_a_preset_leaves_the_preset(tmp_path, monkeypatch):
+    """`model: tiny` is the preset, whatever folder named tiny lies where tg runs (a
+    download's --local-dir is often named as the model)."""
+    from taskgraph.scenario import load_scenario
+
+    want = load_scenario("t4", ["model=tiny"]).model
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_scenario("t4", ["model=tiny"]).model == want

@@ -235,9 +235,10 @@ def test_what_the_executor_does_not_quantize_is_refused(schedule, overrides, mes
 
 
 def test_a_class_stored_at_the_models_own_width_runs_and_others_are_named():
-    """tiny is fp32: attention stated as fp32 is what runs (a GGUF file's F16 attention in a
-    16-bit model likewise), attention at Q8_0 is refused naming the field and the dtype, and
-    a mix of types (bits per weight, as a Q4_K_M file's experts) says it is one."""
+    """tiny is fp32: attention stated as fp32 is what runs (float weights run in the model's
+    dtype: a GGUF file's F16 attention and F32 router likewise), attention at Q8_0 is refused
+    naming the field and the dtype, and a mix of types (bits per weight, as a Q4_K_M file's
+    experts) says it is one."""
     s = execute(TINY, schedule="EP", overrides={"model.precision.attention": "fp32",
                                                 "workload.gen_len": 2})
     assert s.summary["tokens_match"] is True
@@ -245,8 +246,8 @@ def test_a_class_stored_at_the_models_own_width_runs_and_others_are_named():
                                       r"weights in the model's dtype \(32 bits\)"):
         execute(TINY, schedule="EP", overrides={"model.precision.attention": "q8_0",
                                                 "workload.gen_len": 2})
-    with pytest.raises(TgError, match="model.precision.experts = 4.85 bits per weight, a GGUF "
-                                      "file's mix of types"):
+    with pytest.raises(TgError, match=r"model.precision.experts = 4.85 bits per weight \(a "
+                                      "mix of types"):
         execute(TINY, schedule="EP", overrides={"model.precision.experts": 4.85,
                                                 "workload.gen_len": 2})
 
