@@ -73,8 +73,12 @@ def _keys(x, path: str = "") -> dict[str, list[str]]:
 def _words(text: str, measured: bool) -> list[str]:
     """A table's words: titles, headers, labels and units, not its numbers; of a table of this
     machine's measurements, the rows' labels only (a fitted cost has a byte term or not), and
-    not the warnings after it (which fitted costs look implausible is this run's finding)."""
+    not the warnings after it (which fitted costs look implausible is this run's finding), nor
+    the caption's note that the machine ran at another speed than when calibrated (under load
+    it does)."""
     if measured:
+        text = re.sub(r"\.\s+Nearly\s+every\s+task\s+kind\s+is\s+simulated\b.*?just\s+before"
+                      r"\s+validating", "", text, flags=re.S)
         lines = text.splitlines()
         end = max((i for i, line in enumerate(lines) if line.startswith("└")), default=-1)
         after = [i for i, line in enumerate(lines) if i > end and line.startswith("warning:")]
