@@ -141,8 +141,8 @@ def check_computable(m: ModelSpec, context: int) -> None:
 
     # Weights stored as floats (a GGUF file's F16 attention, the F32 router llama.cpp's
     # converter keeps) run in the model's dtype, as every executed weight does: the tokens are
-    # the dtype's, the bytes the simulator prices the stored ones. Quantized classes but the
-    # routed experts, and any KV cache but the dtype's, are not computed.
+    # the dtype's, the bytes the simulator prices the stored ones. Quantized classes other than
+    # the routed experts, and a KV cache other than the dtype's, are not computed.
     quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
                  and not (c != "kv_cache" and _is_float(getattr(m.precision, c)))
                  and not (c == "kv_cache" and m.bits(c) == 8 * m.dtype_bytes)
