@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from taskgraph.errors import TgError
+from taskgraph.formats import is_float
 from taskgraph.kernels.quant import FORMATS, block_of, expert_format
 from taskgraph.specs import TENSOR_CLASSES, ModelSpec
 
@@ -122,14 +123,6 @@ def checkpoint_model(model: ModelSpec, folder: str | Path) -> tuple[ModelSpec, l
     return model.model_copy(update={f: getattr(ckpt, f) for f in _MATH_FIELDS}), warnings
 
 
-#: Float formats by their names: what the executor runs in the model's dtype.
-_FLOATS = frozenset({"fp32", "float32", "f32", "fp16", "float16", "f16", "bf16", "bfloat16"})
-
-
-def _is_float(fmt: str | float) -> bool:
-    return isinstance(fmt, str) and fmt.lower() in _FLOATS
-
-
 def check_computable(m: ModelSpec, context: int) -> None:
     """Refuse what the kernels would compute differently from the model."""
     from taskgraph.kernels.ops import ROPE_TYPES
@@ -144,7 +137,7 @@ def check_computable(m: ModelSpec, context: int) -> None:
     # the dtype's, the bytes the simulator prices the stored ones. Quantized classes other than
     # the routed experts, and a KV cache other than the dtype's, are not computed.
     quantized = [c for c in (*TENSOR_CLASSES, "kv_cache") if getattr(m.precision, c) is not None
-                 and not (c != "kv_cache" and _is_float(getattr(m.precision, c)))
+                 and not (c != "kv_cache" and is_float(getattr(m.precision, c)))
                  and not (c == "kv_cache" and m.bits(c) == 8 * m.dtype_bytes)
                  and not (c == "experts" and expert_format(m))]
     if quantized:

@@ -35,6 +35,8 @@ _FORMATS: dict[str, float] = {
     "mxfp4": 4.0 + 8.0 / 32,
     "nvfp4": 4.0 + 8.0 / 16,
 }
+#: Float formats by every name they go by (GGUF's f32, f16, bf16 too).
+FLOATS = frozenset({"fp32", "float32", "f32", "fp16", "float16", "f16", "bf16", "bfloat16"})
 _GROUPED = re.compile(r"int([2-8])-g(\d+)")
 #: The fewest and most bits per weight a format can hold (GGUF's ternary TQ1_0 has 1.69; fp32 32).
 MIN_BITS, MAX_BITS = 1.0, 32.0
@@ -69,6 +71,11 @@ def bits(fmt: str | float) -> float:
                       f"({name}), or a format's name.")
     raise TgError(f"Unknown weight format '{fmt}'; tg knows {', '.join(known())}, "
                   "int<bits>-g<group>, and bits per weight as a number.")
+
+
+def is_float(fmt: str | float) -> bool:
+    """Whether a format names floats (a number of bits never does)."""
+    return isinstance(fmt, str) and fmt.lower() in FLOATS
 
 
 def known() -> list[str]:

@@ -546,3 +546,11 @@ def test_a_folder_named_as_a_preset_leaves_the_preset(tmp_path, monkeypatch):
     (tmp_path / "tiny").mkdir()
     monkeypatch.chdir(tmp_path)
     assert load_scenario("t4", ["model=tiny"]).model == want
+
+
+def test_every_float_name_is_a_format_of_16_or_32_bits():
+    """The names tg execute runs in the model's dtype are formats bits() knows as floats."""
+    from taskgraph.formats import FLOATS, is_float
+
+    assert {bits(f) for f in FLOATS} == {16.0, 32.0}
+    assert is_float("BF16") and not is_float("q8_0") and not is_float(16.0)

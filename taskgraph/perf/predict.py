@@ -191,15 +191,16 @@ def _layer_time(scenario: Scenario, schedule: Schedule, work: TaskWork, cost: Co
         m, tuple(op for lp in schedule.prefill if lp.over == "layers" for op in lp.ops), layer),
         tp, m)
     prompt = np.array([float(w.context_prompt)])
+    prefill_terms: dict[tuple[str, str], list[tuple[int, np.ndarray]]] = {}
     prefill = _per_layer_time(schedule, prefill_ops, work, cost, n, n_pages, L, prompt,
-                              prefill=True)[..., 0]
+                              prefill=True, terms=prefill_terms)[..., 0]
     # Prefill launches each micro-batch's parts one after the other on the GPU's in-order
     # stream: a part that needs the all-reduce before it waits for it, with nothing queued to
     # fill the wait (only a micro-batch's last collective overlaps the next one's first part)
     exposed = _exposed_collectives(schedule, prefill_ops)
     if exposed:
         waits = _per_layer_time(schedule, exposed, work, cost, n, n_pages, L, prompt,
-                                prefill=True)[..., 0]
+                                prefill=True, terms=prefill_terms)[..., 0]
         prefill[ROWS.index("gpu")] += waits[ROWS.index("peer")]
 
     hrm = decode.max(axis=0)                                      # (n, steps)
