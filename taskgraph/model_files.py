@@ -475,26 +475,26 @@ def _gguf_shards(reader: Any, path: Path) -> list[Any]:
 
 def _check_experts_tensor(meta: "_Metadata", tensors: list[Any], fields: dict[str, Any],
                           width_key: str) -> None:
-    """The metadata's expert count, width (read from `width_key`) and hidden size are the
-    first stacked routed-expert tensor's shape (ggml's order: the hidden size, the expert's
-    width, the experts), as llama.cpp's loader requires of every tensor; files whose experts
-    are tensors of their own (old Mixtral conversions) carry no count to check."""
+    """The metadata's expert count, width (read from `width_key`) and hidden size are every
+    stacked routed-expert tensor's shape (ggml's order: the gate's and up's [hidden size,
+    width, experts], the down's [width, hidden size, experts]), as llama.cpp's loader requires
+    of each tensor; files whose experts are tensors of their own (old Mixtral conversions)
+    carry no count to check."""
     from gguf.constants import Keys
 
+    keys = {"E": Keys.LLM.EXPERT_COUNT.format(arch=meta.arch), "h_i": width_key,
+            "h": Keys.LLM.EMBEDDING_LENGTH.format(arch=meta.arch)}
     for tensor in tensors:
-        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up)_exps\.weight", tensor.name):
-            shape = [int(x) for x in tensor.shape]
-            break
-    else:
-        return
-    for key, said, held in ((Keys.LLM.EXPERT_COUNT.format(arch=meta.arch), fields["E"],
-                             shape[2] if len(shape) > 2 else None),
-                            (width_key, fields["h_i"], shape[1] if len(shape) > 1 else None),
-                            (Keys.LLM.EMBEDDING_LENGTH.format(arch=meta.arch), fields["h"],
-                             shape[0])):
-        if held is not None and said != held:
-            raise TgError(f"GGUF file '{meta.path}': {key} is {said}, but the tensor "
-                          f"'{tensor.name}' holds {held} (its shape {shape}, ggml's order).")
+        part = re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", tensor.name)
+        if part is None:
+            continue
+        shape = [int(x) for x in tensor.shape]
+        order = ("h_i", "h", "E") if part[1] == "down" else ("h", "h_i", "E")
+        for field, held in zip(order, shape):
+            if fields[field] != held:
+                raise TgError(f"GGUF file '{meta.path}': {keys[field]} is {fields[field]}, but "
+                              f"the tensor '{tensor.name}' holds {held} (its shape {shape}, "
+                              "ggml's order).")
 
 
 class _Metadata:

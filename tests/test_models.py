@@ -287,11 +287,11 @@ def test_a_yarn_factor_that_scales_nothing_is_refused(factor):
 # --- GGUF ---------------------------------------------------------------------------------------
 
 def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shards=1,
-                others=("Q8_0", "Q4_K", "Q6_K"), width=256):
+                others=("Q8_0", "Q4_K", "Q6_K"), width=256, last_down_width=None):
     """A tiny qwen3moe file: 8 experts 256 wide (`said_experts` and `width` in its metadata;
     width None: no expert_feed_forward_length), its attention, embedding and head of the types
     `others`, its tensors over `shards` files as gguf-split writes them
-    (<name>-00001-of-0000N.gguf)."""
+    (<name>-00001-of-0000N.gguf); `last_down_width`: the last layer's down experts that wide."""
     gguf = pytest.importorskip("gguf")
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
@@ -335,7 +335,8 @@ def _write_gguf(path, arch="qwen3moe", expert_type="Q4_K", said_experts=8, shard
         tensor(f"blk.{l}.ffn_gate_inp.weight", (E, h), Q.F32)
         for part in ("gate", "up"):
             tensor(f"blk.{l}.ffn_{part}_exps.weight", (E, h_i, h), Q[expert_type])
-        tensor(f"blk.{l}.ffn_down_exps.weight", (E, h, h_i),
+        down_width = last_down_width if l == L - 1 and last_down_width else h_i
+        tensor(f"blk.{l}.ffn_down_exps.weight", (E, h, down_width),
                Q.Q6_K if expert_type == "Q4_K" else Q[expert_type])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -401,10 +402,10 @@ def test_a_split_gguf_is_read_from_all_its_shards(tmp_path):
 
 
 def test_gguf_metadata_that_its_tensors_contradict_is_named(tmp_path):
-    """llama.cpp's loader checks each tensor's shape against the metadata; so does tg (the
-    first stacked expert tensor), naming the key and the tensor, instead of pricing 64 experts
-    the file does not hold, or experts as wide as the dense FFN where no width of their own is
-    given."""
+    """llama.cpp's loader checks each tensor's shape against the metadata; so does tg (every
+    stacked expert tensor), naming the key and the tensor, instead of pricing 64 experts
+    the file does not hold, experts as wide as the dense FFN where no width of their own is
+    given, or a last layer whose down experts the first layer's do not describe."""
     path = tmp_path / "e64.gguf"
     _write_gguf(path, said_experts=64)
     with pytest.raises(TgError, match=r"qwen3moe.expert_count is 64, but the tensor "
@@ -417,6 +418,10 @@ def test_gguf_metadata_that_its_tensors_contradict_is_named(tmp_path):
     _write_gguf(path, said_experts=8, width=None)
     with pytest.raises(TgError, match=r"qwen3moe.feed_forward_length is 1024, but the tensor "
                                       r"'blk.0.ffn_gate_exps.weight' holds 256"):
+        model_from_gguf(path)
+    _write_gguf(path, last_down_width=512)
+    with pytest.raises(TgError, match=r"qwen3moe.expert_feed_forward_length is 256, but the "
+                                      r"tensor 'blk.1.ffn_down_exps.weight' holds 512"):
         model_from_gguf(path)
 
 
