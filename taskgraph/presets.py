@@ -277,6 +277,7 @@ HARDWARE: dict[str, dict[str, Any]] = {
 SYSTEMS: dict[str, str] = {
     "Mixtral-offloading": "mixtral-offloading",
     "llama.cpp": "llama.cpp",
+    "Fiddler": "fiddler",
 }
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -351,6 +352,28 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
         sources=["FlexGen's fitted cost model for these machines "
                  "(shared/reference/flexgen-cost-model.yaml): pageable weight copies at "
                  "5.43 GiB/s (pin_weight=False), GPU->CPU at 2.0 GiB/s"]),
+    # Fiddler (efeslab/fiddler, src/fiddler/mixtral.py), EP as its authors run Mixtral: the
+    # CPU's experts are transformers' bf16 expert modules called in PyTorch, on the 16
+    # threads its generate() sets (torch.set_num_threads(16)). Measured here with oneDNN held
+    # to AVX512_CORE, the instruction set of its Skylake and Cascade Lake hosts (no bf16
+    # arithmetic), against fp32 on the same cores in the same run (python
+    # bench/cpu_expert_rate.py; bench/results/cpu-2026-12-05/): one token an expert streams its
+    # weights as a matrix-vector product at 0.76-0.78 of fp32's rate a core, which 16 threads
+    # keep above these hosts' memory bandwidth, so the host's rate stands; two to sixteen
+    # tokens convert and pack the weights, then multiply: reads at 0.40-0.46 of fp32's
+    # bandwidth plus arithmetic at 0.30-0.34 of its FLOP rate, one after the other (the fit's
+    # worst point within 4% on one thread). Before a layer's experts its host chooses where
+    # each runs, summing the cost of all 2^8 CPU/GPU assignments in Python: 0.33 ms a layer
+    # timed here (a fixed cost of the layer's CPU experts; its device waits are not counted).
+    # Not fitted: no figure here comes from a Fiddler run.
+    "fiddler": dict(
+        name="fiddler", title="Fiddler (bf16 PyTorch experts on 16 CPU threads)", threads=16,
+        kinds={"CPUFFN": dict(overhead_us=330, several_tokens=dict(
+            serial=True, bytes_eff=0.45, flops_eff=0.32))},
+        sources=["efeslab/fiddler src/fiddler/mixtral.py: torch.set_num_threads(16); CPU "
+                 "experts as the model's bf16 modules; the 2^E placement search a layer",
+                 "python bench/cpu_expert_rate.py (bench/results/cpu-2026-12-05/): a Mixtral "
+                 "expert in bf16 PyTorch under ONEDNN_MAX_CPU_ISA=AVX512_CORE"]),
     # llama.cpp's CPU kernels (ggml's quantized dot products: each block unpacked, the
     # activations quantized to 8 bits, integer multiply-adds) do not hide their arithmetic
     # under their reads: a CPU decode takes the weights' bytes at the host's bandwidth plus

@@ -747,6 +747,25 @@ class KindEffect(Spec):
     # that unpacks each block and multiplies between its loads, as llama.cpp's CPU kernels
     # measure (taskgraph.presets, "llama.cpp").
     serial: bool = False
+    # Where each of the task's experts sees more than one token, the kind runs another kernel,
+    # whose rates (flops_eff, bytes_eff, serial) these are, in place of the ones above; the
+    # task's fixed cost and unpacking stay the kind's. PyTorch's 16-bit product on a CPU
+    # without 16-bit arithmetic streams one token's weights (a matrix-vector product) but
+    # converts and packs them for two or more, then multiplies (taskgraph.presets, "fiddler").
+    # None: one kernel at every count.
+    several_tokens: KindEffect | None = None
+
+    @field_validator("several_tokens")
+    @classmethod
+    def _kernel_rates_only(cls, value: KindEffect | None) -> KindEffect | None:
+        if value is not None:
+            for name in ("overhead_us", "intensity_half", "dequant_gweights", "several_tokens"):
+                if getattr(value, name) != KindEffect.model_fields[name].default:
+                    raise ValueError(
+                        f"several_tokens.{name}: several_tokens gives another kernel's rates "
+                        "(flops_eff, bytes_eff, serial); the task's fixed cost, unpacking and "
+                        "skinniness are the kind's own, set beside several_tokens")
+        return value
 
 
 class ImplementationSpec(Spec):
@@ -772,6 +791,9 @@ class ImplementationSpec(Spec):
     # host's cores shared evenly among the processes. A process never gets more than its
     # share of the cores, however many threads it starts.
     rank_threads: float | None = Field(default=None, gt=0, le=1e4, allow_inf_nan=False)
+    # The same for its one process on one GPU, where the system fixes it (Fiddler's generate()
+    # calls torch.set_num_threads(16)); None: every core of the host.
+    threads: float | None = Field(default=None, gt=0, le=1e4, allow_inf_nan=False)
     sources: list[str] = Field(default_factory=list)
     # Where the figures come from: `tg fit` writes the data, date and error here.
     fitted: str | None = None

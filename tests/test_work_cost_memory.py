@@ -134,6 +134,93 @@ def test_llama_cpps_cpu_decode_takes_its_reads_plus_its_arithmetic(t4):
             float(llama.times(cpu, flops, nbytes, kind)))
 
 
+def test_one_processs_threads_bound_its_arithmetic_and_its_threads_reads(t4):
+    """On one GPU an implementation's `threads` (Fiddler's torch.set_num_threads(16)) takes its
+    share of the host's FLOP rate, and reads at most `core_gbps` a thread: the T4 host's 24
+    cores at 0.765 TFLOPS and 105 GB/s achieved, 11.66 GB/s a core."""
+    hw = t4.hardware
+    host = CostModel(hw)
+    four = CostModel(hw, ImplementationSpec(name="x", threads=4))
+    sixteen = CostModel(hw, ImplementationSpec(name="x", threads=16))
+    many = CostModel(hw, ImplementationSpec(name="x", threads=1000))
+    assert host.time("cpu", 1e12, 0, "CPUFFN") == pytest.approx(1e12 / 0.8e12 + 20e-6)
+    assert four.time("cpu", 1e12, 0, "CPUFFN") == pytest.approx(1e12 / 0.8e12 * 6 + 20e-6)
+    assert sixteen.time("cpu", 1e12, 0, "CPUFFN") == pytest.approx(1e12 / 0.8e12 * 1.5 + 20e-6)
+    # four threads read at 4 x 11.66 GB/s; sixteen reach the host's 105 GB/s as every core does
+    assert four.time("cpu", 0, 1e9, "CPUFFN") == pytest.approx(1e9 / 46.64e9 + 20e-6)
+    assert sixteen.time("cpu", 0, 1e9, "CPUFFN") == host.time("cpu", 0, 1e9, "CPUFFN")
+    assert many.time("cpu", 1e12, 1e9, "CPUFFN") == host.time("cpu", 1e12, 1e9, "CPUFFN")
+
+
+def _expert(tokens: int, bits: float = 16.0) -> tuple[float, float]:
+    """FLOPs and bytes of one Mixtral expert on `tokens` tokens, its weights at `bits`."""
+    params = 3 * 4096 * 14336
+    return 2 * tokens * params, params * bits / 8
+
+
+def test_several_tokens_an_expert_run_the_kinds_other_kernel(t4):
+    """KindEffect.several_tokens prices a task whose experts see more than one token each; one
+    token each keeps the kind's own effects, whatever the bits its weights are stored in."""
+    impl = ImplementationSpec(name="x", kinds={"CPUFFN": KindEffect(
+        overhead_us=100, several_tokens=KindEffect(serial=True, bytes_eff=0.5, flops_eff=0.25))})
+    hw = t4.hardware
+    rates = {"bytes": 140e9 * 0.75, "flops": 1.6e12 * 0.5}
+    for bits in (16.0, 4.25):
+        cost, host = CostModel(hw, impl, expert_bits=bits), CostModel(hw, expert_bits=bits)
+        flops, nbytes = _expert(1, bits)
+        assert cost.time("cpu", flops, nbytes, "CPUFFN") == pytest.approx(
+            host.time("cpu", flops, nbytes, "CPUFFN") + 100e-6), bits
+        flops, nbytes = _expert(2, bits)
+        assert cost.time("cpu", flops, nbytes, "CPUFFN") == pytest.approx(
+            nbytes / (0.5 * rates["bytes"]) + flops / (0.25 * rates["flops"]) + 120e-6), bits
+        # the simulator's pricing (times) and the predictor's (times_of) agree
+        from taskgraph.kinds import KIND_INDEX
+        cpu, kind = RESOURCES.index("cpu"), KIND_INDEX["CPUFFN"]
+        assert cost.times_of(cpu, kind, flops, nbytes) == pytest.approx(
+            float(cost.times(cpu, flops, nbytes, kind)))
+
+
+def test_several_tokens_gives_another_kernels_rates_only():
+    """A fixed cost, skinniness or unpacking under several_tokens would be silently ignored:
+    refused, naming the field."""
+    with pytest.raises(ValueError, match="several_tokens.overhead_us"):
+        ImplementationSpec.model_validate({"name": "x", "kinds": {
+            "CPUFFN": {"several_tokens": {"overhead_us": 5}}}})
+
+
+def test_fiddlers_profile_is_the_measured_bf16_expert():
+    """The `fiddler` profile's CPU expert against what bench/cpu_expert_rate.py measured (bf16
+    PyTorch with oneDNN held to Skylake's AVX512_CORE, fp32 on the same thread as the
+    machine's rates): priced on a one-thread host whose bandwidth and FLOP rate are that
+    thread's fp32 ones, each measured time of 2 to 16 tokens within 10%, where the host's own
+    rates (a roofline, as tg priced every CPU expert before) are 2.5-6x fast; and Fiddler's
+    per-layer host decision is the fixed cost measured beside it."""
+    import json
+    from pathlib import Path
+
+    from taskgraph.presets import IMPLEMENTATIONS
+    from taskgraph.specs import HardwareSpec
+
+    data = json.loads(Path("bench/results/cpu-2026-12-05/cpu_expert_rate.json").read_text())
+    run = next(r for r in data["runs"] if r["isa"].startswith("avx512_core")
+               and r["threads"] == 1)
+    fiddler = ImplementationSpec.model_validate(IMPLEMENTATIONS["fiddler"])
+    t4 = load_scenario("scenarios/t4.yaml").hardware
+    hw = HardwareSpec.model_validate(t4.model_dump() | {"cpu": {
+        **t4.cpu.model_dump(), "cores": 1, "mem_gbps": run["fp32_gemv_gbps"], "mem_eff": 1.0,
+        "tflops": run["fp32_gflops"] / 1e3, "flops_eff": 1.0, "core_gbps": None,
+        "task_overhead_us": 0.0}})
+    cost, host = CostModel(hw, fiddler), CostModel(hw)
+    decision = fiddler.kinds["CPUFFN"].overhead_us * 1e-6
+    assert decision == pytest.approx(data["decision_s"], rel=0.1)
+    for tokens, measured in run["bf16"].items():
+        flops, nbytes = _expert(int(tokens))
+        if int(tokens) >= 2:
+            assert cost.time("cpu", flops, nbytes, "CPUFFN") - decision == pytest.approx(
+                measured, rel=0.10), tokens
+            assert measured > 2.5 * host.time("cpu", flops, nbytes, "CPUFFN"), tokens
+
+
 @pytest.mark.parametrize("schedule,pinned", [("S1", True), ("S3", False), ("S4", False),
                                               ("EP", True), ("EC", True), ("ECP", True)])
 def test_tg_executor_copies_weights_from_pageable_memory_unless_pinned(t4, schedule, pinned):

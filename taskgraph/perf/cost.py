@@ -59,11 +59,14 @@ class CostModel:
         # A process's host threads (one process per GPU) and what they reach.
         self.processes = g.count
         fair = c.cores / g.count
-        self.process_cores = min(impl.rank_threads or fair, fair) if g.count > 1 else c.cores
+        self.process_cores = (min(impl.rank_threads or fair, fair) if g.count > 1
+                              else min(impl.threads or c.cores, c.cores))
         share = self.process_cores / c.cores
         # Host memory priced as shared: a process may burst to the host's rates and the
-        # contention solver divides them; else each process owns its share outright.
-        outright = 1.0 if hw.shared.memory_gbps else share
+        # contention solver divides them; else each process owns its share outright. One
+        # process alone on the host reaches its memory with fewer threads than cores (each
+        # thread's rate, core_gbps, is the limit there); only its arithmetic is theirs alone.
+        outright = 1.0 if hw.shared.memory_gbps or g.count == 1 else share
         cpu_bw, copy_bw = c.mem_gbps * 1e9 * c.mem_eff * outright, c.memcpy_gbps * 1e9 * outright
         if c.core_gbps is not None:
             cpu_bw = min(cpu_bw, self.process_cores * c.core_gbps * 1e9)
@@ -94,8 +97,15 @@ class CostModel:
         self.implementation = impl
         several = impl.several_gpus_kinds if g.count > 1 else {}
         effects = [several.get(kind) or impl.kinds.get(kind) for kind in KINDS]
+        # Where a kind's experts see more than one token each, the effects of the kernel it
+        # runs then (KindEffect.several_tokens), else its own.
+        multi = [e.several_tokens if e and e.several_tokens else e for e in effects]
+        self.kind_multi = np.array([m is not e for m, e in zip(multi, effects)])
+        self.expert_bits = expert_bits
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
+        self.multi_flops_eff = np.array([m.flops_eff if m else 1.0 for m in multi])
+        self.multi_bytes_eff = np.array([m.bytes_eff if m else 1.0 for m in multi])
         # Seconds a kind spends unpacking each byte of experts stored below 16 bits (0: none);
         # a kind without a rate of its own runs the kernel of the kind in DEQUANT_AS
         own = {kind: hw.task_dequant_gweights.get(kind, e.dequant_gweights if e else None)
@@ -113,6 +123,7 @@ class CostModel:
         self.kind_extra = np.array([e.overhead_us * 1e-6 if e else 0.0 for e in effects])
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
         self.kind_serial = np.array([bool(e and e.serial) for e in effects])
+        self.multi_serial = np.array([bool(m and m.serial) for m in multi])
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
@@ -164,14 +175,19 @@ class CostModel:
         own = self.kind_overhead[kind]
         return np.where(np.isnan(own), self.overhead[resource], own) + self.kind_extra[kind]
 
-    def byte_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
-        """Bytes a second a task of `kind` moves: its rate, slowed by unpacking the weights."""
+    def byte_rates(self, resource: np.ndarray | int, kind: np.ndarray | int,
+                   several: np.ndarray | bool = False) -> np.ndarray:
+        """Bytes a second a task of `kind` moves: its rate, slowed by unpacking the weights
+        (`several`: its experts see more than one token each)."""
         own = self.kind_byte_rate[kind]
-        rate = np.where(np.isnan(own), self.byte_rate[resource], own) * self.kind_bytes_eff[kind]
+        eff = np.where(several, self.multi_bytes_eff[kind], self.kind_bytes_eff[kind])
+        rate = np.where(np.isnan(own), self.byte_rate[resource], own) * eff
         return rate / (1.0 + rate * self.kind_dequant[kind])
 
-    def flops_rates(self, resource: np.ndarray | int, kind: np.ndarray | int) -> np.ndarray:
-        return self.flops_rate[resource] * self.kind_flops_eff[kind]
+    def flops_rates(self, resource: np.ndarray | int, kind: np.ndarray | int,
+                    several: np.ndarray | bool = False) -> np.ndarray:
+        return self.flops_rate[resource] * np.where(several, self.multi_flops_eff[kind],
+                                                    self.kind_flops_eff[kind])
 
     def time(self, resource: str, flops: float, nbytes: float, kind: str | None = None) -> float:
         """Seconds one task takes on `resource`."""
@@ -187,7 +203,8 @@ class CostModel:
         key = (resource, kind)
         rates = self._rates.get(key)
         if rates is None:
-            skinny = bool(self.kind_i_half[kind] > 0)
+            # a kind whose kernel depends on its tokens takes the general path, as skinny does
+            skinny = bool(self.kind_i_half[kind] > 0 or self.kind_multi[kind])
             combine = np.add if self.kind_serial[kind] else np.maximum
             rates = self._rates[key] = (skinny, combine, self.flops_rates(resource, kind),
                                         self.byte_rates(resource, kind),
@@ -209,10 +226,14 @@ class CostModel:
             intensity = np.where(nbytes > 0, flops / np.maximum(nbytes, 1e-30), np.inf)
             # only products lose to skinniness; a copy (no FLOPs) has no intensity to speak of
             skinny = np.where((i_half > 0) & (flops > 0), intensity / (intensity + i_half), 1.0)
-        arithmetic = flops / self.flops_rates(resource, kind)
-        reads = nbytes / (self.byte_rates(resource, kind) * skinny)
-        return (np.where(self.kind_serial[kind], arithmetic + reads,
-                         np.maximum(arithmetic, reads))
+        # An expert's FLOPs per byte of its weights are its tokens x 16 / bits: more than one
+        # token each (halfway to two) runs the kind's other kernel, where it has one.
+        several = (self.kind_multi[kind] & (flops > 0)
+                   & (intensity * self.expert_bits / 16 > 1.5))
+        arithmetic = flops / self.flops_rates(resource, kind, several)
+        reads = nbytes / (self.byte_rates(resource, kind, several) * skinny)
+        serial = np.where(several, self.multi_serial[kind], self.kind_serial[kind])
+        return (np.where(serial, arithmetic + reads, np.maximum(arithmetic, reads))
                 + self.fixed(resource, kind) + nbytes * self.kind_expert[kind])
 
 
