@@ -356,20 +356,26 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # CPU's experts are transformers' bf16 expert modules called in PyTorch, on the 16
     # threads its generate() sets (torch.set_num_threads(16)). Measured here with oneDNN held
     # to AVX512_CORE, the instruction set of its Skylake and Cascade Lake hosts (no bf16
-    # arithmetic), against fp32 on the same cores in the same run (python
-    # bench/cpu_expert_rate.py; bench/results/cpu-2026-12-05/): one token an expert streams its
-    # weights as a matrix-vector product at 0.76-0.78 of fp32's rate a core, which 16 threads
-    # keep above these hosts' memory bandwidth, so the host's rate stands; two to sixteen
-    # tokens convert and pack the weights, then multiply: reads at 0.40-0.46 of fp32's
-    # bandwidth plus arithmetic at 0.30-0.34 of its FLOP rate, one after the other (the fit's
-    # worst point within 4% on one thread). Before a layer's experts its host chooses where
-    # each runs, summing the cost of all 2^8 CPU/GPU assignments in Python: 0.33 ms a layer
-    # timed here (a fixed cost of the layer's CPU experts; its device waits are not counted).
-    # Not fitted: no figure here comes from a Fiddler run.
+    # arithmetic), against fp32 on the same threads in the same run (python
+    # bench/cpu_expert_rate.py; bench/results/cpu-2026-12-05/):
+    # - one token an expert streams its weights as a matrix-vector product at 0.76-0.80 of
+    #   fp32's rate a thread: sixteen threads at that share of a core's 11.66 GB/s
+    #   (core_gbps of the paper's Xeons) ask 144 GB/s, more than those hosts' 105, so the
+    #   host's rate stands (the kind's own effects: none);
+    # - two or more tokens convert and pack the weights, then multiply, one after the other:
+    #   the packing at 0.38-0.46 of a thread's fp32 bandwidth, so sixteen threads read at
+    #   16 x 0.42 x 11.66 = 78 GB/s, 0.75 of those hosts' 105 (bytes_eff); the arithmetic at
+    #   0.30-0.35 of fp32's FLOP rate (flops_eff 0.32, of the 16 threads' share of the host);
+    # - before a layer's experts its host chooses where each runs, summing the cost of all
+    #   2^8 CPU/GPU assignments in Python: 0.33 ms a layer timed here (a fixed cost of the
+    #   layer's CPU experts; the device waits of its torch.where and tolist calls are not).
+    # Not fitted: no figure here comes from a Fiddler run. Not modelled: it runs a layer's GPU
+    # experts and then its CPU ones, where EP overlaps them, and in prefill it copies an
+    # expert that sees ten tokens or more to the GPU instead (docs/experts.md).
     "fiddler": dict(
         name="fiddler", title="Fiddler (bf16 PyTorch experts on 16 CPU threads)", threads=16,
         kinds={"CPUFFN": dict(overhead_us=330, several_tokens=dict(
-            serial=True, bytes_eff=0.45, flops_eff=0.32))},
+            serial=True, bytes_eff=0.75, flops_eff=0.32))},
         sources=["efeslab/fiddler src/fiddler/mixtral.py: torch.set_num_threads(16); CPU "
                  "experts as the model's bf16 modules; the 2^E placement search a layer",
                  "python bench/cpu_expert_rate.py (bench/results/cpu-2026-12-05/): a Mixtral "

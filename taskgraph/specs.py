@@ -747,12 +747,13 @@ class KindEffect(Spec):
     # that unpacks each block and multiplies between its loads, as llama.cpp's CPU kernels
     # measure (taskgraph.presets, "llama.cpp").
     serial: bool = False
-    # Where each of the task's experts sees more than one token, the kind runs another kernel,
-    # whose rates (flops_eff, bytes_eff, serial) these are, in place of the ones above; the
-    # task's fixed cost and unpacking stay the kind's. PyTorch's 16-bit product on a CPU
-    # without 16-bit arithmetic streams one token's weights (a matrix-vector product) but
-    # converts and packs them for two or more, then multiplies (taskgraph.presets, "fiddler").
-    # None: one kernel at every count.
+    # For the experts of a task that see more than one token each, the kind runs another
+    # kernel, whose rates (flops_eff, bytes_eff, serial) the fields set here are, over the
+    # ones above; the task's fixed cost and unpacking stay the kind's. An expert product's
+    # only (CPUFFN, GPUFFN): PyTorch's 16-bit product on a CPU without 16-bit arithmetic
+    # streams one token's weights (a matrix-vector product) but converts and packs them for
+    # two or more, then multiplies (taskgraph.presets, "fiddler"). None: one kernel at every
+    # count.
     several_tokens: KindEffect | None = None
 
     @field_validator("several_tokens")
@@ -762,10 +763,15 @@ class KindEffect(Spec):
             for name in ("overhead_us", "intensity_half", "dequant_gweights", "several_tokens"):
                 if getattr(value, name) != KindEffect.model_fields[name].default:
                     raise ValueError(
-                        f"several_tokens.{name}: several_tokens gives another kernel's rates "
-                        "(flops_eff, bytes_eff, serial); the task's fixed cost, unpacking and "
-                        "skinniness are the kind's own, set beside several_tokens")
+                        f"{name}: several_tokens gives another kernel's rates (flops_eff, "
+                        "bytes_eff, serial); the task's fixed cost, unpacking and skinniness "
+                        "are the kind's own, set beside several_tokens")
         return value
+
+
+#: The kinds whose work is routed experts' products alone, so that FLOPs per byte count the
+#: tokens each expert sees (KindEffect.several_tokens).
+EXPERT_PRODUCTS = ("CPUFFN", "GPUFFN")
 
 
 class ImplementationSpec(Spec):
@@ -792,7 +798,8 @@ class ImplementationSpec(Spec):
     # share of the cores, however many threads it starts.
     rank_threads: float | None = Field(default=None, gt=0, le=1e4, allow_inf_nan=False)
     # The same for its one process on one GPU, where the system fixes it (Fiddler's generate()
-    # calls torch.set_num_threads(16)); None: every core of the host.
+    # calls torch.set_num_threads(16)); None: every core of the host. Several GPUs read
+    # `rank_threads` alone.
     threads: float | None = Field(default=None, gt=0, le=1e4, allow_inf_nan=False)
     sources: list[str] = Field(default_factory=list)
     # Where the figures come from: `tg fit` writes the data, date and error here.
@@ -801,9 +808,14 @@ class ImplementationSpec(Spec):
     @field_validator("kinds", "several_gpus_kinds")
     @classmethod
     def _known_kinds(cls, value: dict[str, KindEffect]) -> dict[str, KindEffect]:
-        for kind in value:
+        for kind, effect in value.items():
             if kind not in KINDS:
                 raise ValueError(f"unknown task kind '{kind}' (known: {', '.join(KINDS)})")
+            if effect.several_tokens and kind not in EXPERT_PRODUCTS:
+                raise ValueError(
+                    f"{kind}.several_tokens: only an expert product's kernel depends on the "
+                    f"tokens each expert sees ({', '.join(EXPERT_PRODUCTS)}); {kind}'s "
+                    "work is not counted in experts")
         return value
 
 

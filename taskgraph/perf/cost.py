@@ -97,10 +97,12 @@ class CostModel:
         self.implementation = impl
         several = impl.several_gpus_kinds if g.count > 1 else {}
         effects = [several.get(kind) or impl.kinds.get(kind) for kind in KINDS]
-        # Where a kind's experts see more than one token each, the effects of the kernel it
-        # runs then (KindEffect.several_tokens), else its own.
-        multi = [e.several_tokens if e and e.several_tokens else e for e in effects]
-        self.kind_multi = np.array([m is not e for m, e in zip(multi, effects)])
+        # The kernel a kind runs for experts that see more than one token each: the rates
+        # KindEffect.several_tokens sets, over the kind's own.
+        multi = [e.model_copy(update={name: getattr(e.several_tokens, name)
+                                      for name in e.several_tokens.model_fields_set})
+                 if e and e.several_tokens else e for e in effects]
+        self.kind_multi = np.array([bool(e and e.several_tokens) for e in effects])
         self.expert_bits = expert_bits
         self.kind_flops_eff = np.array([e.flops_eff if e else 1.0 for e in effects])
         self.kind_bytes_eff = np.array([e.bytes_eff if e else 1.0 for e in effects])
@@ -226,15 +228,43 @@ class CostModel:
             intensity = np.where(nbytes > 0, flops / np.maximum(nbytes, 1e-30), np.inf)
             # only products lose to skinniness; a copy (no FLOPs) has no intensity to speak of
             skinny = np.where((i_half > 0) & (flops > 0), intensity / (intensity + i_half), 1.0)
-        # An expert's FLOPs per byte of its weights are its tokens x 16 / bits: more than one
-        # token each (halfway to two) runs the kind's other kernel, where it has one.
-        several = (self.kind_multi[kind] & (flops > 0)
-                   & (intensity * self.expert_bits / 16 > 1.5))
+        kernel = self._kernel(resource, kind, flops, nbytes, skinny, False)
+        multi = self.kind_multi[kind] & (flops > 0)
+        if np.any(multi):
+            # An expert's FLOPs per byte of its weights are its tokens x 16 / bits. The experts
+            # that see one token run the kind's own kernel, the rest its other one: their share
+            # of the task's experts (bytes) and of its tokens (FLOPs), for a mean of m tokens.
+            m = np.where(multi, intensity * self.expert_bits / 16, 1.0)
+            one = one_token_share(m)
+            one_flops, one_bytes = flops * one / m, nbytes * one
+            split = (self._kernel(resource, kind, one_flops, one_bytes, skinny, False)
+                     + self._kernel(resource, kind, flops - one_flops, nbytes - one_bytes,
+                                    skinny, True))
+            kernel = np.where(multi, split, kernel)
+        return kernel + self.fixed(resource, kind) + nbytes * self.kind_expert[kind]
+
+    def _kernel(self, resource: np.ndarray | int, kind: np.ndarray | int, flops: np.ndarray,
+                nbytes: np.ndarray, skinny: np.ndarray, several: bool) -> np.ndarray:
+        """Seconds of a task's arithmetic and reads on the kind's kernel (`several`: the one
+        it runs for experts that see more than one token): the larger, or their sum."""
         arithmetic = flops / self.flops_rates(resource, kind, several)
         reads = nbytes / (self.byte_rates(resource, kind, several) * skinny)
-        serial = np.where(several, self.multi_serial[kind], self.kind_serial[kind])
-        return (np.where(serial, arithmetic + reads, np.maximum(arithmetic, reads))
-                + self.fixed(resource, kind) + nbytes * self.kind_expert[kind])
+        serial = self.multi_serial[kind] if several else self.kind_serial[kind]
+        return np.where(serial, arithmetic + reads, np.maximum(arithmetic, reads))
+
+
+# A touched expert's tokens taken as a zero-truncated Poisson count: for its mean
+# m = lambda / (1 - e^-lambda), the share that see exactly one is m e^-lambda.
+_LAMBDA = np.geomspace(1e-6, 80.0, 2000)
+_MEAN = _LAMBDA / -np.expm1(-_LAMBDA)
+_ONE = _MEAN * np.exp(-_LAMBDA)
+
+
+def one_token_share(mean_tokens: np.ndarray) -> np.ndarray:
+    """The share of the experts a task touches that see one token, where they see
+    `mean_tokens` on average (1: all of them; it falls smoothly towards 0 as the mean grows,
+    so a kind's two kernels meet without a step at any batch)."""
+    return np.interp(mean_tokens, _MEAN, _ONE, left=1.0, right=0.0)
 
 
 def implementation_for(scenario: Scenario, schedule: str) -> ImplementationSpec:
