@@ -611,8 +611,9 @@ def calibrate(scenario: ScenarioLike, *, out: str | Path, overrides: Overrides =
 
 @verb()
 def catalog():
-    """`tg catalog`: the models, machines, workloads and schedules a scenario can name, and the
-    scenarios shipped with tg, which a bare name finds (`tg simulate t4`).
+    """`tg catalog`: the models, machines, workloads, schedules and implementation profiles a
+    scenario can name, and the scenarios shipped with tg, which a bare name finds (`tg
+    simulate t4`).
 
     Returns a :class:`~taskgraph.study.catalog.Catalog`.
     """

@@ -225,6 +225,8 @@ def test_the_catalog_lists_every_preset_and_shipped_scenario(capsys):
     assert list(found["models"]) == list(presets.MODELS)
     assert set(found["machines"]) == set(presets.HARDWARE) | {"local"}
     assert list(found["schedules"]) == list(SCHEDULES)
+    assert list(found["implementations"]) == list(presets.IMPLEMENTATIONS)
+    assert found["implementations"]["flexgen"].endswith("the default of S3, S4, PP")
     assert set(found["scenarios"]) == {p.stem for p in (ROOT / "scenarios").glob("*.yaml")}
     assert "Mixtral 8x7B on one T4" in found["scenarios"]["t4"]
     assert found["models"]["deepseek-v3"] == "deepseek_v3, 61 layers, h=7168, 256 experts, top-8"

@@ -1,6 +1,6 @@
 """`tg catalog`: what a scenario can name, without reading the source: the model, machine and
-workload presets, the schedules, and the scenarios shipped with tg (which a bare name finds:
-`tg simulate t4`)."""
+workload presets, the schedules, the implementation profiles, and the scenarios shipped with tg
+(which a bare name finds: `tg simulate t4`)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ class Catalog(Shown):
     machines: dict[str, str] = field(default_factory=dict)
     workloads: dict[str, str] = field(default_factory=dict)
     schedules: dict[str, str] = field(default_factory=dict)
+    implementations: dict[str, str] = field(default_factory=dict)
     scenarios: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"models": self.models, "machines": self.machines, "workloads": self.workloads,
-                "schedules": self.schedules, "scenarios": self.scenarios}
+                "schedules": self.schedules, "implementations": self.implementations,
+                "scenarios": self.scenarios}
 
     def views(self):
         for what, names in self.to_dict().items():
@@ -51,6 +53,8 @@ def catalog() -> Catalog:
                          f"{w.get('max_prompt_len', w.get('prompt_len'))}), "
                          f"{w.get('gen_len')} generated" for name, w in presets.WORKLOADS.items()},
         schedules={name: s.title for name, s in SCHEDULES.items()},
+        implementations={name: _implementation(name, i)
+                         for name, i in presets.IMPLEMENTATIONS.items()},
         scenarios={f.stem: _first_comment(f) for f in sorted(SHIPPED.glob("*.yaml"))}
         if SHIPPED.is_dir() else {})
 
@@ -65,6 +69,12 @@ def _machine(m: dict[str, Any]) -> str:
     gpu = m["gpu"]
     return (f"{gpu['count']}x {gpu['name']} ({gpu['memory_gb']:g} GB), {m['cpu']['name']} "
             f"({m['cpu']['memory_gb']:g} GB)")
+
+
+def _implementation(name: str, spec: dict[str, Any]) -> str:
+    """Its title, and the schedules that run as it unless a scenario names another."""
+    runs = [s for s, schedule in SCHEDULES.items() if schedule.implementation == name]
+    return spec.get("title", name) + (f"; the default of {', '.join(runs)}" if runs else "")
 
 
 def _first_comment(path) -> str:
