@@ -278,6 +278,7 @@ SYSTEMS: dict[str, str] = {
     "Mixtral-offloading": "mixtral-offloading",
     "llama.cpp": "llama.cpp",
     "Fiddler": "fiddler",
+    "kTransformers": "ktransformers",
 }
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -291,6 +292,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 # machine's rates. The figures marked fitted come from `tg fit` on the MoE-Lightning paper's
 # Table 4 and Fig. 7 (shared/measurements); the rest are public measurements, cited where they
 # are used.
+#: ggml's CPU kernels for block-quantized weights (llama.cpp's, and llamafile's in
+#: kTransformers): each block unpacked and multiplied between its loads, so a CPU expert's
+#: reads and arithmetic add (the "llama.cpp" profile below gives the measurement).
+_GGML_CPU_EXPERTS = {"CPUFFN": dict(serial=True)}
+
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "ideal": dict(name="ideal", title="the machine's own rates, no software losses"),
     # What `tg validate` prices tg's own executor as: the calibrated machine's rates (its
@@ -393,7 +399,20 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # predicts (scenarios/small-batch/published.yaml).
     "llama.cpp": dict(
         name="llama.cpp", title="llama.cpp (ggml's CPU kernels: reads and arithmetic add)",
-        kinds={"CPUFFN": dict(serial=True)},
+        kinds=_GGML_CPU_EXPERTS,
         sources=["ahelpme.com/?p=6685: llama-bench, Phi-4 14B on an AMD EPYC 9554, "
                  "Q4_K_M 28.74, Q5_0 25.44, Q6_K 23.25, Q8_0 19.19 tok/s"]),
+    # kTransformers (kvcache-ai/ktransformers V0.2, 0.2.1): its CPU MoE operator runs
+    # llamafile's sgemm over the GGUF file's own block formats, each expert's rows against
+    # the activations first quantized to the weights' dot-product type
+    # (ktransformers_ext/operators/llamafile/moe.cpp: from_float, then llamafile_sgemm):
+    # llama.cpp's kernel family, priced as that profile prices it. Not measured for
+    # kTransformers itself; its later AMX kernels (V0.3) are other software.
+    "ktransformers": dict(
+        name="ktransformers",
+        title="kTransformers (llamafile's CPU kernels over GGUF blocks: reads and arithmetic "
+              "add)",
+        kinds=_GGML_CPU_EXPERTS,
+        sources=["kvcache-ai/ktransformers ktransformers_ext/operators/llamafile/moe.cpp: "
+                 "from_float to the weights' vec_dot_type, llamafile_sgemm per expert"]),
 }

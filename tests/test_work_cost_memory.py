@@ -257,6 +257,17 @@ def test_fiddlers_profile_is_the_measured_bf16_expert(t4):
     assert effect.overhead_us * 1e-6 == pytest.approx(data["decision_s"], rel=0.1)
 
 
+def test_ktransformers_cpu_experts_are_priced_as_llama_cpps_kernels():
+    """kTransformers' CPU MoE operator runs llamafile's sgemm over the GGUF blocks with the
+    activations quantized first (its moe.cpp): ggml's kernel family, so its CPU experts are
+    priced by the effects the llama-bench measurement above checks, and by nothing else."""
+    from taskgraph.presets import IMPLEMENTATIONS
+
+    assert IMPLEMENTATIONS["ktransformers"]["kinds"] == IMPLEMENTATIONS["llama.cpp"]["kinds"]
+    assert load_scenario("scenarios/small-batch/deepseek-v3-tr7965wx.yaml"
+                         ).implementation.name == "ktransformers"
+
+
 @pytest.mark.parametrize("schedule,pinned", [("S1", True), ("S3", False), ("S4", False),
                                               ("EP", True), ("EC", True), ("ECP", True)])
 def test_tg_executor_copies_weights_from_pageable_memory_unless_pinned(t4, schedule, pinned):
