@@ -271,9 +271,9 @@ HARDWARE: dict[str, dict[str, Any]] = {
                                 "epyc-12ch"),
 }
 
-# Workload shapes from the paper (docs/design.md §6).
 # The implementation profile each system named in a measurements file runs as, where it is not
-# the one its schedule stands for by default.
+# the one its schedule stands for by default (a file of Fiddler's or kTransformers' runs would
+# name them; the published rows of scenarios/small-batch/ name theirs in their scenarios).
 SYSTEMS: dict[str, str] = {
     "Mixtral-offloading": "mixtral-offloading",
     "llama.cpp": "llama.cpp",
@@ -281,22 +281,27 @@ SYSTEMS: dict[str, str] = {
     "kTransformers": "ktransformers",
 }
 
+# Workload shapes from the paper (docs/design.md §6).
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mtbench": dict(prompt_len=77, max_prompt_len=418, gen_len=128),
     "helm-reasoning": dict(prompt_len=242, max_prompt_len=256, gen_len=50),
     "helm-summarization": dict(prompt_len=1693, max_prompt_len=1984, gen_len=64),
 }
 
+
+def _block_quantized_cpu_experts() -> dict[str, Any]:
+    """The CPU experts' kernel of ggml's family for block-quantized weights (llama.cpp's, and
+    llamafile's tinyBLAS and iqk_mul_mat in kTransformers): each block unpacked and multiplied
+    between its loads, so a CPU expert's reads and arithmetic add (the "llama.cpp" profile
+    below gives the measurement). A fresh mapping for each profile that uses it."""
+    return {"CPUFFN": dict(serial=True)}
+
+
 # Implementation profiles: what one system's software achieves relative to the machine's own
 # kernels and copies (taskgraph.specs.ImplementationSpec). "ideal" prices every task at the
 # machine's rates. The figures marked fitted come from `tg fit` on the MoE-Lightning paper's
 # Table 4 and Fig. 7 (shared/measurements); the rest are public measurements, cited where they
 # are used.
-#: ggml's CPU kernels for block-quantized weights (llama.cpp's, and llamafile's in
-#: kTransformers): each block unpacked and multiplied between its loads, so a CPU expert's
-#: reads and arithmetic add (the "llama.cpp" profile below gives the measurement).
-_GGML_CPU_EXPERTS = {"CPUFFN": dict(serial=True)}
-
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "ideal": dict(name="ideal", title="the machine's own rates, no software losses"),
     # What `tg validate` prices tg's own executor as: the calibrated machine's rates (its
@@ -399,20 +404,23 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     # predicts (scenarios/small-batch/published.yaml).
     "llama.cpp": dict(
         name="llama.cpp", title="llama.cpp (ggml's CPU kernels: reads and arithmetic add)",
-        kinds=_GGML_CPU_EXPERTS,
+        kinds=_block_quantized_cpu_experts(),
         sources=["ahelpme.com/?p=6685: llama-bench, Phi-4 14B on an AMD EPYC 9554, "
                  "Q4_K_M 28.74, Q5_0 25.44, Q6_K 23.25, Q8_0 19.19 tok/s"]),
     # kTransformers (kvcache-ai/ktransformers V0.2, 0.2.1): its CPU MoE operator runs
     # llamafile's sgemm over the GGUF file's own block formats, each expert's rows against
     # the activations first quantized to the weights' dot-product type
-    # (ktransformers_ext/operators/llamafile/moe.cpp: from_float, then llamafile_sgemm):
-    # llama.cpp's kernel family, priced as that profile prices it. Not measured for
-    # kTransformers itself; its later AMX kernels (V0.3) are other software.
+    # (ktransformers/ktransformers_ext/operators/llamafile/moe.cpp: from_float, then
+    # llamafile_sgemm; its llamafile is tinyBLAS with iqk_mul_mat for the K-quants): ggml's
+    # family of block kernels, priced as the llama.cpp profile prices it. Not measured for
+    # kTransformers itself (iqk_mul_mat may be faster than the ggml kernels llama-bench
+    # timed); its later AMX kernels (V0.3) are other software.
     "ktransformers": dict(
         name="ktransformers",
         title="kTransformers (llamafile's CPU kernels over GGUF blocks: reads and arithmetic "
               "add)",
-        kinds=_GGML_CPU_EXPERTS,
-        sources=["kvcache-ai/ktransformers ktransformers_ext/operators/llamafile/moe.cpp: "
+        kinds=_block_quantized_cpu_experts(),
+        sources=["kvcache-ai/ktransformers ktransformers/ktransformers_ext/operators/llamafile/"
+                 "moe.cpp: "
                  "from_float to the weights' vec_dot_type, llamafile_sgemm per expert"]),
 }

@@ -257,15 +257,24 @@ def test_fiddlers_profile_is_the_measured_bf16_expert(t4):
     assert effect.overhead_us * 1e-6 == pytest.approx(data["decision_s"], rel=0.1)
 
 
-def test_ktransformers_cpu_experts_are_priced_as_llama_cpps_kernels():
+@pytest.mark.parametrize("scenario", ["deepseek-v3-xeon6454s-1s", "deepseek-v3-xeon6454s-2s",
+                                      "deepseek-v3-tr7965wx"])
+def test_ktransformers_cpu_experts_are_priced_as_llama_cpps_kernels(scenario):
     """kTransformers' CPU MoE operator runs llamafile's sgemm over the GGUF blocks with the
-    activations quantized first (its moe.cpp): ggml's kernel family, so its CPU experts are
-    priced by the effects the llama-bench measurement above checks, and by nothing else."""
+    activations quantized first (its moe.cpp): ggml's kernel family, so each published
+    kTransformers run prices its CPU experts as the llama.cpp profile would on its machine,
+    reads plus arithmetic, and not as the machine's larger term alone."""
     from taskgraph.presets import IMPLEMENTATIONS
 
-    assert IMPLEMENTATIONS["ktransformers"]["kinds"] == IMPLEMENTATIONS["llama.cpp"]["kinds"]
-    assert load_scenario("scenarios/small-batch/deepseek-v3-tr7965wx.yaml"
-                         ).implementation.name == "ktransformers"
+    sc = load_scenario(f"scenarios/small-batch/{scenario}.yaml")
+    assert sc.implementation.name == "ktransformers"
+    llama = sc.model_copy(update={"implementation": ImplementationSpec.model_validate(
+        IMPLEMENTATIONS["llama.cpp"])})
+    bits = sc.model.bits("experts")
+    flops, nbytes = 2 * sc.model.h * sc.model.h_i * 3, sc.model.expert_bytes
+    prices = [cost_model(s, "EP").time("cpu", flops, nbytes, "CPUFFN") for s in (sc, llama)]
+    roofline = CostModel(sc.hardware, expert_bits=bits).time("cpu", flops, nbytes, "CPUFFN")
+    assert prices[0] == prices[1] > roofline * 1.05
 
 
 @pytest.mark.parametrize("schedule,pinned", [("S1", True), ("S3", False), ("S4", False),
