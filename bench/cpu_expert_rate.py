@@ -37,9 +37,9 @@ ISAS = {"native": None, "avx512_core (Skylake, Cascade Lake)": "AVX512_CORE"}
 def measure(threads: int, tokens: list[int], repeats: int) -> dict:
     """Best-of-`repeats` seconds of one expert per token count (bf16), and the fp32
     references, on `threads` threads of this process."""
-    import time
-
     import torch
+
+    from taskgraph.exec.microbench import best_time
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -49,13 +49,7 @@ def measure(threads: int, tokens: list[int], repeats: int) -> dict:
                 for shape in ((H_I, H), (H_I, H), (H, H_I))]
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_time(fn, repeats)
 
     def expert(w, x):
         w1, w3, w2 = w
