@@ -253,7 +253,7 @@ def _policy(plan) -> dict[str, Any]:
             **{f: getattr(p, f) for f in PLACED
                if plan.schedule.reads(f) and getattr(p, f) is not None},
             **({"eviction": p.eviction} if plan.schedule.ffn == "cache" else {}),
-            **({"prefetch": p.prefetch} if plan.work.prefetches else {})}
+            **({"prefetch": p.prefetch_right} if plan.work.prefetches else {})}
 
 
 def _busy(prog, t: Totals, cost: CostModel | None, prefill_end: float, decode_s: float

@@ -460,7 +460,7 @@ def ExpertIn(work: Any, tokens: Number, prefill: bool) -> Work:
         beyond = work.distinct(tokens) - p.experts_gpu
         # max(beyond, 0) for a number or an array alike, without importing NumPy
         return Work(bytes=(beyond + abs(beyond)) / 2 * m.expert_bytes)
-    ahead = p.prefetch if work.prefetches else 0.0
+    ahead = p.prefetch_right if work.prefetches else 0.0
     return Work(bytes=work.misses(tokens) * (1.0 - ahead) * m.expert_bytes)
 
 

@@ -43,6 +43,13 @@ MAX_GPUS = 16
 MAX_MICRO_BATCHES = 256
 #: Requests in a request list, read or generated: the queue benchmark's scale.
 MAX_REQUESTS = 1_000_000
+#: The share of an expert cache's misses ECP's predictor fetches right where a scenario does not
+#: say (policy.prefetch): 0.788, FATE's (arXiv 2502.12224, on Qwen1.5-MoE and DeepSeekMoE) for
+#: the predictor ECP models, the next layer's router applied to this layer's router input, its
+#: top k fetched. Another model's figure: none is published for Mixtral's (docs/experts.md);
+#: `tg execute --schedule ECP` measures it on a checkpoint (experts.prefetch.covered), which
+#: `tg validate` feeds back.
+PREFETCH_PUBLISHED = 0.788
 
 
 def _number(annotation: Any) -> bool:
@@ -992,8 +999,15 @@ class PolicySpec(Spec):
     cpu_moe: int | None = Field(default=None, ge=0, le=100_000)
     override_tensor: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1000)
     eviction: Literal["lru", "popular"] = "lru"
-    # ECP: the share of a layer's cache misses a predictor fetches right one layer ahead.
-    prefetch: float = Field(default=0.0, ge=0.0, le=1.0)
+    # ECP: the share of a layer's cache misses a predictor fetches right one layer ahead;
+    # unset, the published figure for ECP's predictor (PREFETCH_PUBLISHED).
+    prefetch: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @property
+    def prefetch_right(self) -> float:
+        """The share of ECP's misses its predictor fetched right: policy.prefetch, or the
+        published figure where the scenario does not say."""
+        return PREFETCH_PUBLISHED if self.prefetch is None else self.prefetch
 
     @field_validator("mu")
     @classmethod

@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 
 from taskgraph.cli import main  # noqa: E402
 from taskgraph.scenario import load_scenario  # noqa: E402
+from taskgraph.specs import PREFETCH_PUBLISHED  # noqa: E402
 from taskgraph.tracing.check import check_trace, load_trace  # noqa: E402
 from tests.helpers import assert_drawn  # noqa: E402
 
@@ -285,7 +286,7 @@ BATCH_1 = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_le
 def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tmp_path):
     """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
     misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
-    the scenario's 0, says so in the pair's policy, and simulates with it: the pair's
+    the published figure an unset one stands for, says so in the pair's policy, and simulates with it: the pair's
     simulation is the scenario's at that share (on the run's routing, as below)."""
     from taskgraph import api
 
@@ -295,7 +296,9 @@ def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tm
     ec, ecp = json.loads(capsys.readouterr().out)["pairs"]
     covered = ecp["measured"]["experts"]["prefetch"]["covered"]
     assert 0 < covered <= 1 and ecp["policy"]["prefetch"] == covered
-    assert ec["policy"]["prefetch"] == 0 and "prefetch" not in ec["measured"]["experts"]
+    assert covered != PREFETCH_PUBLISHED
+    # EC has no predictor: nothing to set, nothing measured
+    assert ec["policy"]["prefetch"] is None and "prefetch" not in ec["measured"]["experts"]
     trace = tmp_path / "routing.json"
     api.execute("scenarios/tiny.yaml", schedule="ECP", overrides=sets, device="cpu",
                 record_routing=trace)

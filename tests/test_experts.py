@@ -14,6 +14,7 @@ import pytest
 from taskgraph.dag.routing import Routing
 from taskgraph.scenario import for_schedule, load_scenario
 from taskgraph.sim.simulate import simulate_scenario
+from taskgraph.specs import PREFETCH_PUBLISHED
 
 T4 = "scenarios/t4.yaml"
 TINY = "scenarios/tiny.yaml"
@@ -252,6 +253,23 @@ def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
     assert ecp[0] > ec >= ecp[3]
     assert ecp == sorted(ecp, reverse=True)
 
+
+
+def test_an_unset_prefetch_is_the_published_figure_and_says_so():
+    """ECP with no policy.prefetch was priced as a predictor that is always wrong (0: every
+    guess a wasted copy), a default nobody would choose; unset it is the published figure for
+    its predictor, priced and reported as if given."""
+    a5000 = "scenarios/small-batch/a5000.yaml"
+
+    def run(*sets):
+        sc = for_schedule(load_scenario(a5000, ["schedule=ECP", *sets]), "ECP")[0]
+        return simulate_scenario(sc, "ECP").summary
+
+    unset = run()
+    assert unset["policy"]["prefetch"] == PREFETCH_PUBLISHED
+    given = run(f"policy.prefetch={PREFETCH_PUBLISHED}")
+    assert unset["token_latency_ms"] == given["token_latency_ms"]
+    assert unset["token_latency_ms"] < run("policy.prefetch=0")["token_latency_ms"]
 
 def test_a_batch_size_beyond_any_run_is_a_row_that_says_why():
     from taskgraph import crossover

@@ -157,7 +157,7 @@ class Schedule:
 #: The expert-level policy fields and their defaults: a schedule that does not read one has it
 #: at its default (a comparison drops it with a note; make_plan refuses to ignore it).
 EXPERT_FIELDS = {"experts_gpu": 0, "experts_total": None, "cpu_moe": None,
-                 "override_tensor": None, "eviction": "lru", "prefetch": 0.0}
+                 "override_tensor": None, "eviction": "lru", "prefetch": None}
 #: The fields that place EP's experts otherwise than experts_gpu on every layer
 #: (taskgraph.placement): a fixed placement, which a cache (EC, ECP) has not.
 PLACED = ("experts_total", "cpu_moe", "override_tensor")
@@ -341,7 +341,8 @@ EC = Schedule(
 # layer's chosen experts run, the next layer's expected misses cross (once a layer, after its
 # first micro-batch's router has run: the prediction reads its hidden state); what the
 # predictor got wrong still crosses once the router has chosen. `policy.prefetch` is the share
-# it gets right: tg has no predictor of its own (docs/experts.md).
+# it gets right (unset, a published figure: specs.PREFETCH_PUBLISHED): the simulator has no
+# predictor of its own (docs/experts.md).
 ECP = Schedule(
     name="ECP", title="Expert cache with prefetch (MoE-Infinity)",
     summary="EC, and the next layer's expected misses cross the link while this layer's "

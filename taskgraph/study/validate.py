@@ -188,8 +188,8 @@ def as_measured(scenario: Scenario, execution) -> Scenario:
       layer where they took 10.8).
     * ECP's ``policy.prefetch``, the share of the cache's misses its predictor had copied
       ahead, is what the executor's predictor achieved (``covered``): the simulator has no
-      predictor of its own. With the default of 0 (every guess wasted) ECP was simulated 83%
-      slow there."""
+      predictor of its own. With the old default of 0 (every guess wasted) ECP was simulated
+      83% slow there; an unset one is now a published figure for another model's experts."""
     update: dict[str, Any] = {}
     if execution.routing is not None:
         routing = RoutingSpec(kind="trace", trace="(the validated run's own)",
