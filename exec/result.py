@@ -127,6 +127,11 @@ class Execution(Executed, Shown, Traced):
                    zero_copy=m.zero_copy)
         if m.cache is not None:
             out["experts"] = {**out.get("experts", {}), **m.cache}
+            if "prefetch" in out.get("policy", {}):
+                # the executor runs a predictor of its own: the share it ran at is what that
+                # covered, not the figure an unset policy.prefetch stands for in a simulation
+                covered = m.cache.get("prefetch", {}).get("covered")
+                out["policy"] = {**out["policy"], "prefetch": covered}
         out.update(max_abs_err=m.max_abs_err, tokens_match=m.tokens_match)
         outputs = {} if m.outputs is None or m.out is not None else {"outputs": m.outputs}
         if over is None:

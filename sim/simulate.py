@@ -23,7 +23,7 @@ from taskgraph.perf.memory import MemoryReport, check_fits, memory_footprint
 from taskgraph.sim.engine import SimRun
 from taskgraph.sim.interference import simulate_with_interference
 from taskgraph.sim.metrics import Summarizing, summarize
-from taskgraph.specs import Scenario
+from taskgraph.specs import PREFETCH_PUBLISHED, Scenario
 from taskgraph.tracing.writer import Traced, TraceRun
 
 
@@ -116,6 +116,12 @@ def simulate_scenario(scenario: Scenario, schedule: str | None = None,
     summary = summarize(run, memory, cost)
     if scenario.hardware.assumed:
         warnings.append(f"hardware: local: {scenario.hardware.assumed}.")
+    if plan.work.prefetches and scenario.policy.prefetch is None:
+        warnings.append(
+            f"policy.prefetch is unset: ECP's predictor is taken to fetch {PREFETCH_PUBLISHED:.1%} "
+            "of the cache's misses right, FATE's published figure for it on other MoEs "
+            "(docs/experts.md). Give the share yours reaches; tg execute --schedule ECP "
+            "measures it on a checkpoint.")
     summary["warnings"] = warnings
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     return Simulation(plan, run.program, memory, run, summary)

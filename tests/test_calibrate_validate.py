@@ -286,8 +286,9 @@ BATCH_1 = ["policy.N=1", "policy.mu=1", "policy.experts_gpu=2", "workload.gen_le
 def test_validate_simulates_ecp_at_the_prefetch_the_executor_achieved(capsys, tmp_path):
     """The simulator has no predictor: ECP's simulation takes policy.prefetch, the share of the
     misses copied ahead, as given. Validation gives it the executor's own (``covered``), not
-    the published figure an unset one stands for, says so in the pair's policy, and simulates with it: the pair's
-    simulation is the scenario's at that share (on the run's routing, as below)."""
+    the published figure an unset one stands for, says so in the pair's policy, and simulates
+    with it: the pair's simulation is the scenario's at that share (on the run's routing, as
+    below)."""
     from taskgraph import api
 
     sets = BATCH_1

@@ -254,7 +254,6 @@ def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
     assert ecp == sorted(ecp, reverse=True)
 
 
-
 def test_an_unset_prefetch_is_the_published_figure_and_says_so():
     """ECP with no policy.prefetch was priced as a predictor that is always wrong (0: every
     guess a wasted copy), a default nobody would choose; unset it is the published figure for
@@ -269,6 +268,10 @@ def test_an_unset_prefetch_is_the_published_figure_and_says_so():
     assert unset["policy"]["prefetch"] == PREFETCH_PUBLISHED
     given = run(f"policy.prefetch={PREFETCH_PUBLISHED}")
     assert unset["token_latency_ms"] == given["token_latency_ms"]
+    # what a person sees: the figure is an assumption, said once, and not when given
+    said = [w for w in unset["warnings"] if "policy.prefetch is unset" in w]
+    assert len(said) == 1 and "78.8%" in said[0] and "FATE" in said[0]
+    assert not any("policy.prefetch" in w for w in given["warnings"])
     assert unset["token_latency_ms"] < run("policy.prefetch=0")["token_latency_ms"]
 
 def test_a_batch_size_beyond_any_run_is_a_row_that_says_why():
@@ -347,6 +350,17 @@ def test_an_expert_field_a_schedule_does_not_read_is_refused_or_dropped_with_a_n
     run = _tg("compare", TINY, "--schedules", "S1,EC", "--set", "policy.experts_gpu=2")
     assert run.returncode == 0, run.stderr
     assert "experts_gpu=0" in " ".join(run.stdout.split())
+
+
+def test_a_compare_titles_only_what_every_row_runs_with():
+    """The title took the first row's policy: with ECP first it showed its prefetch above EC,
+    which has none. The title holds what every row has; ECP's prefetch sits in its caption."""
+    run = _tg("compare", "scenarios/small-batch/a5000.yaml", "--schedules", "ECP,EC")
+    assert run.returncode == 0, run.stderr
+    words = " ".join(run.stdout.split())
+    title = words[:words.index("busy = share")]
+    assert "eviction=lru" in title and "prefetch" not in title
+    assert f"(MoE-Infinity) (prefetch={PREFETCH_PUBLISHED:g})" in words
 
 
 def test_across_batch_sizes_the_users_prefetch_accuracy_is_kept():

@@ -436,6 +436,9 @@ def test_the_cli_reports_the_prefetch(capsys):
     assert 0 <= pf["used"] <= pf["predicted"] and pf["accuracy"] == round(
         pf["used"] / pf["predicted"], 6)
     assert pf["covered"] == round(pf["taken"] / pf["misses"], 6)
+    # the run's policy is the share its own predictor covered, not the published figure an
+    # unset policy.prefetch stands for in a simulation
+    assert out["policy"]["prefetch"] == pf["covered"]
     assert out["experts"]["copies"] == sum(out["experts"]["copies_by_layer"])
     # EC's JSON has no prefetch
     assert main(["execute", TINY, "--device", "cpu", "--schedule", "EC", "--steps", "2",

@@ -229,11 +229,21 @@ def _ranking(v: dict[str, Any]) -> str:
 def compare_table(results: list[dict[str, Any]], notes: dict[str, str]) -> Table:
     first = results[0]
     best = max(r["throughput_tok_s"] for r in results)
-    captions = list(dict.fromkeys(f"{r['schedule']}: {r['schedule_title']}"
-                                  + (f" ({notes[r['schedule']]})" if r["schedule"] in notes
-                                     else "") for r in results))
+    # the title holds the fields every row has (the scenario's values; a schedule that decides
+    # another says so in its caption); a field only some rows have (an expert cache's eviction,
+    # ECP's prefetch) goes in those rows' captions, not above rows it does not apply to
+    everyone = set.intersection(*(set(r["policy"]) for r in results))
+
+    def caption(r: dict[str, Any]) -> str:
+        own = {k: v for k, v in r["policy"].items() if k not in everyone}
+        said = [x for x in (_policy(own) if own else None, notes.get(r["schedule"])) if x]
+        return f"{r['schedule']}: {r['schedule_title']}" + (f" ({'; '.join(said)})" if said
+                                                             else "")
+
+    captions = list(dict.fromkeys(caption(r) for r in results))
+    shared = {k: v for k, v in first["policy"].items() if k in everyone}
     t = Table(title=f"tg compare {first['scenario']}: {first['model']} on {first['hardware']}, "
-                    f"{_policy(first['policy'])}; busy = share of the run each resource works",
+                    f"{_policy(shared)}; busy = share of the run each resource works",
               title_justify="left",
               caption="; ".join(captions), caption_justify="left")
     for col in ("", "tok/s", "vs best", "layer ms", "HRM ms", "eff.", "bound", "gpu", "cpu",
