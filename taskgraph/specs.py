@@ -46,7 +46,7 @@ MAX_REQUESTS = 1_000_000
 #: The share of an expert cache's misses ECP's predictor fetches right where a scenario does not
 #: say (policy.prefetch): 0.788, FATE's (arXiv 2502.12224, on Qwen1.5-MoE and DeepSeekMoE) for
 #: the predictor ECP models, the next layer's router applied to this layer's router input, its
-#: top k fetched. Another model's figure: none is published for Mixtral's (docs/experts.md);
+#: top k fetched. Another model's figure: no source read gives Mixtral's (docs/experts.md);
 #: `tg execute --schedule ECP` measures it on a checkpoint (experts.prefetch.covered), which
 #: `tg validate` feeds back.
 PREFETCH_PUBLISHED = 0.788

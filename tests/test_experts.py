@@ -274,6 +274,7 @@ def test_an_unset_prefetch_is_the_published_figure_and_says_so():
     assert not any("policy.prefetch" in w for w in given["warnings"])
     assert unset["token_latency_ms"] < run("policy.prefetch=0")["token_latency_ms"]
 
+
 def test_a_batch_size_beyond_any_run_is_a_row_that_says_why():
     from taskgraph import crossover
 
