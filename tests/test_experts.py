@@ -18,6 +18,7 @@ from taskgraph.specs import PREFETCH_PUBLISHED
 
 T4 = "scenarios/t4.yaml"
 TINY = "scenarios/tiny.yaml"
+A5000 = "scenarios/small-batch/a5000.yaml"
 
 
 def _draws(p: np.ndarray, k: int, tokens: int, trials: int, seed: int) -> np.ndarray:
@@ -88,8 +89,8 @@ def test_at_large_batches_the_routing_changes_nothing(schedule):
     assert skewed["throughput_tok_s"] == pytest.approx(uniform["throughput_tok_s"], rel=1e-3)
 
 
-def _run(schedule: str, sets: list[str]) -> dict:
-    sc = for_schedule(load_scenario(T4, [f"schedule={schedule}", *sets]), schedule)[0]
+def _run(schedule: str, sets: list[str], path: str = T4) -> dict:
+    sc = for_schedule(load_scenario(path, [f"schedule={schedule}", *sets]), schedule)[0]
     return simulate_scenario(sc, schedule).summary
 
 
@@ -242,11 +243,8 @@ def test_a_prefetch_hides_the_copies_it_gets_right_and_wastes_the_others():
     """ECP at batch 1: with every miss predicted the copies overlap the layer before (never
     slower than EC); with none predicted they cross twice (slower than EC); in between, the
     more it gets right the faster."""
-    a5000 = "scenarios/small-batch/a5000.yaml"
-
     def latency(schedule, *sets):
-        sc = for_schedule(load_scenario(a5000, [f"schedule={schedule}", *sets]), schedule)[0]
-        return simulate_scenario(sc, schedule).summary["token_latency_ms"]
+        return _run(schedule, list(sets), A5000)["token_latency_ms"]
 
     ec = latency("EC")
     ecp = [latency("ECP", f"policy.prefetch={a}") for a in (0.0, 0.5, 0.9, 1.0)]
@@ -258,11 +256,8 @@ def test_an_unset_prefetch_is_the_published_figure_and_says_so():
     """ECP with no policy.prefetch was priced as a predictor that is always wrong (0: every
     guess a wasted copy), a default nobody would choose; unset it is the published figure for
     its predictor, priced and reported as if given."""
-    a5000 = "scenarios/small-batch/a5000.yaml"
-
     def run(*sets):
-        sc = for_schedule(load_scenario(a5000, ["schedule=ECP", *sets]), "ECP")[0]
-        return simulate_scenario(sc, "ECP").summary
+        return _run("ECP", list(sets), A5000)
 
     unset = run()
     assert unset["policy"]["prefetch"] == PREFETCH_PUBLISHED
@@ -356,7 +351,7 @@ def test_an_expert_field_a_schedule_does_not_read_is_refused_or_dropped_with_a_n
 def test_a_compare_titles_only_what_every_row_runs_with():
     """The title took the first row's policy: with ECP first it showed its prefetch above EC,
     which has none. The title holds what every row has; ECP's prefetch sits in its caption."""
-    run = _tg("compare", "scenarios/small-batch/a5000.yaml", "--schedules", "ECP,EC")
+    run = _tg("compare", A5000, "--schedules", "ECP,EC")
     assert run.returncode == 0, run.stderr
     words = " ".join(run.stdout.split())
     title = words[:words.index("busy = share")]
