@@ -798,6 +798,11 @@ class ImplementationSpec(Spec):
     # Weights cross CPU->GPU from pageable memory (the driver stages them) at
     # hardware.link.pageable_h2d_gbps instead of the pinned rate.
     pageable_weights: bool = False
+    # Its expert cache swaps on a miss: the expert evicted to make room is copied back to host
+    # memory after the chosen one crosses in, on the same CUDA stream, so a miss is a copy each
+    # way, one after the other (Mixtral-offloading's ExpertCache._swap). False: host memory
+    # keeps every expert and an evicted one is dropped (MoE-Infinity, tg's own executor).
+    expert_swaps: bool = False
     # On several GPUs the system runs one process per GPU, and each runs its host work (its
     # shard's CPU attention, its copies into pinned memory) with this many threads: torchrun
     # sets OMP_NUM_THREADS=1 for every process it starts unless told otherwise. None: the

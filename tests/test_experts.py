@@ -404,3 +404,36 @@ def test_a_request_list_keeps_the_experts_block_and_what_bound_it(capsys):
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert "(lru) hits" in out.replace("\n", " ") and "bound by" in out and "Traceback" not in err
+
+
+def test_a_cache_that_swaps_pays_a_copy_each_way_a_miss():
+    """Mixtral-offloading's cache swaps (its ExpertCache._swap: the chosen expert copied in,
+    then the evicted one out, on one CUDA stream): a miss takes the two copies one after the
+    other, at the link's two rates, and host memory carries both; a cache that drops what it
+    evicts (tg's own, MoE-Infinity's) pays the one copy. At batch 1 on the A5000, with one
+    expert a layer resident, the token pays the copies out on top."""
+    from taskgraph import presets
+    from taskgraph.kinds import KIND_INDEX
+    from taskgraph.perf.cost import POOLS, CostModel
+    from taskgraph.specs import RESOURCES, HardwareSpec, ImplementationSpec
+
+    hw = HardwareSpec.model_validate(presets.HARDWARE["a5000"])
+    link = hw.link
+    into, out = link.h2d_gbps * link.h2d_eff * 1e9, link.d2h_gbps * link.d2h_eff * 1e9
+    expert = 352_321_536                     # one Mixtral 8x7B expert in 16 bits
+    swaps = CostModel(hw, ImplementationSpec.model_validate(
+        presets.IMPLEMENTATIONS["mixtral-offloading"]))
+    drops = CostModel(hw, ImplementationSpec(name="drops"))
+    fixed = link.latency_us * 1e-6
+    assert drops.time("h2d", 0.0, expert, "ExpertIn") == pytest.approx(expert / into + fixed)
+    assert swaps.time("h2d", 0.0, expert, "ExpertIn") == pytest.approx(
+        expert / into + expert / out + fixed)
+    pools = swaps.pool_bytes(RESOURCES.index("h2d"), KIND_INDEX["ExpertIn"], np.array([1.0]))
+    assert dict(zip(POOLS, pools[:, 0])) == {"host_memory": 2.0, "pcie_h2d": 1.0,
+                                             "pcie_d2h": 1.0}
+
+    path = "scenarios/small-batch/a5000-mixtral-offloading.yaml"
+    swapped = _run("EC", [], path)["token_latency_ms"]
+    dropped = _run("EC", ["implementation.expert_swaps=false"], path)["token_latency_ms"]
+    # 32 layers x 1.75 misses (uniform routing, one of eight resident) x a copy out
+    assert swapped - dropped == pytest.approx(32 * 1.75 * expert / out * 1e3, rel=0.15)

@@ -316,7 +316,8 @@ def test_the_small_batch_artifact_loads_whole():
     assert "efeslab/fiddler" in source and len(cells) == 16
     assert {c.machine for c in cells} == {"l4", "ada6000", "rtx-a6000"}
     assert {c.implementation_name for c in cells} == {"deepspeed", "mixtral-offloading"}
-    assert {c.scenario().policy.experts_gpu for c in cells if c.schedule == "EC"} == {1, 3}
+    # three a layer on both 48 GB cards: the RTX 6000 Ada's by its runs' times (the file says why)
+    assert {c.scenario().policy.experts_gpu for c in cells if c.schedule == "EC"} == {3}
 
 
 def test_deepspeeds_shared_host_gather_does_not_price_one_gpu():
@@ -336,11 +337,11 @@ def test_deepspeeds_shared_host_gather_does_not_price_one_gpu():
 
 def test_each_mechanism_is_fitted_by_the_runs_that_inform_it():
     """A one-GPU file fits no shared-host figure; a machine's link is fitted where DeepSpeed
-    streams every weight across it on one GPU (and only there); each system its own."""
+    streams every weight across it on one GPU (and only there); Mixtral-offloading has nothing
+    of its own to fit (its swaps run at the link's rates)."""
     _, cells = load_measurements(SMALL_BATCH)
     names = {p.name for p in free_parameters(cells)}
-    assert {"l4 link.h2d_eff", "ada6000 link.h2d_eff", "rtx-a6000 link.h2d_eff",
-            "mixtral-offloading kinds.ExpertIn.bytes_eff"} <= names
+    assert names == {"l4 link.h2d_eff", "ada6000 link.h2d_eff", "rtx-a6000 link.h2d_eff"}
     assert not any("several_gpus_kinds" in n or "shared" in n for n in names)
     ec_only = [c for c in cells if c.schedule == "EC"]
     assert not any("link" in p.name for p in free_parameters(ec_only))
@@ -365,12 +366,12 @@ def test_leave_one_out_forgets_what_only_the_left_out_cell_informed():
 
 def test_the_presets_predict_the_small_batch_cells():
     """The fitted presets (one GPU: DeepSpeed's gather at the link's rate, each machine's link,
-    Mixtral-offloading's copies) against cells of the artifact, within 15%. The artifact's L4 is
+    Mixtral-offloading's swaps at it) against cells of the artifact, within 15%. The artifact's L4 is
     the exception the docs name: DeepSpeed moved 10 GB/s there, where the paper's L4 machine's
     measured link (the l4 preset) says 17."""
     _, cells = load_measurements(SMALL_BATCH)
     for c in cells:
-        if c.id in ("ada-ds-b1", "ada-ec-b4", "ada-ec-b16", "a6000-ds-b1"):
+        if c.id in ("ada-ds-b1", "ada-ec-b4", "ada-ec-b16", "a6000-ds-b1", "a6000-ec3-b1"):
             sim = simulated_tok_s(c, presets.HARDWARE, presets.IMPLEMENTATIONS)
             assert sim == pytest.approx(c.measured_tok_s, rel=0.15), c.id
         if c.id == "l4-ds-b1":

@@ -129,11 +129,16 @@ class CostModel:
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
-        self._pools(hw, pageable)
+        if impl.expert_swaps:     # a miss's copy in, then its evicted expert's out, in series
+            miss = KIND_INDEX["ExpertIn"]
+            into, out = self.kind_byte_rate[miss], self.byte_rate[RESOURCES.index("d2h")]
+            into = self.byte_rate[RESOURCES.index("h2d")] if np.isnan(into) else into
+            self.kind_byte_rate[miss] = 1.0 / (1.0 / into + 1.0 / out)
+        self._pools(hw, pageable, impl.expert_swaps)
         # (resource, kind) -> what `times_of` prices a task at
         self._rates: dict[tuple[int, int], tuple[bool, Any, Any, Any]] = {}
 
-    def _pools(self, hw: HardwareSpec, pageable_weights: bool) -> None:
+    def _pools(self, hw: HardwareSpec, pageable_weights: bool, expert_swaps: bool) -> None:
         """Capacities of the shared pools (bytes/s, inf: not shared) and, per (resource, kind),
         the bytes a task draws from each pool per byte it moves."""
         sh = hw.shared
@@ -148,6 +153,8 @@ class CostModel:
         f[[mem, down], r["d2h"]] = 1.0
         if pageable_weights:            # the driver copies each byte into its pinned buffer
             f[mem, r["h2d"], KIND_INDEX["D3"]] = 3.0
+        if expert_swaps:                # the evicted expert is written back across the lanes
+            f[[mem, down], r["h2d"], KIND_INDEX["ExpertIn"]] = (2.0, 1.0)
         if hw.interconnect is not None and hw.interconnect.through_host:
             # A collective's bytes are what each GPU sends; every GPU sends and receives them
             # through host memory (written, read back). A send goes from one GPU to one.

@@ -116,10 +116,8 @@ IMPLEMENTATION_PARAMS: dict[str, list[Mechanism]] = {
               "GPUs gather through one host (ZeRO-3: fetched module by module, through host "
               "memory)", gpus="several"),
     ],
-    "mixtral-offloading": [
-        Mechanism(("kinds", "ExpertIn", "bytes_eff"), 0.02, 1.0, 0.5, 1.0,
-              "its expert copies' share of the link (each expert's tensors copied on a miss)"),
-    ],
+    # Mixtral-offloading has none: its misses swap an expert each way at the machine's link
+    # rates (ImplementationSpec.expert_swaps), which its cells fitted at 1.0 of (2026-12-06).
 }
 
 
