@@ -20,11 +20,12 @@ Arithmetic on published figures: no simulation, no timing.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import yaml
 
-from taskgraph.specs import ModelSpec
 from taskgraph import presets
+from taskgraph.specs import ModelSpec
 
 PCIE4_X16_GBPS = 31.5
 
@@ -42,9 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", default="scenarios/measurements/small-batch-fiddler-artifact.yaml")
     args = ap.parse_args()
-    doc = yaml.safe_load(open(args.file))
+    doc = yaml.safe_load(Path(args.file).read_text())
     model = ModelSpec.model_validate(presets.MODELS[doc["model"]])
     expert, weights, layers = model.expert_bytes, model.model_bytes, model.L
+    experts, top_k = model.E, model.k
 
     def seconds(cell: dict) -> float:       # the row as quoted: input, output, batch, seconds
         return float(cell["quote"].split(",")[3])
@@ -63,7 +65,8 @@ def main() -> None:
             continue
         row = []
         for r in (1, 2, 3, 4):
-            misses = layers * ((c["gen_len"] - 1) * misses_per_layer(c["batch"], r) + 8 - r)
+            decode = misses_per_layer(c["batch"], r, experts, top_k)
+            misses = layers * ((c["gen_len"] - 1) * decode + experts - r)
             row.append(2 * expert * misses / seconds(c) / 1e9)
         ds = deepspeed.get(c["machine"], [float("nan")])
         print(f"{c['id']:<14}{c['batch']:>6}" + "".join(f"{x:>13.1f}" for x in row)

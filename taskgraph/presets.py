@@ -87,8 +87,8 @@ FITTED_MULTI = ("tg fit on MoE-Lightning (ASPLOS 2025) Fig. 7 S6/S7, 16 cells, 2
                 "median |error| 4.3%, leave-one-out median 5.3% (max 27.2%, DeepSpeed on 4xT4 "
                 "at 32 tokens)")
 FITTED_SMALL = ("tg fit on the Fiddler authors' small-batch artifact (efeslab/fiddler, "
-                "batched_baseline), 16 cells, 2026-12-06: median |error| 2.5%, leave-one-out "
-                "median 3.8% (max 23.2%, DeepSpeed on the RTX A6000, its machine's one "
+                "batched_baseline), 16 cells, 2026-12-06: median |error| 2.0%, leave-one-out "
+                "median 2.5% (max 23.2%, DeepSpeed on the RTX A6000, its machine's one "
                 "DeepSpeed cell)")
 
 _GPUS: dict[str, dict[str, Any]] = {
@@ -263,10 +263,10 @@ HARDWARE: dict[str, dict[str, Any]] = {
     # each link's rate fitted (FITTED_SMALL) to DeepSpeed's one-GPU runs there, which stream
     # every weight across it each step.
     "ada6000": _machine("1xRTX6000-Ada", "RTX6000-Ada", 1, "pcie4", "server-unstated",
-                        link_fitted=dict(h2d_eff=0.793),
+                        link_fitted=dict(h2d_eff=0.7838),
                         fitted=f"link.h2d_eff: {FITTED_SMALL}"),
     "rtx-a6000": _machine("1xRTXA6000", "RTXA6000", 1, "pcie4", "server-unstated",
-                          link_fitted=dict(h2d_eff=0.6378),
+                          link_fitted=dict(h2d_eff=0.6196),
                           fitted=f"link.h2d_eff: {FITTED_SMALL}"),
     "rtxpro6000-epyc": _machine("1xRTXPRO6000, EPYC 12-channel", "RTXPRO6000", 1, "pcie5",
                                 "epyc-12ch"),

@@ -408,8 +408,9 @@ def test_a_request_list_keeps_the_experts_block_and_what_bound_it(capsys):
 
 def test_a_cache_that_swaps_pays_a_copy_each_way_a_miss():
     """Mixtral-offloading's cache swaps (its ExpertCache._swap: the chosen expert copied in,
-    then the evicted one out, on one CUDA stream): a miss takes the two copies one after the
-    other, at the link's two rates, and host memory carries both; a cache that drops what it
+    then the evicted one out, on one CUDA stream): a miss, or a prefetch into the cache, takes
+    the two copies one after the other, at the link's two rates, and host memory carries both;
+    a cache that drops what it
     evicts (tg's own, MoE-Infinity's) pays the one copy. At batch 1 on the A5000, with one
     expert a layer resident, the token pays the copies out on top."""
     from taskgraph import presets
@@ -426,11 +427,12 @@ def test_a_cache_that_swaps_pays_a_copy_each_way_a_miss():
     drops = CostModel(hw, ImplementationSpec(name="drops"))
     fixed = link.latency_us * 1e-6
     assert drops.time("h2d", 0.0, expert, "ExpertIn") == pytest.approx(expert / into + fixed)
-    assert swaps.time("h2d", 0.0, expert, "ExpertIn") == pytest.approx(
-        expert / into + expert / out + fixed)
-    pools = swaps.pool_bytes(RESOURCES.index("h2d"), KIND_INDEX["ExpertIn"], np.array([1.0]))
-    assert dict(zip(POOLS, pools[:, 0])) == {"host_memory": 2.0, "pcie_h2d": 1.0,
-                                             "pcie_d2h": 1.0}
+    for copy in ("ExpertIn", "ExpertAhead"):      # a prefetch's copy evicts as a miss's does
+        assert swaps.time("h2d", 0.0, expert, copy) == pytest.approx(
+            expert / into + expert / out + fixed)
+        pools = swaps.pool_bytes(RESOURCES.index("h2d"), KIND_INDEX[copy], np.array([1.0]))
+        assert dict(zip(POOLS, pools[:, 0])) == {"host_memory": 2.0, "pcie_h2d": 1.0,
+                                                 "pcie_d2h": 1.0}
 
     path = "scenarios/small-batch/a5000-mixtral-offloading.yaml"
     swapped = _run("EC", [], path)["token_latency_ms"]

@@ -45,6 +45,10 @@ POOL_NAMES = {"host_memory": "host memory", "pcie_h2d": "shared PCIe CPU->GPU",
 #: `tg calibrate` measures, and `tg fit`'s one-GPU cells cannot time it apart.
 DEQUANT_AS = {"MoE": "PostAttn"}
 
+#: The copies into an expert cache: a cache that swaps (ImplementationSpec.expert_swaps) writes
+#: an evicted expert back for each of them.
+SWAPPED = ("ExpertIn", "ExpertAhead")
+
 
 class CostModel:
     """Per-resource achieved rates of a hardware profile, in the order of ``RESOURCES``."""
@@ -129,11 +133,14 @@ class CostModel:
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
-        if impl.expert_swaps:     # a miss's copy in, then its evicted expert's out, in series
-            miss = KIND_INDEX["ExpertIn"]
-            into, out = self.kind_byte_rate[miss], self.byte_rate[RESOURCES.index("d2h")]
-            into = self.byte_rate[RESOURCES.index("h2d")] if np.isnan(into) else into
-            self.kind_byte_rate[miss] = 1.0 / (1.0 / into + 1.0 / out)
+        if impl.expert_swaps:
+            # Every copy into the cache, on a miss or ahead of one, evicts an expert and copies
+            # it out after, on the same stream: the two in series.
+            out = self.byte_rate[RESOURCES.index("d2h")]
+            for copy in SWAPPED:
+                into = self.kind_byte_rate[KIND_INDEX[copy]]
+                into = self.byte_rate[RESOURCES.index("h2d")] if np.isnan(into) else into
+                self.kind_byte_rate[KIND_INDEX[copy]] = 1.0 / (1.0 / into + 1.0 / out)
         self._pools(hw, pageable, impl.expert_swaps)
         # (resource, kind) -> what `times_of` prices a task at
         self._rates: dict[tuple[int, int], tuple[bool, Any, Any, Any]] = {}
@@ -154,7 +161,9 @@ class CostModel:
         if pageable_weights:            # the driver copies each byte into its pinned buffer
             f[mem, r["h2d"], KIND_INDEX["D3"]] = 3.0
         if expert_swaps:                # the evicted expert is written back across the lanes
-            f[[mem, down], r["h2d"], KIND_INDEX["ExpertIn"]] = (2.0, 1.0)
+            for copy in SWAPPED:
+                f[mem, r["h2d"], KIND_INDEX[copy]] = 2.0
+                f[down, r["h2d"], KIND_INDEX[copy]] = 1.0
         if hw.interconnect is not None and hw.interconnect.through_host:
             # A collective's bytes are what each GPU sends; every GPU sends and receives them
             # through host memory (written, read back). A send goes from one GPU to one.
