@@ -6,9 +6,9 @@ Ada rows (scenarios/measurements/small-batch-fiddler-artifact.yaml).
 Mixtral-offloading's cache swaps on a miss (the artifact's benchmarks/mixtral_offloading/src/
 expert_cache.py, ExpertCache._swap): the chosen expert is copied in and the evicted one out,
 one after the other on one CUDA stream, so each miss moves an expert's bytes twice across the
-link. Under uniform top-2 routing a decode step of b sequences uses 8 (1 - (6/8)^b) experts of
-a layer, and an LRU cache of r holds any one of them with chance r/8 (its contents do not
-depend on this step's choice); prefill uses all eight. The rate a row needs is then
+link. Under uniform routing a decode step of b sequences uses E (1 - (1 - k/E)^b) experts of a
+layer (Routing.distinct, as every schedule prices it), and an LRU cache of r holds any one of
+them with chance r/E (its contents do not depend on this step's choice); prefill uses all E. The rate a row needs is then
 2 x expert bytes x misses / its seconds, every other cost left out (so each is a lower bound).
 DeepSpeed's is every weight once a forward pass (prefill and gen_len - 1 decode steps).
 
@@ -25,18 +25,10 @@ from pathlib import Path
 import yaml
 
 from taskgraph import presets
+from taskgraph.dag.routing import Routing
 from taskgraph.specs import ModelSpec
 
 PCIE4_X16_GBPS = 31.5
-
-
-def misses_per_layer(batch: int, resident: int, experts: int = 8, top_k: int = 2) -> float:
-    """Expected misses of one decode step's layer under uniform routing."""
-    unused = 1.0
-    for i in range(top_k):            # a token leaves an expert unchosen with this chance
-        unused *= (experts - 1 - i) / (experts - i)
-    used = experts * (1.0 - unused ** batch)
-    return used * (experts - resident) / experts
 
 
 def main() -> None:
@@ -46,7 +38,7 @@ def main() -> None:
     doc = yaml.safe_load(Path(args.file).read_text())
     model = ModelSpec.model_validate(presets.MODELS[doc["model"]])
     expert, weights, layers = model.expert_bytes, model.model_bytes, model.L
-    experts, top_k = model.E, model.k
+    used = Routing.uniform(model).distinct     # experts a layer b tokens choose, uniform routing
 
     def seconds(cell: dict) -> float:       # the row as quoted: input, output, batch, seconds
         return float(cell["quote"].split(",")[3])
@@ -65,12 +57,13 @@ def main() -> None:
             continue
         row = []
         for r in (1, 2, 3, 4):
-            decode = misses_per_layer(c["batch"], r, experts, top_k)
-            misses = layers * ((c["gen_len"] - 1) * decode + experts - r)
+            decode = used(c["batch"]) * (model.E - r) / model.E     # held with chance r/E
+            misses = layers * ((c["gen_len"] - 1) * decode + model.E - r)
             row.append(2 * expert * misses / seconds(c) / 1e9)
         ds = deepspeed.get(c["machine"], [float("nan")])
         print(f"{c['id']:<14}{c['batch']:>6}" + "".join(f"{x:>13.1f}" for x in row)
-              + f"{min(ds):>10.1f}-{max(ds):.1f}" + f"   (the file: {c.get('experts_resident_per_layer')})")
+              + f"{min(ds):>10.1f}-{max(ds):.1f}"
+              + f"   (the file: {c.get('experts_resident_per_layer')})")
 
 
 if __name__ == "__main__":
