@@ -58,6 +58,9 @@ class Totals:
         self.makespan, self.first_decode = 0.0, np.inf
         self.prefill_end: float | None = None
         self.busy = np.zeros(self.devices)
+        # Of each device's busy time, the seconds its copies spent writing back the other way
+        # (CostModel.kind_written_back: a swapping expert cache's evicted experts)
+        self.written_back = np.zeros(self.devices)
         self.work = np.zeros((2, self.devices))          # (prefill, decode) x device
         self.drawn = np.zeros((2, len(POOLS)))           # (prefill, decode) x pool
         self.waiting: list[tuple] = []                   # done tasks before the prefill's end
@@ -93,6 +96,9 @@ class Totals:
         last = KIND_NAMES.index("MoE" if part.plan.tp > 1 else "PostAttn")
         post_done = int((decode & (part.column("kind") == last)).sum())
         busy = np.bincount(device[done], durations[done], minlength=self.devices)
+        written_back = (np.bincount(device[done], durations[done] * self.cost.kind_written_back[
+            part.column("kind")[done]], minlength=self.devices)
+            if self.cost is not None else np.zeros(self.devices))
         if self.cost is None:
             waiting = (device[done], start[done], end[done])
         else:
@@ -107,6 +113,7 @@ class Totals:
         self.tasks += int(done.sum())
         self.makespan = max(self.makespan, float(end[done].max()))
         self.busy += busy
+        self.written_back += written_back
         if self.cost is None:
             self.intervals.append(waiting)
             return
@@ -265,7 +272,11 @@ def _busy(prog, t: Totals, cost: CostModel | None, prefill_end: float, decode_s:
     busy = {r: 0.0 for r in _reported(prog)}
     window_busy, prefill_busy = dict(busy), dict(busy)
     for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
-        busy[r] += float(t.busy[d]) / _instances(prog, r)
+        # a copy's write-back keeps its stream busy but crosses the link GPU->CPU
+        back = float(t.written_back[d])
+        busy[r] += (float(t.busy[d]) - back) / _instances(prog, r)
+        if back:
+            busy["d2h"] += back / _instances(prog, r)
         prefill_busy[r] = max(prefill_busy[r], float(t.work[0, d]))
         window_busy[r] = max(window_busy[r], float(t.work[1, d]))
     # Per shared pool: seconds of its capacity the tasks drew on in each window (bytes drawn
@@ -307,7 +318,9 @@ def experts_summary(plan) -> dict[str, Any]:
         # a dense layer has no experts to cache: None
         out.update(hit_rate=_r(float(np.mean(moe))),
                    hit_rate_by_layer=[None if m.is_dense(l) else _r(float(h))
-                                      for l, h in enumerate(hits)])
+                                      for l, h in enumerate(hits)],
+                   swaps=bool(plan.scenario.implementation
+                              and plan.scenario.implementation.expert_swaps))
     return out
 
 

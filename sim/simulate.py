@@ -64,7 +64,8 @@ def trace_run_of(plan: Plan, program: Program, run: Any, label: str) -> TraceRun
              if len(drawn) and np.isfinite(cost.pool_capacity[i])}
     kept = len(program.seg_template) - 1        # decode steps whose times were kept
     return TraceRun(label, program, run.start, run.end, pools=pools,
-                    kept_steps=kept if kept < plan.G else None)
+                    kept_steps=kept if kept < plan.G else None,
+                    written_back=cost.kind_written_back if cost.kind_written_back.any() else None)
 
 
 #: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a

@@ -439,3 +439,43 @@ def test_a_cache_that_swaps_pays_a_copy_each_way_a_miss():
     dropped = _run("EC", ["implementation.expert_swaps=false"], path)["token_latency_ms"]
     # 32 layers x 1.75 misses (uniform routing, one of eight resident) x a copy out
     assert swapped - dropped == pytest.approx(32 * 1.75 * expert / out * 1e3, rel=0.15)
+
+
+def test_a_swap_shows_its_write_back_on_the_gpu_to_cpu_link(capsys, tmp_path):
+    """What a person sees of a swapping cache: the evicted experts cross the link GPU->CPU, so
+    utilization counts that share of the copy stream's time on d2h (it read h2d 98%, d2h 0%),
+    the experts row says a miss swaps, and a trace's GPU->CPU counter carries the write-backs at
+    that direction's rate while the CPU->GPU counter shows the copies in at theirs."""
+    from taskgraph import presets
+    from taskgraph.cli import main
+    from taskgraph.specs import HardwareSpec
+
+    link = HardwareSpec.model_validate(presets.HARDWARE["a5000"]).link
+    into, out = link.h2d_gbps * link.h2d_eff, link.d2h_gbps * link.d2h_eff     # GB/s
+    path = "scenarios/small-batch/a5000-mixtral-offloading.yaml"
+    trace = tmp_path / "swap.json"
+    assert main(["simulate", path, "--set", "workload.gen_len=4", "--trace", str(trace)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "a miss swaps" in shown
+    swapped = _run("EC", ["workload.gen_len=4"], path)
+    dropped = _run("EC", ["workload.gen_len=4", "implementation.expert_swaps=false"], path)
+    used = swapped["utilization"]
+    # the copy stream's busy time splits between the directions as the two rates do, and the
+    # copies in take the time they take in a cache that drops what it evicts
+    assert used["d2h"] / used["h2d"] == pytest.approx(into / out, rel=0.02)
+    assert dropped["utilization"]["d2h"] < 0.01 < used["d2h"]
+    assert used["h2d"] * swapped["makespan_s"] == pytest.approx(
+        dropped["utilization"]["h2d"] * dropped["makespan_s"], rel=0.05)
+    assert f"h2d {used['h2d']:.0%}" in shown and f"d2h {used['d2h']:.0%}" in shown
+
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    rates = {}
+    for e in events:
+        if e.get("ph") == "C":
+            for name, value in e["args"].items():
+                rates.setdefault(name, set()).add(value)
+    assert max(rates["PCIe GPU->CPU (GB/s)"]) == pytest.approx(out, rel=0.01)
+    assert max(rates["PCIe CPU->GPU (GB/s)"]) == pytest.approx(into, rel=0.01)
+    copies = [e["args"] for e in events if e.get("name") == "ExpertIn" and e.get("ph") == "X"]
+    assert copies and all(c["written back (bytes)"] == c["bytes"] for c in copies)

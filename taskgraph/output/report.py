@@ -128,7 +128,12 @@ def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:
     hits = f"{x['hit_rate']:.0%}"
     if x.get("measured_hit_rate") is not None:          # an executed run: what its cache held
         hits = f"{x['measured_hit_rate']:.0%} in decode (the model: {hits})"
-    return f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits {hits}"
+    # a swap's write-back runs on the copy stream, after its copy in: utilization counts it on
+    # d2h, and the stream (h2d) is what binds
+    swaps = (", a miss swaps (the evicted expert written back after the copy in, on the h2d "
+             "stream)" if x.get("swaps") else "")
+    return (f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits "
+            f"{hits}{swaps}")
 
 
 def _placed(x: dict[str, Any], policy: dict[str, Any]) -> str:

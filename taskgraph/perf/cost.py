@@ -133,6 +133,9 @@ class CostModel:
         pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
+        # The share of a kind's time on its stream spent copying the other way (GPU->CPU):
+        # a swapping cache's write-backs, which utilization counts on d2h.
+        self.kind_written_back = np.zeros(len(KINDS))
         if impl.expert_swaps:
             # Every copy into the cache, on a miss or ahead of one, evicts an expert and copies
             # it out after, on the same stream: the two in series.
@@ -141,6 +144,7 @@ class CostModel:
                 into = self.kind_byte_rate[KIND_INDEX[copy]]
                 into = self.byte_rate[RESOURCES.index("h2d")] if np.isnan(into) else into
                 self.kind_byte_rate[KIND_INDEX[copy]] = 1.0 / (1.0 / into + 1.0 / out)
+                self.kind_written_back[KIND_INDEX[copy]] = into / (into + out)
         self._pools(hw, pageable, impl.expert_swaps)
         # (resource, kind) -> what `times_of` prices a task at
         self._rates: dict[tuple[int, int], tuple[bool, Any, Any, Any]] = {}

@@ -74,6 +74,9 @@ class TraceRun:
     # A run too long to hold whole keeps the task times of prefill and this many decode steps
     # (taskgraph.sim.simulate.simulate_scenario's keep_steps); None: every step.
     kept_steps: int | None = None
+    # Per task kind, the share of its time on a link spent copying back the other way
+    # (taskgraph.perf.cost.CostModel.kind_written_back: a swapping cache); None: none does.
+    written_back: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -287,17 +290,19 @@ def _run_events(run: TraceRun, k: int, window: Window) -> Iterator[tuple]:
     flows = _flows(prog, shown, start_ns, end_ns, cols["stream"], k)
     # A stream's slices in time order: Perfetto pairs protobuf begin and end events by time.
     ids = ids[np.lexsort((start_ns[ids], cols["stream"][ids]))]
-    yield from _slices(prog, k, ids, start_ns, end_ns, cols, flops, nbytes, flows)
+    yield from _slices(prog, k, ids, start_ns, end_ns, cols, flops, nbytes, flows,
+                       run.written_back)
     yield from _profiled(run, k, len(streams), int(end_ns[ids].max()) if len(ids) else 0)
     yield from flows.events
     yield from _counters(run, k, ids, start_ns, end_ns, cols, nbytes, step, model, plan)
 
 
-def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, flows: _Flows
-            ) -> Iterator[tuple]:
+def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, flows: _Flows,
+            written_back: np.ndarray | None = None) -> Iterator[tuple]:
     """One slice per task. A full run has hundreds of thousands, so their args are formatted
     here as JSON text (what ``json.dumps`` gives: names are plain ASCII); the protobuf encoder
-    reads them back."""
+    reads them back. A swapping cache's copy gives its rate in and the bytes it wrote back
+    (`written_back`: TraceRun's)."""
     pid = _pid(k)
     streams = prog.streams
     tids = [_tid(k, sid) for sid in range(len(streams))]
@@ -316,8 +321,12 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     for gid, kind_i, sid, st, layer, index, t0, t1, nb, fl in columns:
         kind = KIND_NAMES[kind_i]
         nb = int(nb)
-        work = (f'"memory bandwidth (GB/s)":{round(nb / max(t1 - t0, 1), 3)!r}'
+        back = float(written_back[kind_i]) if written_back is not None else 0.0
+        copying = max(t1 - t0 - int(round((t1 - t0) * back)), 1)        # the copy in's ns
+        work = (f'"memory bandwidth (GB/s)":{round(nb / copying, 3)!r}'
                 if copies[kind_i] else f'"flops":{int(fl)}')
+        if back:
+            work += f',"written back (bytes)":{nb}'
         if cache is not None and kind_i == expert_in and st > 0:     # decode steps
             work += f',"cache hit rate":{round(cache[layer], 4)!r}'
         args = (f'{{"task":"{kind}[s{st},L{layer},{tags[kind_i]}{index}]","step":{st},'
@@ -456,20 +465,32 @@ def _memory_counters(k, ids, end_ns, cols, nbytes, step, model, plan) -> Iterato
 
 
 def _link_counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes) -> Iterator[tuple]:
-    """Link throughput, per direction and per GPU's link (S4's two streams on one link: one)."""
+    """Link throughput, per direction and per GPU's link (S4's two streams on one link: one).
+    A swapping cache's copy (TraceRun.written_back) draws its bytes in, then the evicted
+    expert's out: the second part on the GPU->CPU counter of the same GPU."""
     prog = run.program
     first = {d: prog.stream_device.index(d) for d in prog.stream_device}
     link_of = np.array([first[d] for d in prog.stream_device])[cols["stream"]]
+    back = (run.written_back[cols["kind"]] if run.written_back is not None
+            else np.zeros(len(cols["kind"])))
+    intervals: dict[str, list[tuple[int, int, float]]] = {}
     for d in sorted((d for d in first if d[0] in ("h2d", "d2h")),
                     key=lambda d: (d[0] != "h2d", d[1])):
-        label = _stream_info(prog.streams[first[d]])[0] + " (GB/s)"
-        on_link = [g for g in ids.tolist() if link_of[g] == first[d]]
-        on_link.sort(key=lambda g: int(start_ns[g]))
-        for i, g in enumerate(on_link):
+        stream = prog.streams[first[d]]
+        label = _stream_info(stream)[0] + " (GB/s)"
+        out = _stream_info(stream.replace("h2d", "d2h", 1))[0] + " (GB/s)"
+        for g in ids[link_of[ids] == first[d]].tolist():
             t0, t1 = int(start_ns[g]), int(end_ns[g])
-            rate = float(nbytes[g]) / max(t1 - t0, 1)   # bytes/ns = GB/s
-            yield ("counter", _pid(k), label, t0, round(float(rate), 3))
-            nxt = int(start_ns[on_link[i + 1]]) if i + 1 < len(on_link) else None
+            turn = t1 - int(round((t1 - t0) * float(back[g])))     # where the write-back starts
+            parts = [(label, t0, turn), (out, turn, t1)] if turn < t1 else [(label, t0, t1)]
+            for track, a, b in parts:
+                intervals.setdefault(track, []).append(
+                    (a, b, float(nbytes[g]) / max(b - a, 1)))        # bytes/ns = GB/s
+    for label, spans in intervals.items():
+        spans.sort()
+        for i, (t0, t1, rate) in enumerate(spans):
+            yield ("counter", _pid(k), label, t0, round(rate, 3))
+            nxt = spans[i + 1][0] if i + 1 < len(spans) else None
             if nxt is None or nxt > t1:
                 yield ("counter", _pid(k), label, t1, 0.0)
 
