@@ -468,6 +468,9 @@ def test_a_swap_shows_its_write_back_on_the_gpu_to_cpu_link(capsys, tmp_path):
         dropped["utilization"]["h2d"] * dropped["makespan_s"], rel=0.05)
     assert f"h2d {used['h2d']:.0%}" in shown and f"d2h {used['d2h']:.0%}" in shown
 
+    from taskgraph.tracing.check import check_trace, load_trace
+
+    assert check_trace(load_trace(trace)) == []
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     rates = {}
