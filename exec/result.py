@@ -169,7 +169,7 @@ class Execution(Executed, Shown, Traced):
         self.measured.warnings.append(text)
 
     def trace_run(self, label: str = "measured") -> TraceRun:
-        run = trace_run_of(self.plan, self.program, self.run, label)
+        run = trace_run_of(self.plan, self.program, self.run, label, measured=True)
         run.ops = self.ops
         return run
 

@@ -58,9 +58,9 @@ class Totals:
         self.makespan, self.first_decode = 0.0, np.inf
         self.prefill_end: float | None = None
         self.busy = np.zeros(self.devices)
-        # Of each device's busy time, the seconds its copies spent writing back the other way
-        # (CostModel.kind_written_back: a swapping expert cache's evicted experts)
-        self.written_back = np.zeros(self.devices)
+        # Of the busy time, the seconds copies spent writing back the other way on their
+        # stream (CostModel.kind_written_back: a swapping expert cache's evicted experts)
+        self.written_back = 0.0
         self.work = np.zeros((2, self.devices))          # (prefill, decode) x device
         self.drawn = np.zeros((2, len(POOLS)))           # (prefill, decode) x pool
         self.waiting: list[tuple] = []                   # done tasks before the prefill's end
@@ -96,9 +96,8 @@ class Totals:
         last = KIND_NAMES.index("MoE" if part.plan.tp > 1 else "PostAttn")
         post_done = int((decode & (part.column("kind") == last)).sum())
         busy = np.bincount(device[done], durations[done], minlength=self.devices)
-        written_back = (np.bincount(device[done], durations[done] * self.cost.kind_written_back[
-            part.column("kind")[done]], minlength=self.devices)
-            if self.cost is not None else np.zeros(self.devices))
+        written_back = (float(durations[done] @ self.cost.kind_written_back[
+            part.column("kind")[done]]) if self.cost is not None else 0.0)
         if self.cost is None:
             waiting = (device[done], start[done], end[done])
         else:
@@ -241,8 +240,8 @@ def summarize(run: SimRun, memory: MemoryReport, cost: CostModel | None = None,
         "memory": {"gpu_peak_gb": _r(memory.gpu_peak_gb), "cpu_peak_gb": _r(memory.cpu_peak_gb),
                    "gpu_usable_gb": _r(memory.gpu_capacity / memory.gpu_count / 1e9),
                    "cpu_usable_gb": _r(memory.cpu_capacity / 1e9)},
-        **({"experts": experts_summary(plan)} if plan.schedule.expert_level
-           else {}),
+        **({"experts": experts_summary(plan, t if cost is not None else None)}
+           if plan.schedule.expert_level else {}),
         "steps": steps_done,
         "layers": L,
         "tasks": t.tasks,
@@ -272,11 +271,7 @@ def _busy(prog, t: Totals, cost: CostModel | None, prefill_end: float, decode_s:
     busy = {r: 0.0 for r in _reported(prog)}
     window_busy, prefill_busy = dict(busy), dict(busy)
     for d, (r, _gpu) in enumerate(dict.fromkeys(prog.stream_device)):
-        # a copy's write-back keeps its stream busy but crosses the link GPU->CPU
-        back = float(t.written_back[d])
-        busy[r] += (float(t.busy[d]) - back) / _instances(prog, r)
-        if back:
-            busy["d2h"] += back / _instances(prog, r)
+        busy[r] += float(t.busy[d]) / _instances(prog, r)
         prefill_busy[r] = max(prefill_busy[r], float(t.work[0, d]))
         window_busy[r] = max(window_busy[r], float(t.work[1, d]))
     # Per shared pool: seconds of its capacity the tasks drew on in each window (bytes drawn
@@ -291,11 +286,12 @@ def _busy(prog, t: Totals, cost: CostModel | None, prefill_end: float, decode_s:
     return busy, prefill_busy, window_busy, shared
 
 
-def experts_summary(plan) -> dict[str, Any]:
+def experts_summary(plan, priced: Totals | None = None) -> dict[str, Any]:
     """Which experts a decode step touches (taskgraph.dag.routing), for the expert-level
     schedules: distinct experts a micro-batch routes to in a layer (mean and spread), and the
     share held on the GPU: EP's placed experts' share of the token-expert pairs, EC's cache hit
-    rate layer by layer."""
+    rate layer by layer. With the totals of a priced (simulated) run, a cache's share of the run
+    its copy stream spent writing evicted experts back (0 where the cache drops them)."""
     work, p = plan.work, plan.scenario.policy
     routing = work.routing
     out = {"routing": plan.scenario.workload.routing.kind,
@@ -318,9 +314,12 @@ def experts_summary(plan) -> dict[str, Any]:
         # a dense layer has no experts to cache: None
         out.update(hit_rate=_r(float(np.mean(moe))),
                    hit_rate_by_layer=[None if m.is_dense(l) else _r(float(h))
-                                      for l, h in enumerate(hits)],
-                   swaps=bool(plan.scenario.implementation
-                              and plan.scenario.implementation.expert_swaps))
+                                      for l, h in enumerate(hits)])
+        if priced is not None:
+            # The share of the run its copy stream (h2d) spent writing evicted experts back,
+            # GPU->CPU: utilization counts the stream busy, which it is. One GPU (EC/ECP).
+            out["written_back"] = _r(priced.written_back / priced.makespan
+                                     if priced.makespan else 0.0)
     return out
 
 

@@ -55,9 +55,11 @@ class Simulation(Shown, Traced):
         return trace_run_of(self.plan, self.program, self.run, label)
 
 
-def trace_run_of(plan: Plan, program: Program, run: Any, label: str) -> TraceRun:
+def trace_run_of(plan: Plan, program: Program, run: Any, label: str,
+                 measured: bool = False) -> TraceRun:
     """A run's tasks and times (simulated or measured) as a trace draws them, with what each
-    drew from the host's shared pools where they are priced."""
+    drew from the host's shared pools where they are priced, and, simulated, the share of each
+    copy that writes back (a swapping cache's: the executor's cache does not swap)."""
     cost = cost_model(plan.scenario, plan.schedule.name)
     drawn = program.pool_bytes(cost) if cost.pools_shared else ()
     pools = {POOL_NAMES[p]: drawn[i] for i, p in enumerate(POOLS)
@@ -65,7 +67,7 @@ def trace_run_of(plan: Plan, program: Program, run: Any, label: str) -> TraceRun
     kept = len(program.seg_template) - 1        # decode steps whose times were kept
     return TraceRun(label, program, run.start, run.end, pools=pools,
                     kept_steps=kept if kept < plan.G else None,
-                    written_back=cost.kind_written_back if cost.kind_written_back.any() else None)
+                    written_back=None if measured else cost.kind_written_back)
 
 
 #: A run of at most this many tasks is held whole (every task's times, ~150 bytes a task); a

@@ -442,43 +442,85 @@ def test_a_cache_that_swaps_pays_a_copy_each_way_a_miss():
 
 
 def test_a_swap_shows_its_write_back_on_the_gpu_to_cpu_link(capsys, tmp_path):
-    """What a person sees of a swapping cache: the evicted experts cross the link GPU->CPU, so
-    utilization counts that share of the copy stream's time on d2h (it read h2d 98%, d2h 0%),
-    the experts row says a miss swaps, and a trace's GPU->CPU counter carries the write-backs at
-    that direction's rate while the CPU->GPU counter shows the copies in at theirs."""
+    """What a person sees of a swapping cache. The copy stream runs each copy in and then the
+    evicted expert's write-back: it is busy for both (utilization's h2d, what binds), and the
+    experts row says what share of the run it spent writing back. A trace's link counters carry
+    each part on its own direction at that direction's rate, so that what each counter carries
+    over the run is what crossed that way, the write-backs included, where KV cache copies out
+    overlap them (ECP, a long prompt). A GPU->CPU link at half the CPU->GPU rate tells the two
+    parts apart."""
     from taskgraph import presets
     from taskgraph.cli import main
     from taskgraph.specs import HardwareSpec
-
-    link = HardwareSpec.model_validate(presets.HARDWARE["a5000"]).link
-    into, out = link.h2d_gbps * link.h2d_eff, link.d2h_gbps * link.d2h_eff     # GB/s
-    path = "scenarios/small-batch/a5000-mixtral-offloading.yaml"
-    trace = tmp_path / "swap.json"
-    assert main(["simulate", path, "--set", "workload.gen_len=4", "--trace", str(trace)]) == 0
-    shown = " ".join(capsys.readouterr().out.split())
-    assert "a miss swaps" in shown
-    swapped = _run("EC", ["workload.gen_len=4"], path)
-    dropped = _run("EC", ["workload.gen_len=4", "implementation.expert_swaps=false"], path)
-    used = swapped["utilization"]
-    # the copy stream's busy time splits between the directions as the two rates do, and the
-    # copies in take the time they take in a cache that drops what it evicts
-    assert used["d2h"] / used["h2d"] == pytest.approx(into / out, rel=0.02)
-    assert dropped["utilization"]["d2h"] < 0.01 < used["d2h"]
-    assert used["h2d"] * swapped["makespan_s"] == pytest.approx(
-        dropped["utilization"]["h2d"] * dropped["makespan_s"], rel=0.05)
-    assert f"h2d {used['h2d']:.0%}" in shown and f"d2h {used['d2h']:.0%}" in shown
-
     from taskgraph.tracing.check import check_trace, load_trace
 
-    assert check_trace(load_trace(trace)) == []
-    events = json.loads(trace.read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    rates = {}
-    for e in events:
-        if e.get("ph") == "C":
-            for name, value in e["args"].items():
-                rates.setdefault(name, set()).add(value)
+    link = HardwareSpec.model_validate(presets.HARDWARE["a5000"]).link
+    into = link.h2d_gbps * link.h2d_eff                 # GB/s
+    slow = ["--set", f"hardware.link.d2h_gbps={link.h2d_gbps / 2}"]
+    out = into / 2 * link.d2h_eff / link.h2d_eff
+    path = "scenarios/small-batch/a5000-mixtral-offloading.yaml"
+    sets = ["workload.gen_len=4", f"hardware.link.d2h_gbps={link.h2d_gbps / 2}"]
+    swapped = _run("EC", sets, path)
+    dropped = _run("EC", [*sets, "implementation.expert_swaps=false"], path)
+    # the copy stream is busy for the copies in (as long as a dropping cache's) and the
+    # write-backs (twice as long at half the rate)
+    back = swapped["experts"]["written_back"]
+    busy = swapped["utilization"]["h2d"] * swapped["makespan_s"]
+    copies_in = dropped["utilization"]["h2d"] * dropped["makespan_s"]
+    assert back * swapped["makespan_s"] == pytest.approx(2 * copies_in, rel=0.05)
+    assert busy == pytest.approx(3 * copies_in, rel=0.05)
+    assert dropped["experts"]["written_back"] == 0.0
+    trace = tmp_path / "swap.json"
+    assert main(["simulate", path, *slow, "--set", "workload.gen_len=4",
+                 "--trace", str(trace)]) == 0
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())     # cells unwrapped
+    assert f"writing evicted experts back GPU->CPU {back:.0%} of the run" in shown
+
+    events = _trace_events(trace)
+    rates = {name: {v for _, v in points} for name, points in _counters(events).items()}
     assert max(rates["PCIe GPU->CPU (GB/s)"]) == pytest.approx(out, rel=0.01)
     assert max(rates["PCIe CPU->GPU (GB/s)"]) == pytest.approx(into, rel=0.01)
     copies = [e["args"] for e in events if e.get("name") == "ExpertIn" and e.get("ph") == "X"]
     assert copies and all(c["written back (bytes)"] == c["bytes"] for c in copies)
+    assert all(c["memory bandwidth (GB/s)"] == pytest.approx(into, rel=0.01) for c in copies)
+
+    long = tmp_path / "long.json"
+    assert main(["simulate", path, "--schedule", "ECP", *slow, "--set", "workload.gen_len=2",
+                 "--set", "workload.prompt_len=8192", "--set", "workload.max_prompt_len=8192",
+                 "--set", "policy.N=64", "--set",
+                 "policy.mu=8", "--set", "policy.r_c=0", "--set", "hardware.gpu.memory_gb=80",
+                 "--trace", str(long), "--trace-steps", "all"]) == 0
+    capsys.readouterr()
+    assert check_trace(load_trace(long)) == []
+    events = _trace_events(long)
+    # a link's tracks: its streams (S4's and ECP's KV copies in have one of their own)
+    crossed = {"PCIe CPU->GPU": 0, "PCIe GPU->CPU": 0}
+    link = {e["tid"]: way for e in events if e.get("name") == "thread_name"
+            for way in crossed if e["args"]["name"].startswith(way)}
+    for e in events:
+        way = link.get(e.get("tid"))
+        if e.get("ph") == "X" and way is not None:
+            crossed[way] += e["args"]["bytes"]
+            crossed["PCIe GPU->CPU"] += e["args"].get("written back (bytes)", 0)
+    assert crossed["PCIe GPU->CPU"] > 0.5 * crossed["PCIe CPU->GPU"]
+    for way, points in _counters(events).items():
+        if way.startswith("PCIe"):
+            points.sort()
+            carried = sum((t1 - t0) * 1e-6 * rate * 1e9          # ts in us, rates in GB/s
+                          for (t0, rate), (t1, _) in zip(points, points[1:]))
+            assert carried == pytest.approx(crossed[way.removesuffix(" (GB/s)")], rel=1e-3)
+
+
+def _trace_events(path) -> list[dict]:
+    events = json.loads(path.read_text())
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def _counters(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Each counter track's points, (time in us, value)."""
+    tracks: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "C":
+            for name, value in e["args"].items():
+                tracks.setdefault(name, []).append((e["ts"], value))
+    return tracks

@@ -128,10 +128,10 @@ def _experts(x: dict[str, Any], policy: dict[str, Any]) -> str:
     hits = f"{x['hit_rate']:.0%}"
     if x.get("measured_hit_rate") is not None:          # an executed run: what its cache held
         hits = f"{x['measured_hit_rate']:.0%} in decode (the model: {hits})"
-    # a swap's write-back runs on the copy stream, after its copy in: utilization counts it on
-    # d2h, and the stream (h2d) is what binds
-    swaps = (", a miss swaps (the evicted expert written back after the copy in, on the h2d "
-             "stream)" if x.get("swaps") else "")
+    # a swapping cache writes each evicted expert back on the copy stream, after the copy in:
+    # the stream (h2d) is busy for both, and binds
+    swaps = (f"; every copy in swaps, the h2d stream writing evicted experts back GPU->CPU "
+             f"{x['written_back']:.0%} of the run" if x.get("written_back") else "")
     return (f"{touched}; cache of {policy['experts_gpu']} a layer ({policy['eviction']}) hits "
             f"{hits}{swaps}")
 

@@ -110,7 +110,9 @@ class QueueRun(Shown, Traced):
                           "20,000-request queue is 17 M tasks, so they are kept only when asked: "
                           "keep_runs=True in the Python API (--trace and --gantt ask).")
         part = "window" if isinstance(self.packing, Refill) else "batch"
-        return [TraceRun(f"{part} {b}", r.program, r.run.start, r.run.end, r.offset_s)
+        return [TraceRun(f"{part} {b}", r.program, r.run.start, r.run.end, r.offset_s,
+                         written_back=cost_model(r.program.plan.scenario,
+                                                 r.program.plan.schedule.name).kind_written_back)
                 for b, r in enumerate(self.batches)]
 
 

@@ -75,7 +75,8 @@ class TraceRun:
     # (taskgraph.sim.simulate.simulate_scenario's keep_steps); None: every step.
     kept_steps: int | None = None
     # Per task kind, the share of its time on a link spent copying back the other way
-    # (taskgraph.perf.cost.CostModel.kind_written_back: a swapping cache); None: none does.
+    # (taskgraph.perf.cost.CostModel.kind_written_back: a swapping cache's); None: a measured
+    # run's (the executor's cache does not swap).
     written_back: np.ndarray | None = None
 
 
@@ -321,11 +322,10 @@ def _slices(prog: Program, k: int, ids, start_ns, end_ns, cols, flops, nbytes, f
     for gid, kind_i, sid, st, layer, index, t0, t1, nb, fl in columns:
         kind = KIND_NAMES[kind_i]
         nb = int(nb)
-        back = float(written_back[kind_i]) if written_back is not None else 0.0
-        copying = max(t1 - t0 - int(round((t1 - t0) * back)), 1)        # the copy in's ns
-        work = (f'"memory bandwidth (GB/s)":{round(nb / copying, 3)!r}'
+        turn = _write_back_starts(t0, t1, written_back, kind_i)        # t1: writes none back
+        work = (f'"memory bandwidth (GB/s)":{round(nb / max(turn - t0, 1), 3)!r}'
                 if copies[kind_i] else f'"flops":{int(fl)}')
-        if back:
+        if turn < t1:
             work += f',"written back (bytes)":{nb}'
         if cache is not None and kind_i == expert_in and st > 0:     # decode steps
             work += f',"cache hit rate":{round(cache[layer], 4)!r}'
@@ -465,34 +465,46 @@ def _memory_counters(k, ids, end_ns, cols, nbytes, step, model, plan) -> Iterato
 
 
 def _link_counters(run: TraceRun, k, ids, start_ns, end_ns, cols, nbytes) -> Iterator[tuple]:
-    """Link throughput, per direction and per GPU's link (S4's two streams on one link: one).
-    A swapping cache's copy (TraceRun.written_back) draws its bytes in, then the evicted
-    expert's out: the second part on the GPU->CPU counter of the same GPU."""
+    """Link throughput, per direction and per GPU's link (S4's two streams on one link: one
+    track, their rates added where they overlap). A swapping cache's copy (TraceRun.written_back)
+    draws its bytes in, then the evicted expert's out: that part on the GPU->CPU track."""
     prog = run.program
     first = {d: prog.stream_device.index(d) for d in prog.stream_device}
     link_of = np.array([first[d] for d in prog.stream_device])[cols["stream"]]
-    back = (run.written_back[cols["kind"]] if run.written_back is not None
-            else np.zeros(len(cols["kind"])))
-    intervals: dict[str, list[tuple[int, int, float]]] = {}
+    spans: dict[str, list[tuple[int, int, float]]] = {}
     for d in sorted((d for d in first if d[0] in ("h2d", "d2h")),
                     key=lambda d: (d[0] != "h2d", d[1])):
         stream = prog.streams[first[d]]
         label = _stream_info(stream)[0] + " (GB/s)"
-        out = _stream_info(stream.replace("h2d", "d2h", 1))[0] + " (GB/s)"
+        _, colon, gpu = stream.partition(":")
+        back_label = _stream_info("d2h" + colon + gpu)[0] + " (GB/s)"
         for g in ids[link_of[ids] == first[d]].tolist():
             t0, t1 = int(start_ns[g]), int(end_ns[g])
-            turn = t1 - int(round((t1 - t0) * float(back[g])))     # where the write-back starts
-            parts = [(label, t0, turn), (out, turn, t1)] if turn < t1 else [(label, t0, t1)]
-            for track, a, b in parts:
-                intervals.setdefault(track, []).append(
-                    (a, b, float(nbytes[g]) / max(b - a, 1)))        # bytes/ns = GB/s
-    for label, spans in intervals.items():
-        spans.sort()
-        for i, (t0, t1, rate) in enumerate(spans):
-            yield ("counter", _pid(k), label, t0, round(rate, 3))
-            nxt = spans[i + 1][0] if i + 1 < len(spans) else None
-            if nxt is None or nxt > t1:
-                yield ("counter", _pid(k), label, t1, 0.0)
+            turn = _write_back_starts(t0, t1, run.written_back, int(cols["kind"][g]))
+            for track, a, b in ((label, t0, turn), (back_label, turn, t1)):
+                if b > a:
+                    spans.setdefault(track, []).append((a, b, float(nbytes[g]) / (b - a)))
+    for label, track in spans.items():
+        a, b, rate = (np.array(x) for x in zip(*track))
+        yield from _levels(k, label, a, b, rate)
+
+
+def _write_back_starts(t0: int, t1: int, written_back: np.ndarray | None, kind: int) -> int:
+    """Where in a task's [t0, t1] (ns) its write-back begins: t1 for a task that writes none."""
+    share = float(written_back[kind]) if written_back is not None else 0.0
+    return t1 - int(round((t1 - t0) * share))
+
+
+def _levels(k: int, label: str, start_ns: np.ndarray, end_ns: np.ndarray, rate: np.ndarray
+            ) -> Iterator[tuple]:
+    """A counter track of what spans [start, end) carry together at each instant (GB/s)."""
+    times = np.concatenate([start_ns, end_ns])
+    order = np.argsort(times, kind="stable")
+    level = np.cumsum(np.concatenate([rate, -rate])[order])
+    times = times[order]
+    last = np.append(times[1:] != times[:-1], True)       # one point per instant
+    for t, x in zip(times[last].tolist(), level[last].tolist()):
+        yield ("counter", _pid(k), label, t, round(max(x, 0.0), 3))
 
 
 def _pool_counters(run: TraceRun, k, ids, start_ns, end_ns) -> Iterator[tuple]:
@@ -502,10 +514,4 @@ def _pool_counters(run: TraceRun, k, ids, start_ns, end_ns) -> Iterator[tuple]:
         if not len(mine):            # nothing drew on it in this window
             continue
         rate = drawn[mine] / (end_ns[mine] - start_ns[mine])          # bytes/ns = GB/s
-        times = np.concatenate([start_ns[mine], end_ns[mine]])
-        order = np.argsort(times, kind="stable")
-        level = np.cumsum(np.concatenate([rate, -rate])[order])
-        times = times[order]
-        last = np.append(times[1:] != times[:-1], True)       # one point per instant
-        for t, x in zip(times[last].tolist(), level[last].tolist()):
-            yield ("counter", _pid(k), f"{name} (GB/s)", t, round(max(x, 0.0), 3))
+        yield from _levels(k, f"{name} (GB/s)", start_ns[mine], end_ns[mine], rate)
