@@ -36,7 +36,7 @@ from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime
-from taskgraph.files import Terminated
+from taskgraph.files import Terminated, restore_handlers
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.kinds import COLLECTIVES, KIND_NAMES, SENDS
 from taskgraph.sim.engine import SimRun
@@ -337,8 +337,9 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
         _wind_down(ranks, tmp, grace_s=0.0)
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous_term)
+        # A SIGTERM pending as its handler goes back ends the run as one during it did.
+        if main and restore_handlers({signal.SIGTERM: previous_term}) is not None:
+            raise Terminated(signal.SIGTERM)
     return interrupted
 
 

@@ -451,7 +451,16 @@ class Terminated(SystemExit):
 
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
+        self.signum = signum
         self.signal_name = signal.Signals(signum).name
+        self.previous: Any = None         # the handler exit_on_termination had replaced
+
+    def pass_on(self) -> None:
+        """The signal to the program's own handler, where it has one (a test runner, a service
+        running tg in process): tg ends its run, the program decides about itself. A command's
+        (the default action) has none: it exits 128 + the signal."""
+        if callable(self.previous):
+            signal.raise_signal(self.signum)
 
 
 @contextmanager
@@ -460,15 +469,38 @@ def exit_on_termination() -> Iterator[None]:
     so that every `finally` runs: a half-written output is removed (:func:`atomic_path`) and
     child processes are stopped by their owners, as after Ctrl-C. Without this the process
     died where it stood, leaving a 1.3 GB partial trace. Only the main thread may set handlers:
-    elsewhere this does nothing."""
+    elsewhere this does nothing. The exit knows the handler it replaced (Terminated.pass_on)."""
     def stop(signum, _frame):
         raise Terminated(signum)
 
     signals = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
     main = threading.current_thread() is threading.main_thread()
     before = {sig: signal.signal(sig, stop) for sig in signals} if main else {}
+    ended: BaseException | None = None
     try:
         yield
-    finally:
-        for sig, old in before.items():      # None: a handler not set from Python
-            signal.signal(sig, signal.SIG_DFL if old is None else old)
+    except BaseException as err:
+        ended = err
+    late = restore_handlers(before)     # a signal that came as the run ended: acted on too
+    ended = ended or late
+    if isinstance(ended, Terminated):
+        ended.previous = before.get(ended.signum)
+    if ended is not None:
+        raise ended
+
+
+def restore_handlers(before: dict[int, Any]) -> BaseException | None:
+    """Put signal handlers back (None: one not set from Python, put back as the default).
+    signal.signal() first runs the handler of a signal already pending, so a second SIGTERM
+    (timeout(1) sends one to the process, then one to its group) raised out of a plain loop and
+    left the run's handler installed for good, the process deaf to SIGTERM. Each is put back
+    whatever that raises; the first thing raised is returned, for the caller to act on."""
+    raised: BaseException | None = None
+    for sig, old in before.items():
+        while True:
+            try:
+                signal.signal(sig, signal.SIG_DFL if old is None else old)
+                break
+            except BaseException as err:      # the pending signal's handler: the run's own
+                raised = raised or err
+    return raised

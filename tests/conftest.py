@@ -30,6 +30,22 @@ def pytest_configure(config):
     # cannot hear it (and leave it running). Its children get the default back.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A SIGTERM to the suite itself (a `timeout` around it expiring, a kill from outside) ends
+    # the session and says so. Without this, one that came while a test ran tg's main() in
+    # process was taken for that run's: the test failed with "tg execute: stopped by SIGTERM"
+    # and the suite ran on, as if the test were flaky.
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        suite = os.getpid()
+
+        def terminated(signum, frame):
+            if os.getpid() != suite:          # a forked child: it dies as it would have
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            pytest.exit(f"the test process received {signal.Signals(signum).name} from outside "
+                        "(a timeout around the run, or a kill)", returncode=128 + signum)
+
+        signal.signal(signal.SIGTERM, terminated)
 
 
 @pytest.fixture(autouse=True)

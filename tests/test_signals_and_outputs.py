@@ -125,3 +125,76 @@ def test_ctrl_c_while_tg_loads_is_a_clean_exit(monkeypatch, capsys):
                           "print('taskgraph.api' in sys.modules, 'numpy' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_signal_pending_as_the_handlers_go_back_leaves_none_of_tgs_installed(monkeypatch):
+    """signal.signal() first runs the handler of a signal already pending. timeout(1) sends
+    SIGTERM twice (to the process, then to its group): the second, pending as tg put the
+    handlers back, raised out of that loop and left tg's handlers installed for good, the
+    program deaf to SIGTERM from then on. They go back whatever a pending signal raises, and a
+    handler the program had hears the signal once tg has cleaned up."""
+    from taskgraph.files import Terminated, exit_on_termination
+
+    heard: list[int] = []
+
+    def program(signum, frame):           # the handler of a program that runs tg in process
+        heard.append(signum)
+
+    real = signal.signal
+    pending = [signal.SIGTERM]             # the second SIGTERM, caught by the C handler
+
+    def as_cpython(sig, handler):
+        if pending and sig == signal.SIGTERM and handler is program:
+            pending.clear()
+            signal.getsignal(sig)(sig, None)          # the pending signal's handler runs first
+        return real(sig, handler)
+
+    old = {sig: real(sig, program) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        monkeypatch.setattr(signal, "signal", as_cpython)
+        with pytest.raises(Terminated) as end, exit_on_termination():
+            signal.raise_signal(signal.SIGTERM)
+        monkeypatch.undo()
+        assert end.value.code == 128 + signal.SIGTERM and not pending
+        assert signal.getsignal(signal.SIGTERM) is program
+        assert signal.getsignal(signal.SIGHUP) is program
+        assert heard == []
+        end.value.pass_on()               # as the CLI does, once it has said why it stopped
+        assert heard == [signal.SIGTERM]
+    finally:
+        for sig, handler in old.items():
+            real(sig, handler)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path):
+    """A program that calls tg's main() and handles SIGTERM itself: tg stops its run and
+    cleans up (no partial trace), then the program's handler runs. It got 143 back and carried
+    on, the signal swallowed (a test runner killed by `timeout` ran its whole suite on)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    program = (
+        "import signal, sys\n"
+        "from taskgraph.cli import main\n"
+        "def bye(signum, frame):\n"
+        "    print('the program heard it', flush=True)\n"
+        "    sys.exit(99)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        f"rc = main(['simulate', {TINY!r}, '--set', 'workload.gen_len=20000', '--trace',\n"
+        f"           {str(out / 't.json')!r}, '--trace-steps', 'all'])\n"
+        "print('main returned', rc, 'and the program ran on', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(".partial" in p.name for p in out.iterdir()) or
+                 proc.poll() is not None, 300, "the trace's partial file")
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        said, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 99, (said, err)
+    assert said.strip().splitlines()[-1] == "the program heard it"     # after tg's table
+    assert err.strip().splitlines()[-1] == "tg simulate: stopped by SIGTERM."
+    assert list(out.iterdir()) == []

@@ -70,4 +70,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Terminated as end:
         print(f"tg {args.command}: stopped by {end.signal_name}.", file=sys.stderr)
+        end.pass_on()
         return end.code

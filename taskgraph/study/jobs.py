@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from taskgraph.errors import TgError
+from taskgraph.files import Terminated, restore_handlers
 
 BACKENDS = ("pool", "ray")
 Progress = Callable[[int, int], None]
@@ -114,8 +115,9 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             raise SystemExit(128 + signal.SIGTERM) from None
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        # A SIGTERM pending as its handler goes back ends the run as one during it did.
+        if main and restore_handlers({signal.SIGTERM: previous}) is not None:
+            raise Terminated(signal.SIGTERM)
 
 
 _HELD = {signal.SIGINT, signal.SIGTERM}
@@ -385,8 +387,7 @@ class _Stops:
         return self
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
-        for sig, previous in self.before.items():      # None: a handler not set from Python
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        restore_handlers(self.before)     # a signal pending then is in self.received: checked
         if self.main:
             sys.unraisablehook = self.unraisable
         if kind is None:          # one held through the shutdown
