@@ -501,6 +501,8 @@ def restore_handlers(before: dict[int, Any]) -> BaseException | None:
             try:
                 signal.signal(sig, signal.SIG_DFL if old is None else old)
                 break
+            except (TypeError, ValueError, OSError):     # signal.signal's own: not a handler's
+                raise
             except BaseException as err:      # the pending signal's handler: the run's own
                 raised = raised or err
     return raised

@@ -134,7 +134,7 @@ class CostModel:
         if pageable:
             self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
         # The share of a kind's time on its stream spent copying the other way (GPU->CPU):
-        # a swapping cache's write-backs, which utilization counts on d2h.
+        # a swapping cache's write-backs (the experts block and a trace's link counters say it).
         self.kind_written_back = np.zeros(len(KINDS))
         if impl.expert_swaps:
             # Every copy into the cache, on a miss or ahead of one, evicts an expert and copies
