@@ -449,9 +449,10 @@ def plain_text(value: Any, context: str) -> None:
 class Terminated(SystemExit):
     """A signal ended the run: exit status 128 + the signal, and the CLI says which."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, said: bool = False) -> None:
         super().__init__(128 + signum)
         self.signum = signum
+        self.said = said                  # its own line printed already (the jobs' runner's)
         self.signal_name = signal.Signals(signum).name
         self.previous: Any = None         # the handler exit_on_termination had replaced
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,13 +168,22 @@ def test_a_signal_pending_as_the_handlers_go_back_leaves_none_of_tgs_installed(m
             real(sig, handler)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path):
+@pytest.mark.skipif(sys.platform == "win32" or not os.path.isdir("/proc"),
+                    reason="POSIX signals; finds the pool's workers in /proc")
+@pytest.mark.parametrize("verb", ["simulate", "fit"])
+def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path, verb):
     """A program that calls tg's main() and handles SIGTERM itself: tg stops its run and
-    cleans up (no partial trace), then the program's handler runs. It got 143 back and carried
-    on, the signal swallowed (a test runner killed by `timeout` ran its whole suite on)."""
+    cleans up (no partial trace, no worker left, no fit written), says why it stopped, then the
+    program's handler runs. It got 143 back and carried on, the signal swallowed (a test runner
+    killed by `timeout` ran its whole suite on); a pool's run raised a bare exit past it."""
+    from tests.helpers import children
+
     out = tmp_path / "out"
     out.mkdir()
+    argv = (["simulate", TINY, "--set", "workload.gen_len=20000", "--trace",
+             str(out / "t.json"), "--trace-steps", "all"] if verb == "simulate" else
+            ["fit", "scenarios/measurements/small-batch-fiddler-artifact.yaml", "--out",
+             str(out / "fit")])
     program = (
         "import signal, sys\n"
         "from taskgraph.cli import main\n"
@@ -181,14 +191,14 @@ def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path):
         "    print('the program heard it', flush=True)\n"
         "    sys.exit(99)\n"
         "signal.signal(signal.SIGTERM, bye)\n"
-        f"rc = main(['simulate', {TINY!r}, '--set', 'workload.gen_len=20000', '--trace',\n"
-        f"           {str(out / 't.json')!r}, '--trace-steps', 'all'])\n"
+        f"rc = main({argv!r})\n"
         "print('main returned', rc, 'and the program ran on', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    running = ((lambda: any(".partial" in p.name for p in out.iterdir())) if verb == "simulate"
+               else (lambda: len(children(proc.pid)) >= 2))
     try:
-        wait_for(lambda: any(".partial" in p.name for p in out.iterdir()) or
-                 proc.poll() is not None, 300, "the trace's partial file")
+        wait_for(lambda: running() or proc.poll() is not None, 300, f"{verb} under way")
         assert proc.poll() is None, "the run ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)
         said, err = proc.communicate(timeout=60)
@@ -196,5 +206,8 @@ def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path):
         proc.kill()
     assert proc.returncode == 99, (said, err)
     assert said.strip().splitlines()[-1] == "the program heard it"     # after tg's table
-    assert err.strip().splitlines()[-1] == "tg simulate: stopped by SIGTERM."
+    last = err.strip().splitlines()[-1]          # one line says why it stopped
+    assert last == "tg simulate: stopped by SIGTERM." if verb == "simulate" else re.fullmatch(
+        r"tg: terminated with \d+ of \d+ jobs finished; the rest were cancelled\.", last), err
+    assert "Traceback" not in err
     assert list(out.iterdir()) == []

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tg {args.command}: interrupted.", file=sys.stderr)
         return 130
     except Terminated as end:
-        print(f"tg {args.command}: stopped by {end.signal_name}.", file=sys.stderr)
+        if not end.said:                  # the jobs' runner says how far they got
+            print(f"tg {args.command}: stopped by {end.signal_name}.", file=sys.stderr)
         end.pass_on()
         return end.code

@@ -112,7 +112,7 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             err.said = True           # the CLI's own "interrupted." would repeat it
         if isinstance(err, _Terminated):
             _say_interrupted(finished, len(jobs), "terminated")
-            raise SystemExit(128 + signal.SIGTERM) from None
+            raise Terminated(signal.SIGTERM, said=True) from None
         raise
     finally:
         # A SIGTERM pending as its handler goes back ends the run as one during it did.
@@ -181,7 +181,7 @@ def _run_ray(jobs: Sequence[Any], address: str | None, progress: Progress | None
         if signum == signal.SIGINT:
             err.said = True
             raise
-        raise SystemExit(128 + signum) from None
+        raise Terminated(signum, said=True) from None
     return [results[i] for i in range(len(jobs))]
 
 
