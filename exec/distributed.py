@@ -306,12 +306,14 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
     interrupted, ranks = False, []
     # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
     # parent with its usual status, its temporary folder removed on the way out.
-    previous_term = signal.signal(signal.SIGTERM, _terminated) if main else None
+    hear = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    previous_term = signal.signal(signal.SIGTERM, _terminated) if hear else None
+    stopping = False
     try:
         # A SIGTERM while a rank starts is noted too: raised there, it cut the rank's
         # start-up data short and the rank died with a traceback (seen under load).
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        if main:
+        if hear:
             signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
         try:
             spawn = multiprocessing.get_context("spawn")
@@ -323,6 +325,7 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
+            if hear:
                 signal.signal(signal.SIGTERM, _terminated)
         if came:
             raise _Terminated
@@ -331,14 +334,17 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
         interrupted = True
         _wind_down(ranks, tmp)
     except _Terminated:
+        stopping = True
         _wind_down(ranks, tmp, grace_s=0.0)
         raise Terminated(signal.SIGTERM) from None
     except BaseException:
+        stopping = True
         _wind_down(ranks, tmp, grace_s=0.0)
         raise
     finally:
-        # A SIGTERM pending as its handler goes back ends the run as one during it did.
-        if main and restore_handlers({signal.SIGTERM: previous_term}) is not None:
+        # A SIGTERM pending as its handler goes back ends a run that was not already ending.
+        late = restore_handlers({signal.SIGTERM: previous_term}) if hear else None
+        if late is not None and not stopping:
             raise Terminated(signal.SIGTERM)
     return interrupted
 
@@ -403,6 +409,8 @@ class _Terminated(Exception):
 
 
 def _terminated(signum, frame) -> None:
+    # Once: a second SIGTERM while the ranks wind down raised out of it with a traceback.
+    signal.signal(signum, signal.SIG_IGN)
     raise _Terminated
 
 

@@ -474,15 +474,20 @@ def exit_on_termination() -> Iterator[None]:
     def stop(signum, _frame):
         raise Terminated(signum)
 
+    # A signal the program ignores stays ignored (`nohup tg ...` ran on no longer than the
+    # terminal).
     signals = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
     main = threading.current_thread() is threading.main_thread()
-    before = {sig: signal.signal(sig, stop) for sig in signals} if main else {}
+    before = {sig: signal.signal(sig, stop) for sig in signals
+              if signal.getsignal(sig) is not signal.SIG_IGN} if main else {}
     ended: BaseException | None = None
     try:
         yield
     except BaseException as err:
         ended = err
-    late = restore_handlers(before)     # a signal that came as the run ended: acted on too
+    late = restore_handlers(before)     # a signal that came as the run ended is acted on too,
+    if isinstance(late, Terminated) and not isinstance(ended, Terminated):
+        late.__context__, ended = ended, late       # over an error the run ended in
     ended = ended or late
     if isinstance(ended, Terminated):
         ended.previous = before.get(ended.signum)
@@ -492,18 +497,24 @@ def exit_on_termination() -> Iterator[None]:
 
 def restore_handlers(before: dict[int, Any]) -> BaseException | None:
     """Put signal handlers back (None: one not set from Python, put back as the default).
-    signal.signal() first runs the handler of a signal already pending, so a second SIGTERM
+    signal.signal() first runs the handlers of signals already pending, so a second SIGTERM
     (timeout(1) sends one to the process, then one to its group) raised out of a plain loop and
     left the run's handler installed for good, the process deaf to SIGTERM. Each is put back
-    whatever that raises; the first thing raised is returned, for the caller to act on."""
+    whatever those handlers raise (the run's own, or a program's: a SIGCHLD reaper's
+    ChildProcessError); the first thing raised is returned, for the caller to act on. Tries are
+    bounded: a last one raises (signals without end, or signal.signal's own error)."""
     raised: BaseException | None = None
     for sig, old in before.items():
-        while True:
+        handler = signal.SIG_DFL if old is None else old
+        for _ in range(_RESTORE_TRIES):
             try:
-                signal.signal(sig, signal.SIG_DFL if old is None else old)
+                signal.signal(sig, handler)
                 break
-            except (TypeError, ValueError, OSError):     # signal.signal's own: not a handler's
-                raise
-            except BaseException as err:      # the pending signal's handler: the run's own
+            except BaseException as err:      # a pending signal's handler ran, and raised
                 raised = raised or err
+        else:
+            signal.signal(sig, handler)
     return raised
+
+
+_RESTORE_TRIES = 100

@@ -35,17 +35,15 @@ def pytest_configure(config):
     # process was taken for that run's: the test failed with "tg execute: stopped by SIGTERM"
     # and the suite ran on, as if the test were flaky.
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        suite = os.getpid()
-
         def terminated(signum, frame):
-            if os.getpid() != suite:          # a forked child: it dies as it would have
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
             pytest.exit(f"the test process received {signal.Signals(signum).name} from outside "
                         "(a timeout around the run, or a kill)", returncode=128 + signum)
 
         signal.signal(signal.SIGTERM, terminated)
+        # a forked child dies by SIGTERM as it would have (a Python handler waits for the
+        # child's C calls to return, and tg's main() in it would pass the signal on to this)
+        os.register_at_fork(after_in_child=lambda: signal.getsignal(signal.SIGTERM) is terminated
+                            and signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 @pytest.fixture(autouse=True)

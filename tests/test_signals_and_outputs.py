@@ -128,13 +128,35 @@ def test_ctrl_c_while_tg_loads_is_a_clean_exit(monkeypatch, capsys):
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
+def _pending_as_handlers_go_back(monkeypatch, pending) -> None:
+    """signal.signal() as CPython runs it with a signal pending: the first time a handler is put
+    back on SIGTERM, `pending(current handler)` runs first."""
+    real = signal.signal
+    armed = [True]
+
+    def as_cpython(sig, handler):
+        if armed and sig == signal.SIGTERM and getattr(handler, "__name__", "") == "program":
+            armed.clear()
+            pending(signal.getsignal(sig))
+        return real(sig, handler)
+
+    monkeypatch.setattr(signal, "signal", as_cpython)
+
+
+def _sigchld_reaper_fails(_current):
+    raise ChildProcessError(10, "No child processes")     # a program's own handler, pending
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_a_signal_pending_as_the_handlers_go_back_leaves_none_of_tgs_installed(monkeypatch):
-    """signal.signal() first runs the handler of a signal already pending. timeout(1) sends
+@pytest.mark.parametrize("pending", ["a second SIGTERM", "a program's handler that fails"])
+def test_a_signal_pending_as_the_handlers_go_back_leaves_none_of_tgs_installed(monkeypatch,
+                                                                             pending):
+    """signal.signal() first runs the handlers of signals already pending. timeout(1) sends
     SIGTERM twice (to the process, then to its group): the second, pending as tg put the
     handlers back, raised out of that loop and left tg's handlers installed for good, the
-    program deaf to SIGTERM from then on. They go back whatever a pending signal raises, and a
-    handler the program had hears the signal once tg has cleaned up."""
+    program deaf to SIGTERM from then on; so did any pending handler of the program's that
+    raised. They go back whatever a pending handler raises, and a handler the program had hears
+    the signal once tg has cleaned up (the CLI passes it on after its line)."""
     from taskgraph.files import Terminated, exit_on_termination
 
     heard: list[int] = []
@@ -142,30 +164,113 @@ def test_a_signal_pending_as_the_handlers_go_back_leaves_none_of_tgs_installed(m
     def program(signum, frame):           # the handler of a program that runs tg in process
         heard.append(signum)
 
-    real = signal.signal
-    pending = [signal.SIGTERM]             # the second SIGTERM, caught by the C handler
-
-    def as_cpython(sig, handler):
-        if pending and sig == signal.SIGTERM and handler is program:
-            pending.clear()
-            signal.getsignal(sig)(sig, None)          # the pending signal's handler runs first
-        return real(sig, handler)
-
-    old = {sig: real(sig, program) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = {sig: signal.signal(sig, program) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        monkeypatch.setattr(signal, "signal", as_cpython)
-        with pytest.raises(Terminated) as end, exit_on_termination():
-            signal.raise_signal(signal.SIGTERM)
+        if pending == "a second SIGTERM":
+            _pending_as_handlers_go_back(monkeypatch, lambda tgs: tgs(signal.SIGTERM, None))
+            with pytest.raises(Terminated) as end, exit_on_termination():
+                signal.raise_signal(signal.SIGTERM)
+        else:
+            _pending_as_handlers_go_back(monkeypatch, _sigchld_reaper_fails)
+            with pytest.raises(ChildProcessError), exit_on_termination():
+                pass
         monkeypatch.undo()
-        assert end.value.code == 128 + signal.SIGTERM and not pending
         assert signal.getsignal(signal.SIGTERM) is program
         assert signal.getsignal(signal.SIGHUP) is program
         assert heard == []
-        end.value.pass_on()               # as the CLI does, once it has said why it stopped
-        assert heard == [signal.SIGTERM]
+        if pending == "a second SIGTERM":
+            assert end.value.code == 128 + signal.SIGTERM
+            end.value.pass_on()
+            assert heard == [signal.SIGTERM]
     finally:
         for sig, handler in old.items():
-            real(sig, handler)
+            signal.signal(sig, handler)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_sigterm_as_a_run_fails_still_stops_the_program(monkeypatch):
+    """A SIGTERM pending as the handlers go back after a run that ended in an error was lost: the
+    command exited with the error's status and a program's handler never heard it. The signal
+    wins, the error kept as its context."""
+    from taskgraph.errors import TgError
+    from taskgraph.files import Terminated, exit_on_termination
+
+    def program(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, program)
+    try:
+        _pending_as_handlers_go_back(monkeypatch, lambda tgs: tgs(signal.SIGTERM, None))
+        with pytest.raises(Terminated) as end, exit_on_termination():
+            raise TgError("the run's own error")
+        monkeypatch.undo()
+        assert isinstance(end.value.__context__, TgError)
+        assert end.value.previous is program and signal.getsignal(signal.SIGTERM) is program
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_second_sigterm_in_a_pools_clean_up_says_one_line(monkeypatch, capsys):
+    """timeout(1)'s two SIGTERMs in a pool's run: the second, coming as the pool ends its
+    workers, raised out of that clean-up with a traceback (or, pending as the handler went
+    back, printed a second line). One line, status 143, the program's handler once."""
+    import concurrent.futures.process as process
+
+    import taskgraph.study.jobs as jobs
+
+    heard: list[int] = []
+    sent: list[int] = []
+    real_wait, real_shutdown = jobs.wait, process.ProcessPoolExecutor.shutdown
+
+    def wait(*args, **kwargs):                    # the first, as the jobs run
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_wait(*args, **kwargs)
+
+    def shutdown(self, wait=True, **kwargs):      # the second, as the workers are ended
+        if not wait and len(sent) == 1:
+            sent.append(2)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_shutdown(self, wait=wait, **kwargs)
+
+    monkeypatch.setattr(jobs, "wait", wait)
+    monkeypatch.setattr(process.ProcessPoolExecutor, "shutdown", shutdown)
+    old = signal.signal(signal.SIGTERM, lambda sig, frame: heard.append(sig))
+    try:
+        rc = main(["search", "scenarios/t4.yaml", "--verify"])
+        back = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert sent == [1, 2] and rc == 143, err
+    assert re.fullmatch(r"tg: terminated with \d+ of \d+ jobs finished; the rest were "
+                        r"cancelled\.", err.strip()), err
+    assert heard == [signal.SIGTERM] and back is not old
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_hangup_a_command_ignores_does_not_stop_it(tmp_path):
+    """`nohup tg ...`: SIGHUP ignored when tg starts stays ignored (tg stopped on it all the
+    same, so a run started under nohup ended with the terminal)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskgraph.cli", "simulate", TINY, "--set",
+         "workload.gen_len=20000", "--trace", str(out / "t.json"), "--trace-steps", "all"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for(lambda: any(".partial" in p.name for p in out.iterdir()) or
+                 proc.poll() is not None, 300, "the trace's partial file")
+        assert proc.poll() is None, "the run ended before it could be signalled"
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert [p.name for p in out.iterdir()] == ["t.json"]
 
 
 @pytest.mark.skipif(sys.platform == "win32" or not os.path.isdir("/proc"),

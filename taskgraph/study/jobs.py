@@ -77,7 +77,9 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
     # die alone and they would run on). Installed before the workers start, so none can be left
     # by a SIGTERM that arrives as they do; each worker restores the default action.
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    hear = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGTERM, _terminated) if hear else None
+    stopping: BaseException | None = None
     pool = ProcessPoolExecutor(max_workers=workers, initializer=_worker_start,
                                initargs=(os.getpid(),))
     finished = 0
@@ -101,6 +103,7 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
         pool.shutdown()
         return results
     except BaseException as err:
+        stopping = err
         # Stop now: drop what is queued and end the workers rather than wait for every job.
         processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
@@ -115,8 +118,9 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             raise Terminated(signal.SIGTERM, said=True) from None
         raise
     finally:
-        # A SIGTERM pending as its handler goes back ends the run as one during it did.
-        if main and restore_handlers({signal.SIGTERM: previous}) is not None:
+        # A SIGTERM pending as its handler goes back ends a run that was not already ending.
+        late = restore_handlers({signal.SIGTERM: previous}) if hear else None
+        if late is not None and stopping is None:
             raise Terminated(signal.SIGTERM)
 
 
@@ -142,6 +146,8 @@ class _Terminated(BaseException):
 
 
 def _terminated(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM in the clean-up it starts raised out of it with a traceback.
+    signal.signal(signum, signal.SIG_IGN)
     raise _Terminated
 
 
