@@ -36,7 +36,7 @@ from taskgraph.dag.compiled import compile_plan
 from taskgraph.errors import TgError
 from taskgraph.exec.dispatch import CudaDevice, execute
 from taskgraph.exec.runtime import Runtime
-from taskgraph.files import Terminated, restore_handlers
+from taskgraph.files import Terminated, sigterm_raises
 from taskgraph.kernels.weights import ModelWeights
 from taskgraph.kinds import COLLECTIVES, KIND_NAMES, SENDS
 from taskgraph.sim.engine import SimRun
@@ -306,46 +306,37 @@ def _spawn_and_join(ranks_n: int, tmp: Path, args: tuple) -> bool:
     interrupted, ranks = False, []
     # SIGTERM ends the ranks with the parent (left to themselves they ran on) and the
     # parent with its usual status, its temporary folder removed on the way out.
-    hear = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    previous_term = signal.signal(signal.SIGTERM, _terminated) if hear else None
-    stopping = False
-    try:
-        # A SIGTERM while a rank starts is noted too: raised there, it cut the rank's
-        # start-up data short and the rank died with a traceback (seen under load).
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        if hear:
-            signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
+    with sigterm_raises(_Terminated) as terminated:
         try:
-            spawn = multiprocessing.get_context("spawn")
-            for rank in range(ranks_n):
-                proc = spawn.Process(target=_rank, args=(str(tmp / f"rank{rank}.args"),),
-                                     name=f"tg-rank{rank}")
-                proc.start()
-                ranks.append(proc)
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
-            if hear:
-                signal.signal(signal.SIGTERM, _terminated)
-        if came:
-            raise _Terminated
-        _join(ranks, tmp)
-    except KeyboardInterrupt:
-        interrupted = True
-        _wind_down(ranks, tmp)
-    except _Terminated:
-        stopping = True
-        _wind_down(ranks, tmp, grace_s=0.0)
-        raise Terminated(signal.SIGTERM) from None
-    except BaseException:
-        stopping = True
-        _wind_down(ranks, tmp, grace_s=0.0)
-        raise
-    finally:
-        # A SIGTERM pending as its handler goes back ends a run that was not already ending.
-        late = restore_handlers({signal.SIGTERM: previous_term}) if hear else None
-        if late is not None and not stopping:
-            raise Terminated(signal.SIGTERM)
+            # A SIGTERM while a rank starts is noted too: raised there, it cut the rank's
+            # start-up data short and the rank died with a traceback (seen under load).
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            if terminated:
+                signal.signal(signal.SIGTERM, lambda sig, _: came.append(sig))
+            try:
+                spawn = multiprocessing.get_context("spawn")
+                for rank in range(ranks_n):
+                    proc = spawn.Process(target=_rank, args=(str(tmp / f"rank{rank}.args"),),
+                                         name=f"tg-rank{rank}")
+                    proc.start()
+                    ranks.append(proc)
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+                if terminated:
+                    signal.signal(signal.SIGTERM, terminated)
+            if came:
+                raise _Terminated
+            _join(ranks, tmp)
+        except KeyboardInterrupt:
+            interrupted = True
+            _wind_down(ranks, tmp)
+        except _Terminated:
+            _wind_down(ranks, tmp, grace_s=0.0)
+            raise Terminated(signal.SIGTERM) from None
+        except BaseException:
+            _wind_down(ranks, tmp, grace_s=0.0)
+            raise
     return interrupted
 
 
@@ -406,12 +397,6 @@ def _merged(plan: Plan, program: Any, results: list[dict[str, Any]], wall: float
 
 class _Terminated(Exception):
     pass
-
-
-def _terminated(signum, frame) -> None:
-    # Once: a second SIGTERM while the ranks wind down raised out of it with a traceback.
-    signal.signal(signum, signal.SIG_IGN)
-    raise _Terminated
 
 
 def _wind_down(processes, folder: Path, grace_s: float = 10.0) -> None:

@@ -61,6 +61,7 @@ class Totals:
         # Of the busy time, the seconds copies spent writing back the other way on their
         # stream (CostModel.kind_written_back: a swapping expert cache's evicted experts)
         self.written_back = 0.0
+        self.swaps = cost is not None and bool(cost.kind_written_back.any())
         self.work = np.zeros((2, self.devices))          # (prefill, decode) x device
         self.drawn = np.zeros((2, len(POOLS)))           # (prefill, decode) x pool
         self.waiting: list[tuple] = []                   # done tasks before the prefill's end
@@ -97,7 +98,7 @@ class Totals:
         post_done = int((decode & (part.column("kind") == last)).sum())
         busy = np.bincount(device[done], durations[done], minlength=self.devices)
         written_back = (float(durations[done] @ self.cost.kind_written_back[
-            part.column("kind")[done]]) if self.cost is not None else 0.0)
+            part.column("kind")[done]]) if self.swaps else 0.0)
         if self.cost is None:
             waiting = (device[done], start[done], end[done])
         else:

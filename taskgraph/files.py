@@ -495,6 +495,36 @@ def exit_on_termination() -> Iterator[None]:
         raise ended
 
 
+@contextmanager
+def sigterm_raises(error: type[BaseException]) -> Iterator[Callable[[int, Any], None] | None]:
+    """Within, SIGTERM raises `error` where the main thread is, once: a second one during the
+    clean-up the first starts is ignored (it raised out of that clean-up with a traceback).
+    One that leaves the body unhandled ends it as Terminated. The handler before is put back
+    after, and a SIGTERM pending then ends a run that was not already ending (Terminated). A SIGTERM the program ignores stays ignored, and off the main
+    thread nothing is set: then it yields None, else the handler (for a caller that sets
+    another for a while and this one back)."""
+    def raise_once(signum, _frame):
+        signal.signal(signum, signal.SIG_IGN)
+        raise error
+
+    hear = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
+    previous = signal.signal(signal.SIGTERM, raise_once) if hear else None
+    ending = False
+    try:
+        yield raise_once if hear else None
+    except error:           # raised where nothing made it an exit (in a failing run's clean-up)
+        ending = True
+        raise Terminated(signal.SIGTERM) from None
+    except BaseException:
+        ending = True
+        raise
+    finally:
+        late = restore_handlers({signal.SIGTERM: previous}) if hear else None
+        if late is not None and not ending:
+            raise Terminated(signal.SIGTERM)
+
+
 def restore_handlers(before: dict[int, Any]) -> BaseException | None:
     """Put signal handlers back (None: one not set from Python, put back as the default).
     signal.signal() first runs the handlers of signals already pending, so a second SIGTERM

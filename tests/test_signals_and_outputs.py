@@ -316,3 +316,37 @@ def test_a_program_running_tg_in_process_hears_its_sigterm(tmp_path, verb):
         r"tg: terminated with \d+ of \d+ jobs finished; the rest were cancelled\.", last), err
     assert "Traceback" not in err
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_runs_sigterm_handler_raises_once_and_ends_as_an_exit():
+    """The pool's and the distributed executor's SIGTERM (files.sigterm_raises): it raises their
+    own exception once, a second is ignored while they clean up (it raised out of the clean-up
+    with a traceback), one that comes in a failing run's clean-up, where nothing makes it an
+    exit, ends the run as one (it was a traceback, rc 1), and the program's handler is back."""
+    from taskgraph.files import Terminated, sigterm_raises
+
+    class Stop(BaseException):
+        pass
+
+    def program(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, program)
+    try:
+        with sigterm_raises(Stop) as handler:
+            with pytest.raises(Stop):
+                signal.raise_signal(signal.SIGTERM)
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGTERM)          # the second: ignored
+            signal.signal(signal.SIGTERM, handler)
+        assert signal.getsignal(signal.SIGTERM) is program
+        with pytest.raises(Terminated) as end, sigterm_raises(Stop):
+            try:
+                raise ValueError("the run fails")
+            except ValueError:
+                signal.raise_signal(signal.SIGTERM)      # in its clean-up
+        assert end.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is program
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from taskgraph.errors import TgError
-from taskgraph.files import Terminated, restore_handlers
+from taskgraph.files import Terminated, restore_handlers, sigterm_raises
 
 BACKENDS = ("pool", "ray")
 Progress = Callable[[int, int], None]
@@ -74,12 +74,14 @@ def run_jobs(jobs: Sequence[Any], backend: Backend = LOCAL,
 
 def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> list[Any]:
     # SIGTERM ends the workers with this process, as Ctrl-C does (by default this process would
-    # die alone and they would run on). Installed before the workers start, so none can be left
-    # by a SIGTERM that arrives as they do; each worker restores the default action.
+    # die alone and they would run on). Its handler is set before the workers start, so none
+    # can be left by a SIGTERM that arrives as they do; each worker restores the default action.
+    with sigterm_raises(_Terminated):
+        return _pooled(jobs, workers, progress)
+
+
+def _pooled(jobs: Sequence[Any], workers: int, progress: Progress | None) -> list[Any]:
     main = threading.current_thread() is threading.main_thread()
-    hear = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGTERM, _terminated) if hear else None
-    stopping: BaseException | None = None
     pool = ProcessPoolExecutor(max_workers=workers, initializer=_worker_start,
                                initargs=(os.getpid(),))
     finished = 0
@@ -103,7 +105,6 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
         pool.shutdown()
         return results
     except BaseException as err:
-        stopping = err
         # Stop now: drop what is queued and end the workers rather than wait for every job.
         processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
@@ -117,11 +118,6 @@ def _run_pool(jobs: Sequence[Any], workers: int, progress: Progress | None) -> l
             _say_interrupted(finished, len(jobs), "terminated")
             raise Terminated(signal.SIGTERM, said=True) from None
         raise
-    finally:
-        # A SIGTERM pending as its handler goes back ends a run that was not already ending.
-        late = restore_handlers({signal.SIGTERM: previous}) if hear else None
-        if late is not None and stopping is None:
-            raise Terminated(signal.SIGTERM)
 
 
 _HELD = {signal.SIGINT, signal.SIGTERM}
@@ -143,12 +139,6 @@ def _signals_held(main: bool) -> Iterator[None]:
 class _Terminated(BaseException):
     """SIGTERM while jobs run: a BaseException, so that no `except Exception` on the way out
     (a job's error handling) takes it for a job's failure."""
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    # Once: a second SIGTERM in the clean-up it starts raised out of it with a traceback.
-    signal.signal(signum, signal.SIG_IGN)
-    raise _Terminated
 
 
 def _worker_start(parent: int) -> None:
