@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -127,6 +128,26 @@ def test_ctrl_c_while_tg_loads_is_a_clean_exit(monkeypatch, capsys):
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
+
+def test_sigterm_while_tg_loads_is_a_clean_exit():
+    """A SIGTERM while the verbs load (the half second before a run) killed tg by the default
+    action, saying nothing; now it is one line and exit 143, as later in a run. The signal is
+    sent as the API's import starts, in a process of its own (this one's handler is the
+    suite's)."""
+    program = textwrap.dedent("""
+        import os, signal, sys
+        class Term:
+            def find_spec(self, name, path=None, target=None):
+                if name == "taskgraph.api":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return None
+        sys.meta_path.insert(0, Term())
+        from taskgraph.cli import main
+        sys.exit(main(["simulate", "scenarios/tiny.yaml"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stderr, done.stdout) == (143, "tg: stopped by SIGTERM.\n", "")
 
 def _pending_as_handlers_go_back(monkeypatch, pending) -> None:
     """signal.signal() as CPython runs it with a signal pending: the first time a handler is put

@@ -35,11 +35,16 @@ def announced(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:      # the API and every verb: a second or two, in which a Ctrl-C is a clean exit too
-        from taskgraph.cli.parsing import check_outputs, parser
+    try:      # the API and every verb: half a second, in which a Ctrl-C or a SIGTERM is a clean
+        with exit_on_termination():      # exit too (a SIGTERM killed it there, saying nothing)
+            from taskgraph.cli.parsing import check_outputs, parser
     except KeyboardInterrupt:
         print("tg: interrupted.", file=sys.stderr)
         return 130
+    except Terminated as end:
+        print(f"tg: stopped by {end.signal_name}.", file=sys.stderr)
+        end.pass_on()
+        return end.code
     parser_ = parser()
     try:
         args = parser_.parse_args(argv)
