@@ -494,6 +494,39 @@ def test_phases_group_by_model_and_read_lengths_from_presets_and_say_when_runs_d
     assert group["note"] and group["prefill_s"]["measured"] is None
 
 
+def test_systems_on_one_policy_give_what_one_costs_over_the_other_from_the_measurements_alone():
+    """Table 4 runs FlexGen and FlexGen(c) at one policy on each machine and workload: their
+    measured run times' difference a generated token is CPU attention's cost over GPU
+    attention's, with nothing simulated in it. By hand from the published throughputs, L4
+    reasoning: (2112 x 50 / 20.015 - 2112 x 50 / 50.138) / 50 = 63.40 s; T4 reasoning:
+    1952 / 16.903 - 1952 / 22.691 = 29.46 s. MoE-Lightning(p) ran its own policy: no pair."""
+    from rich.console import Console
+
+    from taskgraph.output.report import differences_table
+    from taskgraph.study.fit import CellReport, system_differences
+
+    _, cells = load_measurements(TABLE4)
+    rows = []
+    for c in cells:
+        r = CellReport(c)
+        r.simulated = c.measured_tok_s * (0.5 if c.id.endswith("flexgen-c") else 1.0)
+        rows.append(r)
+    found = {d["cells"][0]: d for d in system_differences(rows)}
+    assert sorted(found) == sorted(c.id for c in cells if c.id.endswith("flexgen-c"))
+    l4 = found["table4-synthetic-reasoning-l4-flexgen-c"]
+    assert l4["systems"] == ["FlexGen(c)", "FlexGen"]
+    assert l4["cells"][1] == "table4-synthetic-reasoning-l4-flexgen"
+    assert l4["measured_s"] == pytest.approx(63.40, abs=0.01)
+    assert found["table4-synthetic-reasoning-t4-flexgen-c"]["measured_s"] == pytest.approx(
+        29.46, abs=0.01)
+    # the simulated runs' difference: FlexGen(c) at half its measured rate takes twice as long
+    assert l4["simulated_s"] == pytest.approx(2 * 2112 / 20.015 - 2112 / 50.138, rel=1e-6)
+    console = Console(width=120, record=True)
+    console.print(differences_table(list(found.values())))
+    shown = console.export_text()
+    assert "FlexGen(c) over FlexGen" in shown and "63.4" in shown
+
+
 def test_a_field_given_flat_and_nested_and_a_file_given_twice_are_refused(tmp_path, capsys):
     path = tmp_path / "m.yaml"
     cell = _cell(policy={"mu": 8, "n_ub": 4, "batch": None})

@@ -516,6 +516,20 @@ def phases_table(phases: list[dict]) -> Table:
     return t
 
 
+def differences_table(differences: list[dict]) -> Table:
+    """What one system costs over another on one policy, a generated token: measured (the
+    difference of their run times) and simulated."""
+    t = Table(title="systems on one policy: what one costs over the other, a generated token",
+              title_justify="left")
+    for col in ("setting", "systems", "measured s", "simulated s", "error"):
+        t.add_column(col, justify="left" if col in ("setting", "systems") else "right")
+    for d in differences:
+        measured, simulated = d["measured_s"], d["simulated_s"]
+        t.add_row(d["label"], " over ".join(d["systems"]), f"{measured:.3g}",
+                  f"{simulated:.3g}", f"{simulated / measured - 1:+.0%}" if measured > 0 else "")
+    return t
+
+
 def cell_label(c, gen: bool = True) -> str:
     """A measured cell as a reader names it: machine, workload, generated tokens (unless not
     `gen`), batch, system."""

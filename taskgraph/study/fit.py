@@ -35,7 +35,8 @@ import numpy as np
 from taskgraph import presets
 from taskgraph.errors import LongRunWarning, TgError
 from taskgraph.files import Output, atomic_path, check_outputs, csv_row
-from taskgraph.output.report import Shown, cell_label, fit_table, phases_table
+from taskgraph.output.report import (Shown, cell_label, differences_table, fit_table,
+                                      phases_table)
 from taskgraph.study.jobs import LOCAL, Backend, run_jobs
 from taskgraph.study.measurements import Cell
 
@@ -407,6 +408,7 @@ class FitReport(Shown):
     loo_values: dict[str, list[float | None]] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
     _phases: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _differences: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.to_json(), "files": [str(f) for f in self.files]}
@@ -419,12 +421,21 @@ class FitReport(Shown):
             self._phases = phases(self.cells)
         return self._phases
 
+    @property
+    def system_differences(self) -> list[dict[str, Any]]:
+        """What one system costs over another on one policy, measured (:func:`system_differences`)."""
+        if self._differences is None:
+            self._differences = system_differences(self.cells)
+        return self._differences
+
     def views(self):
         from rich.text import Text
 
         yield from fit_table(self)
         if self.phases:
             yield phases_table(self.phases)
+        if self.system_differences:
+            yield differences_table(self.system_differences)
         for r in self.cells:
             if r.memory:
                 yield Text(f"memory: cell '{r.cell.id}' ran, but under tg's memory model "
@@ -465,6 +476,7 @@ class FitReport(Shown):
                       for r in self.cells],
             "summary": self.summary(),
             "phases": self.phases,
+            "system_differences": self.system_differences,
         }
 
 
@@ -548,6 +560,38 @@ def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
             "steps": steps,
             "note": None if grows else "the measured runs take no longer for more tokens: "
                                        "not the phases of one run, no prefill estimated"})
+    return out
+
+
+def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
+    """What one system costs over another as the measurements show it: where cells differ only
+    in their system (one model, machine, policy and workload), the difference of their run
+    times a generated token, each against the fastest measured. Where the two prefill alike
+    (Table 4's FlexGen and FlexGen(c): one prefill, one weight copy) that is the one decode
+    mechanism that differs, a step; no simulated figure enters the measured one. The simulated
+    runs' difference beside it."""
+    groups: dict[str, list[tuple[CellReport, Any]]] = {}
+    for r in cells:
+        c, sc = r.cell, r.cell.scenario()
+        # the policy as the cell gives it: what its schedule implies (A_g, F_g) differs
+        key = repr((c.model, c.precision, c.machine, c.policy.model_dump(),
+                    sc.workload.model_dump()))
+        groups.setdefault(key, []).append((r, sc))
+    out = []
+    for members in groups.values():
+        if len({r.cell.system for r, _ in members}) < 2:
+            continue
+        members.sort(key=lambda m: -m[0].cell.measured_tok_s)
+        (fastest, sc), tokens = members[0], members[0][1].policy.N * members[0][1].workload.gen_len
+        for r, _ in members[1:]:
+            out.append({
+                "label": cell_label(fastest.cell).removesuffix(f" {fastest.cell.system}"),
+                "systems": [r.cell.system, fastest.cell.system],
+                "cells": [r.cell.id, fastest.cell.id],
+                "measured_s": (tokens / r.cell.measured_tok_s
+                               - tokens / fastest.cell.measured_tok_s) / sc.workload.gen_len,
+                "simulated_s": (tokens / r.simulated - tokens / fastest.simulated)
+                               / sc.workload.gen_len})
     return out
 
 
