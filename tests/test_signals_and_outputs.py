@@ -149,6 +149,7 @@ def test_sigterm_while_tg_loads_is_a_clean_exit():
                           timeout=120)
     assert (done.returncode, done.stderr, done.stdout) == (143, "tg: stopped by SIGTERM.\n", "")
 
+
 def _pending_as_handlers_go_back(monkeypatch, pending) -> None:
     """signal.signal() as CPython runs it with a signal pending: the first time a handler is put
     back on SIGTERM, `pending(current handler)` runs first."""

@@ -423,7 +423,8 @@ class FitReport(Shown):
 
     @property
     def system_differences(self) -> list[dict[str, Any]]:
-        """What one system costs over another on one policy, measured (:func:`system_differences`)."""
+        """What one system costs over another on one policy, measured
+        (:func:`system_differences`)."""
         if self._differences is None:
             self._differences = system_differences(self.cells)
         return self._differences
@@ -582,16 +583,19 @@ def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
         if len({r.cell.system for r, _ in members}) < 2:
             continue
         members.sort(key=lambda m: -m[0].cell.measured_tok_s)
-        (fastest, sc), tokens = members[0], members[0][1].policy.N * members[0][1].workload.gen_len
+        (fastest, sc), gen = members[0], members[0][1].workload.gen_len
+
+        def run_s(tok_s: float) -> float:      # one policy and workload: the same tokens
+            return sc.policy.N * gen / tok_s
+
         for r, _ in members[1:]:
             out.append({
                 "label": cell_label(fastest.cell).removesuffix(f" {fastest.cell.system}"),
                 "systems": [r.cell.system, fastest.cell.system],
                 "cells": [r.cell.id, fastest.cell.id],
-                "measured_s": (tokens / r.cell.measured_tok_s
-                               - tokens / fastest.cell.measured_tok_s) / sc.workload.gen_len,
-                "simulated_s": (tokens / r.simulated - tokens / fastest.simulated)
-                               / sc.workload.gen_len})
+                "measured_s": (run_s(r.cell.measured_tok_s)
+                               - run_s(fastest.cell.measured_tok_s)) / gen,
+                "simulated_s": (run_s(r.simulated) - run_s(fastest.simulated)) / gen})
     return out
 
 
