@@ -34,8 +34,13 @@ def _cell(**changes):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"measured_tok_s": 0}, "cell 'c': measured_tok_s: Input should be greater than 0"),
+    ({"measured_tok_s": 0}, "cell 'c': measured_tok_s: Input should be greater than or equal"),
     ({"measured_tok_s": -3}, "cell 'c': measured_tok_s"),
+    # past what any run measures the fit's arithmetic over- or underflowed: a traceback from
+    # the least squares (5e-324), the parity plot's (1e308), Infinity in the JSON (1e-304)
+    ({"measured_tok_s": 5e-324}, "cell 'c': measured_tok_s: Input should be greater than"),
+    ({"measured_tok_s": 1e-304}, "cell 'c': measured_tok_s: Input should be greater than"),
+    ({"measured_tok_s": 1e308}, "cell 'c': measured_tok_s: Input should be less than"),
     # a number is a number (issue 40): not true, not a quoted figure
     ({"measured_tok_s": True}, "measured_tok_s must be a number, not true"),
     ({"policy": {"mu": "8", "n_ub": 4}}, "mu must be an integer, not the text '8'"),
@@ -447,6 +452,7 @@ def test_runs_that_differ_in_generation_length_give_prefill_and_step_times(tmp_p
     assert main(["fit", str(path), "--no-loo", "--out", str(tmp_path / "o2")]) == 0
     shown = capsys.readouterr().out
     assert "prefill (extrapolated)" in shown and "a step, 16-32 generated" in shown
+    assert "nan" not in shown     # no leave-one-out: its columns say so with a dash
 
 
 def test_leaving_a_machine_out_keeps_what_the_others_measured_of_a_shared_part():
@@ -511,7 +517,11 @@ def test_systems_on_one_policy_give_what_one_costs_over_the_other_from_the_measu
         r = CellReport(c)
         r.simulated = c.measured_tok_s * (0.5 if c.id.endswith("flexgen-c") else 1.0)
         rows.append(r)
-    found = {d["cells"][0]: d for d in system_differences(rows)}
+    # a second run of FlexGen on the L4's reasoning policy: not a system over another
+    again = CellReport(cells[4].model_copy(update={"id": "again", "measured_tok_s": 40.0}))
+    again.simulated = 40.0
+    assert cells[4].id == "table4-synthetic-reasoning-l4-flexgen"
+    found = {d["cells"][0]: d for d in system_differences([*rows, again])}
     assert sorted(found) == sorted(c.id for c in cells if c.id.endswith("flexgen-c"))
     l4 = found["table4-synthetic-reasoning-l4-flexgen-c"]
     assert l4["systems"] == ["FlexGen(c)", "FlexGen"]

@@ -4,6 +4,7 @@ a notebook shows as HTML (JSON goes to stdout)."""
 from __future__ import annotations
 
 import io
+import math
 import re
 import sys
 import time
@@ -472,8 +473,10 @@ def fit_table(report) -> tuple[Table, Table, Table]:
         cells.add_column(col, justify="left" if col == "cell" else "right")
     for r in report.cells:
         cells.add_row(cell_label(r.cell), r.cell.schedule, f"{r.cell.measured_tok_s:.2f}",
-                      f"{r.simulated:.2f}", f"{r.error:+.1%}", f"{r.loo:.2f}",
-                      f"{r.loo_error:+.1%}", f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
+                      f"{r.simulated:.2f}", f"{r.error:+.1%}",
+                      *((f"{r.loo:.2f}", f"{r.loo_error:+.1%}") if math.isfinite(r.loo) else
+                        ("-", "-")),      # --no-loo
+                      f"{r.datasheet:.2f}", f"{r.datasheet_error:+.1%}")
     pools = sorted({p for r in report.cells for p in r.shared})
     binds = Table(title="what binds each cell at the fitted values (share of each phase the "
                         "host's shared pools were in use)", title_justify="left")

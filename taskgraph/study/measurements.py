@@ -95,7 +95,10 @@ class Cell(Numbers):
     implementation: str | None = None      # default: the system's, else the schedule's
     workload: dict[str, Any] = Field(default_factory=dict)
     policy: CellPolicy
-    measured_tok_s: float = Field(gt=0, allow_inf_nan=False)
+    # Within what any run measures (as a machine's figures are): past it the fit's arithmetic
+    # over- or underflows (5e-324 stopped the least squares with a traceback; 1e-304 wrote
+    # Infinity into the JSON; 1e308 the parity plot).
+    measured_tok_s: float = Field(ge=1e-6, le=1e9, allow_inf_nan=False)
     # The source's own words for the figure (a CSV row, a sentence), kept for the reader.
     quote: str | None = Field(default=None, max_length=2000)
     # The measurements file the cell came from (set by the loader, not by the file).
