@@ -353,9 +353,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 # What a name or an id may not hold (a tab or a newline may be in text a user wrote).
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
                       "\u2066-\u2069]")
-# What a message may not show raw: those, and newlines and tabs, for a message is one paragraph
-# and a newline in it came from a value (a path), splitting the message over lines.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+# What a message may not show raw: those, and newlines and tabs (and U+2028 and U+2029, the line
+# and paragraph separators), for a message is one paragraph and a newline in it came from a
+# value (a path), splitting the message over lines.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e"
                           "\u2066-\u2069]")
 # A run of this many characters without a space in a message is a value, not prose: cut.
 _LONG_RUN = re.compile(r"\S{200,}")

@@ -375,11 +375,12 @@ def test_control_characters_in_names_are_refused(tmp_path, capsys, where, text, 
     ["simulate", TINY, "--schedule", "a " * 50_000],
     ["simulate", TINY, "--set", "a " * 50_000 + "=1"],
     ["simulate", "FOLDER/" + "a " * 50_000 + ".yaml"],
-    # a newline in a path split the error over two lines
+    # a newline in a path split the error over two lines; a line separator did in a terminal
     ["simulate", "FOLDER/a\nb.yaml"],
+    ["simulate", "FOLDER/a\u2028b.yaml"],
 ], ids=["escape in a path", "bidi in a path", "long trace steps", "long set value",
         "long gantt path", "long schedule with spaces", "long set key with spaces",
-        "long path with spaces", "newline in a path"])
+        "long path with spaces", "newline in a path", "line separator in a path"])
 def test_what_an_error_echoes_reaches_the_terminal_as_plain_short_text(tmp_path, capsys,
                                                                        argv):
     """Issue 40 point 5: a path with ESC was echoed raw; thirteen options echoed a
@@ -390,7 +391,8 @@ def test_what_an_error_echoes_reaches_the_terminal_as_plain_short_text(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("tg simulate: error:") and "Traceback" not in err
     assert err.endswith("\n") and err.count("\n") == 1, ascii(err[:300])     # one line
-    assert not re.search("[\x00-\x1f\x7f-\x9f\u202e]", err[:-1]), ascii(err[:300])
+    assert not re.search("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202e]", err[:-1]), \
+        ascii(err[:300])
     assert len(err) < 2000, len(err)
 
 
