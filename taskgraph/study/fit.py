@@ -567,10 +567,10 @@ def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
 def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
     """What one system costs over another as the measurements show it: where cells differ only
     in their system (one model, machine, policy and workload), the difference of their run
-    times a generated token, each system's against the fastest measured of another. Where the two prefill alike
-    (Table 4's FlexGen and FlexGen(c): one prefill, one weight copy) that is the one decode
-    mechanism that differs, a step; no simulated figure enters the measured one. The simulated
-    runs' difference beside it."""
+    times a generated token, each cell against the fastest measured where that is another
+    system. Where the two prefill alike (Table 4's FlexGen and FlexGen(c): one prefill, one
+    weight copy) that is the one decode mechanism that differs, a step; no simulated figure
+    enters the measured one. The simulated runs' difference beside it."""
     groups: dict[str, list[tuple[CellReport, Any]]] = {}
     for r in cells:
         c, sc = r.cell, r.cell.scenario()
