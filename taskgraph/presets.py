@@ -77,8 +77,8 @@ MODELS: dict[str, dict[str, Any]] = {
 # Table 4: 12 end-to-end throughputs, Mixtral 8x7B on its T4 and L4 machines
 # (shared/measurements/moe-lightning-table4.yaml). Refit with
 # `tg fit ../shared/measurements/moe-lightning-table4.yaml --out fit/`.
-FITTED = ("tg fit on MoE-Lightning (ASPLOS 2025) Table 4, 12 cells, 2026-11-22: median "
-          "|error| 7.6%, leave-one-out median 9.0% (max 48.3%, FlexGen(c) on the L4)")
+FITTED = ("tg fit on MoE-Lightning (ASPLOS 2025) Table 4, 12 cells, 2026-12-06: median "
+          "|error| 6.1%, leave-one-out median 8.1% (max 48.7%, FlexGen(c) on the L4)")
 # The same for the paper's multi-GPU machines, fitted to its Fig. 7 S6 and S7 cells: Mixtral
 # 8x22B on 2xT4 and 4xT4 (one 32-core host), MoE-Lightning(p) and DeepSpeed
 # (shared/measurements/moe-lightning-multi-gpu.yaml). Refit with
@@ -97,7 +97,7 @@ _GPUS: dict[str, dict[str, Any]] = {
     # FlexGen's own profiler on that machine (3.5 TFLOPS for its prefill matmuls,
     # shared/reference/flexgen-cost-model.yaml); a 70 W T4 throttles far below its 65 TFLOPS.
     "T4": dict(memory_gb=16, mem_gbps=320, tflops=65, flops_eff=0.0839, mem_eff=0.85),
-    "L4": dict(memory_gb=24, mem_gbps=300, tflops=121, flops_eff=0.161, mem_eff=0.85),
+    "L4": dict(memory_gb=24, mem_gbps=300, tflops=121, flops_eff=0.166, mem_eff=0.85),
     "A100-80G": dict(memory_gb=80, mem_gbps=2039, tflops=312, flops_eff=0.7, mem_eff=0.85),
     "H100-SXM": dict(memory_gb=80, mem_gbps=3350, tflops=989, flops_eff=0.6, mem_eff=0.85),
     "H200": dict(memory_gb=141, mem_gbps=4800, tflops=989, flops_eff=0.6, mem_eff=0.85),
@@ -351,7 +351,11 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
                  "the expert in and the evicted one out on the current stream"]),
     "flexgen": dict(
         name="flexgen", title="FlexGen (its Mixtral port in the MoE-Lightning artifact)",
-        pageable_weights=True,
+        # Weights (pin_weight=False in its generated policies) and its KV cache
+        # (init_cache_one_gpu_batch allocates it unpinned, "due to high memory overhead") are
+        # copied to the GPU through one path, a pinned copy made for each, which its profiler
+        # timed at ctog_bdw, 5.43 GiB/s, for both.
+        pageable_weights=True, pageable_kv_cache=True,
         kinds={# FlexGen's own profiler: GPU->CPU copies of cache and hidden states at
                # 2.0151 GiB/s on both machines, against ~12.6 GB/s that pinned PCIe 3.0 copies
                # reach (shared/reference/flexgen-cost-model.yaml, gtoc_bdw_*).
@@ -362,7 +366,7 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
                # Fitted (FITTED): its CPU attention (FlexGen(c)) moves KV at 1.7% of host
                # memory bandwidth, ~1.8 GB/s: it upcasts the fp16 cache to fp32 and computes
                # with repeated KV heads in PyTorch ops, not a fused kernel.
-               "CPUAttn": dict(bytes_eff=0.0173)},
+               "CPUAttn": dict(bytes_eff=0.0172)},
         fitted=f"kinds.CPUAttn.bytes_eff: {FITTED}",
         sources=["FlexGen's fitted cost model for these machines "
                  "(shared/reference/flexgen-cost-model.yaml): pageable weight copies at "

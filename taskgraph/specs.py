@@ -798,6 +798,9 @@ class ImplementationSpec(Spec):
     # Weights cross CPU->GPU from pageable memory (the driver stages them) at
     # hardware.link.pageable_h2d_gbps instead of the pinned rate.
     pageable_weights: bool = False
+    # Its KV cache sits in pageable host memory, so the GPU-attention schedules' copies of it
+    # to the GPU (D4) cross at hardware.link.pageable_h2d_gbps too.
+    pageable_kv_cache: bool = False
     # Its expert cache swaps on a miss: the expert evicted to make room is copied back to host
     # memory after the chosen one crosses in, on the same CUDA stream, so a miss is a copy each
     # way, one after the other (Mixtral-offloading's ExpertCache._swap). False: host memory

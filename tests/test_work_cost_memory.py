@@ -102,6 +102,36 @@ def test_implementation_effects_by_hand(t4):
     assert ideal.time("h2d", 0, 207e6, "D3") == pytest.approx(207e6 / 12.6e9 + 10e-6)
     # kinds the profile does not name run at the machine's rates
     assert cost.time("gpu", 1e12, 1e9, "PreAttn") == ideal.time("gpu", 1e12, 1e9, "PreAttn")
+    # the KV cache crosses from pinned memory unless the profile says its cache is pageable
+    assert cost.time("h2d", 0, 207e6, "D4") == pytest.approx(207e6 / 12.6e9 + 10e-6)
+
+
+def test_flexgens_kv_cache_crosses_as_its_weights_do(t4):
+    """FlexGen allocates its CPU KV cache unpinned (init_cache_one_gpu_batch: "disable
+    pin_memory due to high memory overhead") and copies it to the GPU through the path its
+    unpinned weights take, a pinned copy made for each, which its profiler timed at 5.43 GiB/s
+    on the paper's T4 host (shared/reference/flexgen-cost-model.yaml, ctog_bdw): so GPU
+    attention's KV copies (D4) cross at the host's pageable rate, 5.83 GB/s, not the pinned
+    12.6, and draw host memory three times over (read, staged, read by the DMA), as pageable
+    weights do. tg's executor keeps its KV buffers pinned."""
+    from taskgraph import presets
+    from taskgraph.kinds import KIND_INDEX
+    from taskgraph.perf.cost import POOLS
+
+    flexgen = CostModel(t4.hardware, ImplementationSpec(**presets.IMPLEMENTATIONS["flexgen"]))
+    executor = CostModel(t4.hardware, ImplementationSpec(**presets.IMPLEMENTATIONS["tg"]))
+    assert flexgen.time("h2d", 0, 207e6, "D4") == pytest.approx(207e6 / 5.83e9 + 10e-6)
+    assert executor.time("h2d", 0, 207e6, "D4") == pytest.approx(207e6 / 12.6e9 + 10e-6)
+    h2d, memory = RESOURCES.index("h2d"), POOLS.index("host_memory")
+    assert flexgen.pool_factor[memory, h2d, KIND_INDEX["D4"]] == 3.0
+    assert executor.pool_factor[memory, h2d, KIND_INDEX["D4"]] == 1.0
+    # a pageable copy is no faster than the link: on a 4 GB/s one (3.2 GB/s at its 0.8) the
+    # weights and the cache crossed at the host's 5.83
+    slow = t4.hardware.model_copy(update={"link": t4.hardware.link.model_copy(
+        update={"h2d_gbps": 4.0})})
+    slow_flexgen = CostModel(slow, ImplementationSpec(**presets.IMPLEMENTATIONS["flexgen"]))
+    for kind in ("D3", "D4"):
+        assert slow_flexgen.time("h2d", 0, 207e6, kind) == pytest.approx(207e6 / 3.2e9 + 10e-6)
 
 
 #: llama-bench of Phi-4 (14.66 B weights) on one AMD EPYC 9554, CPU only (ahelpme.com/?p=6685):

@@ -130,9 +130,13 @@ class CostModel:
         self.kind_i_half = np.array([e.intensity_half if e else 0.0 for e in effects])
         self.kind_serial = np.array([bool(e and e.serial) for e in effects])
         self.multi_serial = np.array([bool(m and m.serial) for m in multi])
-        pageable = impl.pageable_weights and k.pageable_h2d_gbps is not None
-        if pageable:
-            self.kind_byte_rate[KIND_INDEX["D3"]] = k.pageable_h2d_gbps * 1e9
+        # the copies from pageable memory: the driver stages each through its pinned buffer
+        pageable = [kind for kind, unpinned in (("D3", impl.pageable_weights),
+                                                ("D4", impl.pageable_kv_cache))
+                    if unpinned and k.pageable_h2d_gbps is not None]
+        for kind in pageable:          # no faster than the link itself (one set slower)
+            self.kind_byte_rate[KIND_INDEX[kind]] = min(k.pageable_h2d_gbps * 1e9,
+                                                        self.byte_rate[RESOURCES.index("h2d")])
         # The share of a kind's time on its stream spent copying the other way (GPU->CPU):
         # a swapping cache's write-backs (the experts block and a trace's link counters say it).
         self.kind_written_back = np.zeros(len(KINDS))
@@ -149,7 +153,7 @@ class CostModel:
         # (resource, kind) -> what `times_of` prices a task at
         self._rates: dict[tuple[int, int], tuple[bool, Any, Any, Any]] = {}
 
-    def _pools(self, hw: HardwareSpec, pageable_weights: bool, expert_swaps: bool) -> None:
+    def _pools(self, hw: HardwareSpec, pageable: list[str], expert_swaps: bool) -> None:
         """Capacities of the shared pools (bytes/s, inf: not shared) and, per (resource, kind),
         the bytes a task draws from each pool per byte it moves."""
         sh = hw.shared
@@ -162,8 +166,8 @@ class CostModel:
         f[mem, r["pin"]] = 2.0          # a copy reads and writes every byte
         f[[mem, up], r["h2d"]] = 1.0    # DMA reads host memory, crosses the lanes
         f[[mem, down], r["d2h"]] = 1.0
-        if pageable_weights:            # the driver copies each byte into its pinned buffer
-            f[mem, r["h2d"], KIND_INDEX["D3"]] = 3.0
+        for kind in pageable:           # the driver copies each byte into its pinned buffer
+            f[mem, r["h2d"], KIND_INDEX[kind]] = 3.0
         if expert_swaps:                # the evicted expert is written back across the lanes
             for copy in SWAPPED:
                 f[mem, r["h2d"], KIND_INDEX[copy]] = 2.0
