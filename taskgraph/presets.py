@@ -370,7 +370,9 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
         fitted=f"kinds.CPUAttn.bytes_eff: {FITTED}",
         sources=["FlexGen's fitted cost model for these machines "
                  "(shared/reference/flexgen-cost-model.yaml): pageable weight copies at "
-                 "5.43 GiB/s (pin_weight=False), GPU->CPU at 2.0 GiB/s"]),
+                 "5.43 GiB/s (pin_weight=False), GPU->CPU at 2.0 GiB/s",
+                 "FlexGen's pytorch_backend.py: its CPU KV cache allocated unpinned "
+                 "(init_cache_one_gpu_batch), copied to the GPU as its unpinned weights are"]),
     # Fiddler (efeslab/fiddler, src/fiddler/mixtral.py), EP as its authors run Mixtral: the
     # CPU's experts are transformers' bf16 expert modules called in PyTorch, on the 16
     # threads its generate() sets (torch.set_num_threads(16)). Measured here with oneDNN held
