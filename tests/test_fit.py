@@ -531,6 +531,14 @@ def test_systems_on_one_policy_give_what_one_costs_over_the_other_from_the_measu
         29.46, abs=0.01)
     # the simulated runs' difference: FlexGen(c) at half its measured rate takes twice as long
     assert l4["simulated_s"] == pytest.approx(2 * 2112 / 20.015 - 2112 / 50.138, rel=1e-6)
+    assert l4["label"] == "l4 helm-reasoning, 50 generated"
+    # a length the cells take from their workload's preset (HELM reasoning: 50) is named too
+    bare = []
+    for r in rows[3:5]:
+        workload = {k: v for k, v in r.cell.workload.items() if k != "gen_len"}
+        bare.append(CellReport(r.cell.model_copy(update={"workload": workload})))
+        bare[-1].simulated = r.simulated
+    assert [d["label"] for d in system_differences(bare)] == ["l4 helm-reasoning, 50 generated"]
     console = Console(width=120, record=True)
     console.print(differences_table(list(found.values())))
     shown = console.export_text()

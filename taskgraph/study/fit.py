@@ -592,7 +592,9 @@ def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
             if r.cell.system == fastest.cell.system:    # runs of one system: not what differs
                 continue
             out.append({
-                "label": cell_label(fastest.cell).removesuffix(f" {fastest.cell.system}"),
+                # the length the run generated, which a cell may take from its preset
+                "label": cell_label(fastest.cell, gen=False).removesuffix(
+                    f" {fastest.cell.system}") + f", {gen} generated",
                 "systems": [r.cell.system or r.cell.id, fastest.cell.system or fastest.cell.id],
                 "cells": [r.cell.id, fastest.cell.id],
                 "measured_s": (run_s(r.cell.measured_tok_s)
