@@ -517,8 +517,11 @@ def test_systems_on_one_policy_give_what_one_costs_over_the_other_from_the_measu
         r = CellReport(c)
         r.simulated = c.measured_tok_s * (0.5 if c.id.endswith("flexgen-c") else 1.0)
         rows.append(r)
-    # a second run of FlexGen on the L4's reasoning policy: not a system over another
-    again = CellReport(cells[4].model_copy(update={"id": "again", "measured_tok_s": 40.0}))
+    # a second run of FlexGen on the L4's reasoning policy, its name with a space after it:
+    # not a system over another
+    again = CellReport(Cell.model_validate({**cells[4].model_dump(exclude_unset=True),
+                                            "id": "again", "system": "FlexGen ",
+                                            "measured_tok_s": 40.0}))
     again.simulated = 40.0
     assert cells[4].id == "table4-synthetic-reasoning-l4-flexgen"
     found = {d["cells"][0]: d for d in system_differences([*rows, again])}

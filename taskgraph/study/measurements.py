@@ -80,7 +80,8 @@ PUBLISHED_FIELDS = {"batch": ("policy", "batch"),
 class Cell(Numbers):
     """One measured run."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Spaces around a name are not part of it ("FlexGen " and "FlexGen" are one system).
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
     # An id names the cell in every table and error: a line's worth of text, not a document.
     id: str = Field(min_length=1, max_length=200)
