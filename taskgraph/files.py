@@ -501,9 +501,10 @@ def sigterm_raises(error: type[BaseException]) -> Iterator[Callable[[int, Any], 
     """Within, SIGTERM raises `error` where the main thread is, once: a second one during the
     clean-up the first starts is ignored (it raised out of that clean-up with a traceback).
     One that leaves the body unhandled ends it as Terminated. The handler before is put back
-    after, and a SIGTERM pending then ends a run that was not already ending (Terminated). A SIGTERM the program ignores stays ignored, and off the main
-    thread nothing is set: then it yields None, else the handler (for a caller that sets
-    another for a while and this one back)."""
+    after, and a SIGTERM pending then ends a run that was not already ending (Terminated). A
+    SIGTERM the program ignores stays ignored, and off the main thread nothing is set: then it
+    yields None, else the handler (for a caller that sets another for a while and this one
+    back)."""
     def raise_once(signum, _frame):
         signal.signal(signum, signal.SIG_IGN)
         raise error

@@ -27,6 +27,7 @@ import json
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -407,27 +408,21 @@ class FitReport(Shown):
     # Each leave-one-out refit's values (None: a field left out, as before any fit), by group.
     loo_values: dict[str, list[float | None]] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)     # what `write_fit` wrote
-    _phases: list[dict[str, Any]] | None = field(default=None, repr=False)
-    _differences: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.to_json(), "files": [str(f) for f in self.files]}
 
-    @property
+    @cached_property
     def phases(self) -> list[dict[str, Any]]:
         """Prefill and decode as measured (:func:`phases`), worked out once: the table, the JSON
         and steps.png show the same figures."""
-        if self._phases is None:
-            self._phases = phases(self.cells)
-        return self._phases
+        return phases(self.cells)
 
-    @property
+    @cached_property
     def system_differences(self) -> list[dict[str, Any]]:
         """What one system costs over another on one policy, measured
         (:func:`system_differences`)."""
-        if self._differences is None:
-            self._differences = system_differences(self.cells)
-        return self._differences
+        return system_differences(self.cells)
 
     def views(self):
         from rich.text import Text
@@ -517,6 +512,11 @@ def rankings(cells: list[CellReport]) -> dict[str, Any]:
     return out
 
 
+def _run_s(scenario, tok_s: float) -> float:
+    """Seconds a run of the scenario's policy and workload took at `tok_s`."""
+    return scenario.policy.N * scenario.workload.gen_len / tok_s
+
+
 def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
     """Prefill and decode as the measurements show them: where cells differ only in how many
     tokens they generate (one model, machine, system, policy and prompts), their run times'
@@ -536,28 +536,24 @@ def phases(cells: list[CellReport]) -> list[dict[str, Any]]:
         gens = [sc.workload.gen_len for _, sc in members]
         if len(gens) < 2 or len(set(gens)) != len(gens):
             continue      # one length, or two runs of one length: no differences to take
-
-        def run_s(sc, tok_s: float) -> float:
-            return sc.policy.N * sc.workload.gen_len / tok_s
-
         steps = []
         for (a, sa), (b, sb) in zip(members, members[1:]):
             ga, gb = sa.workload.gen_len, sb.workload.gen_len
             steps.append({
                 "from_gen": ga, "to_gen": gb,
                 "context": sa.workload.context_prompt + (ga + gb) / 2,
-                "measured_s": (run_s(sb, b.cell.measured_tok_s)
-                               - run_s(sa, a.cell.measured_tok_s)) / (gb - ga),
-                "simulated_s": (run_s(sb, b.simulated) - run_s(sa, a.simulated))
+                "measured_s": (_run_s(sb, b.cell.measured_tok_s)
+                               - _run_s(sa, a.cell.measured_tok_s)) / (gb - ga),
+                "simulated_s": (_run_s(sb, b.simulated) - _run_s(sa, a.simulated))
                                / (gb - ga)})
         (first, s0), g0 = members[0], gens[0]
         grows = all(s["measured_s"] > 0 for s in steps)
         out.append({
             "label": cell_label(first.cell, gen=False), "cells": [r.cell.id for r, _ in members],
             "prefill_s": {
-                "measured": (run_s(s0, first.cell.measured_tok_s)
+                "measured": (_run_s(s0, first.cell.measured_tok_s)
                              - g0 * steps[0]["measured_s"]) if grows else None,
-                "simulated": run_s(s0, first.simulated) - g0 * steps[0]["simulated_s"]},
+                "simulated": _run_s(s0, first.simulated) - g0 * steps[0]["simulated_s"]},
             "steps": steps,
             "note": None if grows else "the measured runs take no longer for more tokens: "
                                        "not the phases of one run, no prefill estimated"})
@@ -584,11 +580,8 @@ def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
             continue
         members.sort(key=lambda m: -m[0].cell.measured_tok_s)
         (fastest, sc), gen = members[0], members[0][1].workload.gen_len
+        for r, _ in members[1:]:        # one policy and workload: the same tokens
 
-        def run_s(tok_s: float) -> float:      # one policy and workload: the same tokens
-            return sc.policy.N * gen / tok_s
-
-        for r, _ in members[1:]:
             if r.cell.system == fastest.cell.system:    # runs of one system: not what differs
                 continue
             out.append({
@@ -597,9 +590,9 @@ def system_differences(cells: list[CellReport]) -> list[dict[str, Any]]:
                     f" {fastest.cell.system}") + f", {gen} generated",
                 "systems": [r.cell.system or r.cell.id, fastest.cell.system or fastest.cell.id],
                 "cells": [r.cell.id, fastest.cell.id],
-                "measured_s": (run_s(r.cell.measured_tok_s)
-                               - run_s(fastest.cell.measured_tok_s)) / gen,
-                "simulated_s": (run_s(r.simulated) - run_s(fastest.simulated)) / gen})
+                "measured_s": (_run_s(sc, r.cell.measured_tok_s)
+                               - _run_s(sc, fastest.cell.measured_tok_s)) / gen,
+                "simulated_s": (_run_s(sc, r.simulated) - _run_s(sc, fastest.simulated)) / gen})
     return out
 
 
